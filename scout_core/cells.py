@@ -1,0 +1,188 @@
+"""Named multi-rank fault-injection cells: definitions, runner and verdicts.
+
+A cell is declared in ``configs/cells.yaml``::
+
+    cells:
+      c3-sdc-16:
+        target: integrations_tests.c3_cells:sdc_cell
+        world_size: 16
+        timeout_s: 60
+        tags: [fast]
+        faults:
+          - {surface: hidden.output, rank: 9, kind: bitflip, bit: 3, step: 0}
+        params: {...}
+
+``target`` is a function ``(spec: CellSpec, world_size: int, workdir: str) ->
+CellReport`` that launches the ranks, injects the faults through
+:class:`scout_core.inject.Injector` and compares what SCOUT reported with what
+was injected. The runner adds the repository root (the parent of the
+``configs`` directory) to ``sys.path`` so targets in ``integrations_tests``
+import without being installed; scout_core itself never imports them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scout_core.inject import Fault
+
+__all__ = ["CellReport", "CellSpec", "find_cells_file", "load_cells", "run_cells", "format_cell_table"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CellSpec:
+    name: str
+    target: str
+    world_size: int = 16
+    timeout_s: float = 120.0
+    tags: tuple[str, ...] = ()
+    description: str = ""
+    faults: tuple[Fault, ...] = ()
+    params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+
+@dataclass(kw_only=True)
+class CellReport:
+    """Outcome of one cell, in the shape written by ``--json``."""
+
+    name: str
+    verdict: str  # "PASS" or "FAIL"
+    world_size: int
+    injected: list[dict[str, Any]]
+    reported: list[dict[str, Any]]
+    wall_s: float = 0.0
+    details: str = ""
+    time_to_verdict_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def find_cells_file(start: str | os.PathLike[str] | None = None) -> Path:
+    """Locate ``configs/cells.yaml`` from ``start`` (default: cwd) upward."""
+    here = Path(start or os.getcwd()).resolve()
+    for directory in (here, *here.parents):
+        candidate = directory / "configs" / "cells.yaml"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"no configs/cells.yaml at or above {here}; pass --cells PATH")
+
+
+def load_cells(path: str | os.PathLike[str]) -> dict[str, CellSpec]:
+    with open(path, encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh) or {}
+    entries = raw.get("cells")
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: expected a top-level 'cells' mapping")
+    allowed = {"target", "world_size", "timeout_s", "tags", "description", "faults", "params", "seed"}
+    specs = {}
+    for name, entry in entries.items():
+        unknown = set(entry) - allowed
+        if unknown:
+            raise ValueError(f"{path}: cell {name!r} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        if "target" not in entry or ":" not in entry["target"]:
+            raise ValueError(f"{path}: cell {name!r} needs target 'module:function'")
+        specs[name] = CellSpec(
+            name=name,
+            target=entry["target"],
+            world_size=int(entry.get("world_size", 16)),
+            timeout_s=float(entry.get("timeout_s", 120.0)),
+            tags=tuple(entry.get("tags", ())),
+            description=str(entry.get("description", "")).strip(),
+            faults=tuple(Fault.from_dict(f) for f in entry.get("faults", ()) or ()),
+            params=dict(entry.get("params", {}) or {}),
+            seed=int(entry.get("seed", 0)),
+        )
+    return specs
+
+
+def _resolve(target: str, root: Path) -> Callable[..., CellReport]:
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module_name, func_name = target.split(":", 1)
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def run_cells(
+    specs: Sequence[CellSpec],
+    *,
+    root: str | os.PathLike[str],
+    world_size: int | None = None,
+    on_result: Callable[[CellReport], None] | None = None,
+) -> list[CellReport]:
+    """Run cells one after another; a crashing cell is a FAIL, not an abort."""
+    from scout_core.launcher import prepare_parent
+
+    prepare_parent()
+    reports = []
+    for spec in specs:
+        n = world_size or spec.world_size
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix=f"scout-{spec.name}-") as workdir:
+            try:
+                report = _resolve(spec.target, Path(root))(spec, n, workdir)
+            except Exception:
+                report = CellReport(
+                    name=spec.name, verdict="FAIL", world_size=n,
+                    injected=[_fault_dict(f) for f in spec.faults], reported=[],
+                    details=traceback.format_exc(),
+                )
+        report.wall_s = round(time.monotonic() - start, 3)
+        reports.append(report)
+        if on_result:
+            on_result(report)
+    return reports
+
+
+def _fault_dict(fault: Fault) -> dict[str, Any]:
+    d = asdict(fault)
+    d["kind"] = fault.kind.value
+    return d
+
+
+def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
+    return [_fault_dict(f) for f in faults]
+
+
+def format_cell_table(reports: Sequence[CellReport]) -> str:
+    headers = ("cell", "verdict", "ranks", "injected", "reported", "verdict_s", "wall_s")
+    rows = []
+    for r in reports:
+        inj = "; ".join(f"{f['kind']}@r{f['rank']}:{f['surface']}" for f in r.injected) or "nothing"
+        rep = "; ".join(
+            f"{i['kind']}/{i['scope']} r{','.join(map(str, i['ranks']))}"
+            + (f" {','.join(i['hosts'])}" if i.get("hosts") and i["scope"] == "machine" else "")
+            + (f" {i['surface']}" if i.get("surface") else "")
+            for i in r.reported
+        ) or "nothing"
+        ttv = "-" if r.time_to_verdict_s is None else f"{r.time_to_verdict_s:.3f}"
+        rows.append((r.name, r.verdict, str(r.world_size), inj, rep, ttv, f"{r.wall_s:.1f}"))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)] if rows else [len(h) for h in headers]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in rows]
+    return "\n".join(line.rstrip() for line in out)
+
+
+def write_json(reports: Sequence[CellReport], path: str | os.PathLike[str]) -> None:
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"cells": [r.to_dict() for r in reports]}, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,237 @@
+"""Typed configuration for the whole product.
+
+Defaults live in the dataclasses below and are mirrored in
+``configs/scout.yaml``. :func:`load` merges, in order: the schema defaults, a
+YAML file, then dotlist overrides such as ``replay.cadence.hidden=50``.
+OmegaConf checks key names and types against the schema; this module adds the
+value ranges. Every failure raises :class:`ConfigError` naming the key and what
+is allowed, because a silently ignored typo in a diagnosis config is a missed
+incident.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "ConsensusConfig",
+    "ObserverConfig",
+    "ReplayCadence",
+    "ReplayConfig",
+    "ReportConfig",
+    "ScoutConfig",
+    "TopologyConfig",
+    "ControlBackend",
+    "load",
+    "to_yaml",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, mistyped or out of range."""
+
+
+def _range(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A field with a numeric range checked by :func:`validate`."""
+    return field(default=default, metadata={"ge": ge, "gt": gt, "le": le})
+
+
+class ControlBackend(str, enum.Enum):
+    """Transport of the observers' control group."""
+
+    gloo = "gloo"
+    tcpstore = "tcpstore"
+
+
+@dataclass(kw_only=True)
+class ConsensusConfig:
+    """Thresholds of statistical C3 and the confirmation of stragglers."""
+
+    kappa: float = _range(6.0, gt=0)
+    """Robust sigmas (MAD x 1.4826) a timing must exceed the median by."""
+    min_ratio: float = _range(1.5, ge=1.0)
+    """A flagged timing must also be at least this multiple of the median."""
+    min_delta_s: float = _range(0.005, ge=0)
+    """... and exceed the median by at least this many seconds."""
+    mad_floor_fraction: float = _range(0.01, ge=0, le=1)
+    """Floor of the robust scale as a fraction of the median (guards MAD = 0)."""
+    confirm_rounds: int = _range(2, ge=1)
+    """Consecutive flagged timing rounds before a straggler is reported."""
+
+
+@dataclass(kw_only=True)
+class TopologyConfig:
+    """How global ranks map to logical coordinates."""
+
+    order: list[str] = field(default_factory=lambda: ["d", "s", "t", "p", "c", "e"])
+    """Placement order of the axes, slowest-varying first (row-major)."""
+    ranks_per_host: int = _range(0, ge=0)
+    """Ranks per machine for host naming when hostnames are not gathered; 0 = gather real hostnames."""
+
+
+@dataclass(kw_only=True)
+class ObserverConfig:
+    """The out-of-band hang observer (paper section 7)."""
+
+    enabled: bool = True
+    """Start one observer process per rank."""
+    silence_threshold_s: float = _range(60.0, gt=0)
+    """Seconds without visible progress before observers compare records."""
+    backend: ControlBackend = ControlBackend.gloo
+    """Transport of the observers' own control group, separate from training groups."""
+    startup_timeout_s: float = _range(30.0, gt=0)
+    """How long the observers may take to rendezvous."""
+
+
+@dataclass(kw_only=True)
+class ReplayCadence:
+    """Replay interval in optimizer steps per recipe; 0 disables a recipe."""
+
+    embedding: int = _range(20, ge=0)
+    """Embedding-layer recipe."""
+    hidden: int = _range(20, ge=0)
+    """Sampled repeated hidden layer recipe."""
+    output: int = _range(20, ge=0)
+    """Language-model output (head) recipe."""
+    optimizer: int = _range(20, ge=0)
+    """Optimizer-slice recipe."""
+
+
+@dataclass(kw_only=True)
+class ReplayConfig:
+    """In-situ replay (paper section 6)."""
+
+    enabled: bool = True
+    """Run replay checks at the optimizer boundary on due steps."""
+    cadence: ReplayCadence = field(default_factory=ReplayCadence)
+    """Per-recipe intervals."""
+    input_variants: list[float] = field(default_factory=lambda: [0.1, 1.0, 10.0])
+    """Scalings of floating inputs, each replayed as its own surface."""
+    optimizer_slice_elems: int = _range(65536, ge=1)
+    """Elements in the rotating optimizer slice."""
+    deterministic: bool = True
+    """Scope deterministic-algorithm mode to the replay."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Certified recovery (paper section 8)."""
+
+    enabled: bool = False
+    """Capture in-memory snapshots at replay boundaries."""
+    directory: str = "checkpoints"
+    """Durable store root (per-rank shards plus status sidecars)."""
+    recipes_per_cycle: int = _range(1, ge=1)
+    """K, the number of recipes in one certification cycle (1 for dense models)."""
+    replicate_to_peer: bool = True
+    """Copy each rank's snapshot to a partner on another machine."""
+    keep_generations: int = _range(3, ge=2)
+    """Durable generations kept on disk (verified and candidate need two)."""
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """Where incident records go."""
+
+    jsonl_path: str | None = None
+    """JSON-lines incident file; ``None`` disables the file sink."""
+    log_level: str = "WARNING"
+    """Level of the logging sink (DEBUG, INFO, WARNING, ERROR)."""
+    run_id: str = ""
+    """Identifier stamped on every record; empty = generated at start."""
+    fsync: bool = True
+    """fsync the JSON-lines file after every record."""
+
+
+@dataclass(kw_only=True)
+class ScoutConfig:
+    """Everything SCOUT can be told."""
+
+    consensus: ConsensusConfig = field(default_factory=ConsensusConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    observer: ObserverConfig = field(default_factory=ObserverConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check_ranges(obj: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(obj):
+        key = f"{prefix}{f.name}"
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, key + ".")
+            continue
+        ge, gt, le = (f.metadata.get(k) for k in ("ge", "gt", "le"))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{key}: must be a finite number, got {value}")
+            allowed = " and ".join(
+                s for s in (f">= {ge}" if ge is not None else "", f"> {gt}" if gt is not None else "",
+                            f"<= {le}" if le is not None else "") if s
+            )
+            if (ge is not None and value < ge) or (gt is not None and value <= gt) or (le is not None and value > le):
+                raise ConfigError(f"{key}: {value} is out of range; allowed: {allowed}")
+
+
+def validate(cfg: ScoutConfig) -> ScoutConfig:
+    """Check ranges and cross-field rules; return ``cfg`` unchanged."""
+    _check_ranges(cfg)
+    order = list(cfg.topology.order)
+    if sorted(order) != sorted("dstpce"):
+        raise ConfigError(f"topology.order: {order} must be a permutation of [d, s, t, p, c, e]")
+    if cfg.report.log_level.upper() not in _LOG_LEVELS:
+        raise ConfigError(f"report.log_level: {cfg.report.log_level!r}; allowed: {', '.join(_LOG_LEVELS)}")
+    if not cfg.replay.input_variants or any(not (math.isfinite(v) and v > 0) for v in cfg.replay.input_variants):
+        raise ConfigError(f"replay.input_variants: {cfg.replay.input_variants}; allowed: a non-empty list of positive scales")
+    return cfg
+
+
+def _error_message(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None) or "<root>"
+    msg = str(exc).splitlines()[0]
+    return f"{key}: {msg}"
+
+
+def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> ScoutConfig:
+    """Build a :class:`ScoutConfig` from defaults, an optional YAML file and dotlist overrides."""
+    schema = OmegaConf.structured(ScoutConfig)
+    layers = []
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {os.fspath(path)!r} does not exist")
+        try:
+            layers.append(OmegaConf.load(path))
+        except Exception as exc:  # YAML syntax errors surface here
+            raise ConfigError(f"config file {os.fspath(path)!r} is not valid YAML: {exc}") from exc
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+    try:
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(schema, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_error_message(exc)) from exc
+    assert isinstance(cfg, ScoutConfig)
+    return validate(cfg)
+
+
+def to_yaml(cfg: ScoutConfig) -> str:
+    """Render a config (for example the defaults) as YAML."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,291 @@
+"""Consensus Collective Communication (C3), paper section 5.
+
+C3 maps one piece of evidence per peer to a result ``(status, bitmap, evidence)``.
+The comparison rules are pure functions so that every peer, given the same
+gathered evidence, derives the same verdict without a coordinator. The
+transport (:func:`c3_exchange`) all-gathers local evidence over a process group
+and applies the rule locally on every member.
+
+Two rules exist:
+
+* :func:`exact` for evidence whose healthy values are identical (signatures,
+  progress coordinates, collective fingerprints).
+* :func:`statistical` for timings, where only slow outliers relative to a
+  robust median reference are flagged.
+
+Neither rule ever names a rank without a strict healthy majority.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "C3Status",
+    "C3Result",
+    "exact",
+    "statistical",
+    "c3_exchange",
+    "Confirmation",
+    "MAD_NORMAL_CONSISTENCY",
+]
+
+# Scales the median absolute deviation to the standard deviation of a normal
+# distribution (1 / Phi^-1(3/4)), so kappa reads as "robust sigmas".
+MAD_NORMAL_CONSISTENCY = 1.4826
+
+
+class C3Status(str, enum.Enum):
+    """Outcome of one C3 comparison."""
+
+    AGREE = "agree"
+    ATTRIBUTED = "attributed"
+    INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True)
+class C3Result:
+    """Verdict of one comparison over an ordered peer group.
+
+    ``bitmap[i] == 1`` attributes the divergence to ``peer_ranks[i]``. An
+    ``inconclusive`` result always carries an all-zero bitmap.
+    """
+
+    status: C3Status
+    bitmap: tuple[int, ...]
+    evidence: tuple[Any, ...]
+    peer_ranks: tuple[int, ...]
+    surface: str = ""
+    reference: Any = None
+    """The majority value (exact) or the median (statistical), when one exists."""
+
+    @property
+    def outlier_ranks(self) -> tuple[int, ...]:
+        """Global ranks whose bit is set, in peer order."""
+        return tuple(r for r, b in zip(self.peer_ranks, self.bitmap) if b)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.peer_ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status.value,
+            "bitmap": list(self.bitmap),
+            "evidence": [_jsonable(e) for e in self.evidence],
+            "peer_ranks": list(self.peer_ranks),
+            "surface": self.surface,
+            "reference": _jsonable(self.reference),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+def _default_ranks(n: int, peer_ranks: Sequence[int] | None) -> tuple[int, ...]:
+    if peer_ranks is None:
+        return tuple(range(n))
+    if len(peer_ranks) != n:
+        raise ValueError(f"peer_ranks has {len(peer_ranks)} entries for {n} pieces of evidence")
+    return tuple(int(r) for r in peer_ranks)
+
+
+def _finish(bitmap: list[int], evidence: tuple, ranks: tuple[int, ...], surface: str, reference: Any) -> C3Result:
+    status = C3Status.ATTRIBUTED if any(bitmap) else C3Status.AGREE
+    return C3Result(status, tuple(bitmap), evidence, ranks, surface, reference)
+
+
+def exact(
+    evidence: Sequence[Hashable],
+    *,
+    peer_ranks: Sequence[int] | None = None,
+    surface: str = "",
+) -> C3Result:
+    """Exact strict-majority consensus (paper Algorithm 1).
+
+    The most frequent value ``v*`` with count ``c*`` is the reference when
+    ``c* > N/2``; every peer holding another value is flagged. Otherwise the
+    result is inconclusive with a zero bitmap: no side is chosen.
+    """
+    values = tuple(evidence)
+    n = len(values)
+    if n == 0:
+        raise ValueError("exact consensus needs at least one piece of evidence")
+    ranks = _default_ranks(n, peer_ranks)
+    # Counter preserves first-seen order, so ties resolve identically on every
+    # peer; ties never reach attribution anyway (a tie cannot be a majority).
+    top_value, top_count = Counter(values).most_common(1)[0]
+    if 2 * top_count <= n:
+        return C3Result(C3Status.INCONCLUSIVE, (0,) * n, values, ranks, surface, None)
+    bitmap = [0 if v == top_value else 1 for v in values]
+    return _finish(bitmap, values, ranks, surface, top_value)
+
+
+def statistical(
+    values: Sequence[float],
+    *,
+    kappa: float = 6.0,
+    min_ratio: float = 1.5,
+    min_delta: float = 0.005,
+    mad_floor_fraction: float = 0.01,
+    peer_ranks: Sequence[int] | None = None,
+    surface: str = "",
+) -> C3Result:
+    """Robust slow-outlier detection for elapsed times (paper section 5.4).
+
+    Reference is the median ``m``; scale is ``MAD * 1.4826``, floored at
+    ``mad_floor_fraction * m`` so identical healthy timings do not make every
+    tiny deviation significant. A peer is flagged only if its time exceeds
+    ``m + kappa * scale`` AND ``m * min_ratio`` AND ``m + min_delta``: it must
+    be statistically, relatively and absolutely slow. Fast peers are never
+    flagged. Healthy peers must remain a strict majority, otherwise the result
+    is inconclusive. Two peers cannot be told apart and a disagreement between
+    them is inconclusive (group-scoped).
+    """
+    xs = tuple(float(v) for v in values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("statistical consensus needs at least one timing")
+    if any(math.isnan(x) or x < 0 for x in xs):
+        raise ValueError(f"timings must be non-negative numbers, got {xs}")
+    if kappa <= 0 or min_ratio < 1.0 or min_delta < 0 or mad_floor_fraction < 0:
+        raise ValueError("kappa must be > 0, min_ratio >= 1, min_delta >= 0, mad_floor_fraction >= 0")
+    ranks = _default_ranks(n, peer_ranks)
+    median = statistics.median(xs)
+    mad = statistics.median(abs(x - median) for x in xs)
+    scale = max(mad * MAD_NORMAL_CONSISTENCY, mad_floor_fraction * median)
+    threshold = max(median + kappa * scale, median * min_ratio, median + min_delta)
+    slow = [1 if x > threshold else 0 for x in xs]
+    healthy = n - sum(slow)
+    if not any(slow):
+        return C3Result(C3Status.AGREE, (0,) * n, xs, ranks, surface, median)
+    if n <= 2 or 2 * healthy <= n:
+        return C3Result(C3Status.INCONCLUSIVE, (0,) * n, xs, ranks, surface, median)
+    return _finish(slow, xs, ranks, surface, median)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatisticalRule:
+    """Parameters of :func:`statistical`, bundled so a surface can carry them."""
+
+    kappa: float = 6.0
+    min_ratio: float = 1.5
+    min_delta: float = 0.005
+    mad_floor_fraction: float = 0.01
+
+    def __call__(self, values: Sequence[float], *, peer_ranks: Sequence[int] | None = None, surface: str = "") -> C3Result:
+        return statistical(
+            values,
+            kappa=self.kappa,
+            min_ratio=self.min_ratio,
+            min_delta=self.min_delta,
+            mad_floor_fraction=self.mad_floor_fraction,
+            peer_ranks=peer_ranks,
+            surface=surface,
+        )
+
+
+def c3_exchange(
+    local_evidence: Sequence[Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    surfaces: Sequence[str] | None = None,
+    rule: str | StatisticalRule = "exact",
+) -> list[C3Result]:
+    """All-gather K pieces of local evidence in ONE exchange and return K results.
+
+    Every member of ``group`` must call this with the same K and surfaces. The
+    returned list is identical on every member because the same deterministic
+    rule runs on the same gathered evidence. ``rule`` is ``"exact"`` or a
+    :class:`StatisticalRule` applied to every surface.
+    """
+    local = list(local_evidence)
+    k = len(local)
+    names = list(surfaces) if surfaces is not None else [f"surface{i}" for i in range(k)]
+    if len(names) != k:
+        raise ValueError(f"{len(names)} surface names for {k} pieces of evidence")
+    world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    # One object all-gather carries every surface; shape checks happen after so
+    # a peer with a different K is reported instead of deadlocking the group.
+    dist.all_gather_object(gathered, (names, local), group=group)
+    peer_ranks = _group_ranks(group, world)
+    for peer, (peer_names, peer_local) in zip(peer_ranks, gathered):
+        if list(peer_names) != names or len(peer_local) != k:
+            raise RuntimeError(
+                f"C3 exchange mismatch: rank {peer} sent surfaces {peer_names}, this rank expected {names}"
+            )
+    results = []
+    for i, name in enumerate(names):
+        column = [peer_local[i] for _, peer_local in gathered]
+        if rule == "exact":
+            results.append(exact(column, peer_ranks=peer_ranks, surface=name))
+        elif isinstance(rule, StatisticalRule):
+            results.append(rule(column, peer_ranks=peer_ranks, surface=name))
+        else:
+            raise ValueError(f"unknown C3 rule {rule!r}; use 'exact' or a StatisticalRule")
+    return results
+
+
+def _group_ranks(group: dist.ProcessGroup | None, world: int) -> tuple[int, ...]:
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(world))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+@dataclass
+class Confirmation:
+    """Reports a rank only after it was flagged in at least ``rounds`` rounds.
+
+    ``consecutive=True`` (the straggler protocol) requires the flags to come in
+    consecutive rounds for the same surface; an unflagged round resets the
+    count. Counting is keyed per surface so two surfaces never pool evidence.
+    """
+
+    rounds: int = 2
+    consecutive: bool = True
+    _counts: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
+
+    def update(self, result: C3Result) -> tuple[int, ...]:
+        """Feed one round; return the global ranks confirmed by this round."""
+        flagged = set(result.outlier_ranks) if result.status is C3Status.ATTRIBUTED else set()
+        confirmed = []
+        for rank in result.peer_ranks:
+            key = (result.surface, rank)
+            if rank in flagged:
+                self._counts[key] = self._counts.get(key, 0) + 1
+                if self._counts[key] >= self.rounds:
+                    confirmed.append(rank)
+            elif self.consecutive:
+                self._counts.pop(key, None)
+        return tuple(confirmed)
+
+    def count(self, surface: str, rank: int) -> int:
+        return self._counts.get((surface, rank), 0)
+
+    def reset(self, ranks: Iterable[int] | None = None) -> None:
+        if ranks is None:
+            self._counts.clear()
+            return
+        drop = set(ranks)
+        for key in [k for k in self._counts if k[1] in drop]:
+            del self._counts[key]

@@ -1,0 +1,217 @@
+"""Deterministic fault injection for tests, cells and acceptance runs.
+
+A :class:`Fault` names a surface (any string the caller uses for a tensor or a
+timed region), the global rank it hits, what it does and a step schedule. The
+:class:`Injector` applies matching faults when the caller hands it a tensor
+(:meth:`Injector.corrupt`) or enters a timed region (:meth:`Injector.delay`).
+Element positions not given explicitly are drawn from the injector's seed,
+the surface, the rank and the step, so a cell replays exactly.
+
+Later issues add more fault kinds (frozen ranks, mismatched collectives,
+stalls) on top of the same schedule and record types.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import random
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Fault", "FaultKind", "Injection", "Injector", "Schedule"]
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class FaultKind(str, enum.Enum):
+    BITFLIP = "bitflip"
+    SCALE = "scale"
+    SET = "set"
+    DELAY = "delay"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Active on steps in ``[start, stop)``; ``stop=None`` means forever."""
+
+    start: int = 0
+    stop: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or (self.stop is not None and self.stop <= self.start):
+            raise ValueError(f"schedule needs 0 <= start < stop, got start={self.start} stop={self.stop}")
+
+    @classmethod
+    def once(cls, step: int) -> Schedule:
+        return cls(start=step, stop=step + 1)
+
+    @classmethod
+    def from_step(cls, step: int) -> Schedule:
+        return cls(start=step, stop=None)
+
+    @classmethod
+    def between(cls, start: int, stop: int) -> Schedule:
+        return cls(start=start, stop=stop)
+
+    def active(self, step: int) -> bool:
+        return step >= self.start and (self.stop is None or step < self.stop)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One injected fault."""
+
+    surface: str
+    rank: int
+    kind: FaultKind
+    schedule: Schedule = field(default_factory=Schedule)
+    bit: int = 0
+    """Bit position for ``bitflip`` (0 = least significant bit of the element)."""
+    factor: float = 2.0
+    """Multiplier for ``scale``."""
+    value: float = 0.0
+    """Replacement for ``set``."""
+    index: int | None = None
+    """Flat element index; ``None`` draws one from the seed."""
+    all_elements: bool = False
+    """``scale``/``set`` the whole tensor instead of one element."""
+    seconds: float = 0.0
+    """Sleep for ``delay``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", FaultKind(self.kind))
+        if self.rank < 0:
+            raise ValueError(f"fault rank must be >= 0, got {self.rank}")
+        if self.kind is FaultKind.DELAY and self.seconds <= 0:
+            raise ValueError("a delay fault needs seconds > 0")
+        if self.bit < 0:
+            raise ValueError(f"bit must be >= 0, got {self.bit}")
+
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any]) -> Fault:
+        """Build from a plain mapping such as an entry of ``configs/cells.yaml``.
+
+        The schedule is given by ``step`` (once), ``from_step`` or
+        ``between: [start, stop]``; none of them means every step.
+        """
+        spec = dict(spec)
+        keys = [k for k in ("step", "from_step", "between") if k in spec]
+        if len(keys) > 1:
+            raise ValueError(f"give at most one of step/from_step/between, got {keys}")
+        if "step" in spec:
+            schedule = Schedule.once(int(spec.pop("step")))
+        elif "from_step" in spec:
+            schedule = Schedule.from_step(int(spec.pop("from_step")))
+        elif "between" in spec:
+            start, stop = spec.pop("between")
+            schedule = Schedule.between(int(start), int(stop))
+        else:
+            schedule = Schedule()
+        return cls(schedule=schedule, **spec)
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Record of one applied fault, for cells to compare with what was reported."""
+
+    surface: str
+    rank: int
+    step: int
+    kind: FaultKind
+    index: int | None
+    bit: int | None
+    seconds: float | None
+
+
+class Injector:
+    """Applies scheduled faults on the ranks they target."""
+
+    def __init__(self, faults: Iterable[Fault] = (), *, seed: int = 0) -> None:
+        self.faults: list[Fault] = list(faults)
+        self.seed = seed
+        self.log: list[Injection] = []
+
+    def add(self, fault: Fault) -> None:
+        self.faults.append(fault)
+
+    def clear(self) -> None:
+        """Disable every fault (the 'injector off again' step of a protocol)."""
+        self.faults.clear()
+
+    def _matching(self, surface: str, rank: int, step: int, kinds: tuple[FaultKind, ...]) -> list[Fault]:
+        return [
+            f for f in self.faults
+            if f.surface == surface and f.rank == rank and f.kind in kinds and f.schedule.active(step)
+        ]
+
+    def _draw_index(self, fault: Fault, numel: int, step: int) -> int:
+        if fault.index is not None:
+            if not 0 <= fault.index < numel:
+                raise IndexError(f"fault index {fault.index} outside tensor of {numel} elements")
+            return fault.index
+        key = f"{self.seed}|{fault.surface}|{fault.rank}|{step}".encode()
+        rng = random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
+        return rng.randrange(numel)
+
+    def corrupt(self, surface: str, tensor: torch.Tensor, *, rank: int, step: int) -> bool:
+        """Apply matching bitflip/scale/set faults to ``tensor`` in place."""
+        faults = self._matching(surface, rank, step, (FaultKind.BITFLIP, FaultKind.SCALE, FaultKind.SET))
+        if faults and tensor.numel() == 0:
+            raise ValueError(f"cannot inject into empty tensor on surface {surface!r}")
+        for fault in faults:
+            index = None if fault.all_elements and fault.kind is not FaultKind.BITFLIP else self._draw_index(
+                fault, tensor.numel(), step)
+            with torch.no_grad():
+                if fault.kind is FaultKind.BITFLIP:
+                    _flip_bit(tensor, index, fault.bit)
+                elif index is None:
+                    if fault.kind is FaultKind.SCALE:
+                        tensor.mul_(fault.factor)
+                    else:
+                        tensor.fill_(fault.value)
+                else:
+                    pos = _unravel(index, tensor.shape)
+                    if fault.kind is FaultKind.SCALE:
+                        tensor[pos] = tensor[pos] * fault.factor
+                    else:
+                        tensor[pos] = fault.value
+            self.log.append(Injection(surface, rank, step, fault.kind, index,
+                                      fault.bit if fault.kind is FaultKind.BITFLIP else None, None))
+        return bool(faults)
+
+    def delay(self, surface: str, *, rank: int, step: int) -> float:
+        """Sleep for every matching delay fault; return the seconds slept."""
+        total = 0.0
+        for fault in self._matching(surface, rank, step, (FaultKind.DELAY,)):
+            time.sleep(fault.seconds)
+            total += fault.seconds
+            self.log.append(Injection(surface, rank, step, fault.kind, None, None, fault.seconds))
+        return total
+
+
+def _unravel(index: int, shape: torch.Size) -> tuple[int, ...]:
+    pos = []
+    for size in reversed(shape):
+        index, r = divmod(index, size)
+        pos.append(r)
+    return tuple(reversed(pos))
+
+
+def _flip_bit(tensor: torch.Tensor, index: int, bit: int) -> None:
+    width = tensor.element_size() * 8
+    if tensor.dtype == torch.bool and bit != 0:
+        raise ValueError("a bool element has one meaningful bit: use bit=0")
+    if bit >= width:
+        raise ValueError(f"bit {bit} outside a {width}-bit {tensor.dtype} element")
+    if tensor.is_complex():
+        raise ValueError("bit flips on complex tensors: flip the real view instead")
+    as_int = tensor.view(_INT_OF_SIZE[tensor.element_size()])
+    # The sign bit as a signed Python int, so the mask fits the integer dtype.
+    mask = -(1 << bit) if bit == width - 1 else (1 << bit)
+    pos = _unravel(index, tensor.shape)
+    as_int[pos] = as_int[pos] ^ mask

@@ -1,0 +1,235 @@
+"""Fork-based launcher for N local ranks on gloo (tests, cells, demos).
+
+Spawning 16 fresh interpreters costs ~40 s on a 2-core machine because each
+imports torch. Forking from a parent that already imported torch and the
+distributed stack costs a few seconds. The parent must not have started
+threads that hold locks (intra-op pools): call :func:`prepare_parent` before
+forking, which pins torch to one thread per worker.
+
+Each worker runs in its own process group (``setpgid``) so that a timeout can
+kill it together with anything it forked (observer processes later), results
+and tracebacks come back over a pipe per worker, and every child is reaped.
+Gloo uses TCP on loopback, so nothing is left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, Pipe, wait
+from typing import Any
+
+__all__ = ["RankContext", "RankOutcome", "LaunchResult", "launch", "prepare_parent", "free_port"]
+
+_PREPARED = False
+
+
+def prepare_parent() -> None:
+    """Import the heavy modules once and pin threads, so forked ranks start warm."""
+    global _PREPARED
+    if _PREPARED:
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    try:  # FSDP2 pulls dynamo in lazily; paying it in the parent saves it per rank
+        import torch._dynamo  # noqa: F401
+    except Exception:  # pragma: no cover - optional speed-up only
+        pass
+    torch.set_num_threads(1)
+    _PREPARED = True
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a worker function receives."""
+
+    rank: int
+    world_size: int
+    master_port: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    ok: bool
+    value: Any = None
+    error: str | None = None
+    exitcode: int | None = None
+
+
+@dataclass
+class LaunchResult:
+    outcomes: list[RankOutcome]
+    timed_out: bool
+    wall_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(o.ok for o in self.outcomes)
+
+    def values(self) -> list[Any]:
+        return [o.value for o in self.outcomes]
+
+    def failures(self) -> str:
+        lines = []
+        if self.timed_out:
+            lines.append(f"timed out after {self.wall_s:.1f}s")
+        for o in self.outcomes:
+            if not o.ok:
+                lines.append(f"rank {o.rank} (exit {o.exitcode}): {o.error or 'no result'}")
+        return "\n".join(lines)
+
+
+def init_gloo(ctx: RankContext, timeout_s: float = 60.0) -> None:
+    """Join the job's default gloo process group over loopback."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{ctx.master_port}",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def _worker(fn: Callable[[RankContext], Any], ctx: RankContext, conn: Connection) -> None:
+    os.setpgid(0, 0)
+    code = 0
+    try:
+        value = fn(ctx)
+        payload = pickle.dumps((True, value, None))
+    except BaseException:  # report everything, including SystemExit from the worker
+        payload = pickle.dumps((False, None, traceback.format_exc()))
+        code = 1
+    try:
+        conn.send_bytes(payload)
+        conn.close()
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+        # Skip atexit handlers and buffered state inherited from the parent.
+        os._exit(code)
+
+
+def _kill_group(pid: int) -> None:
+    for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            target()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def launch(
+    fn: Callable[[RankContext], Any],
+    world_size: int,
+    *,
+    timeout_s: float = 120.0,
+    args: dict[str, Any] | None = None,
+    failure_grace_s: float = 5.0,
+) -> LaunchResult:
+    """Run ``fn(ctx)`` on ``world_size`` forked ranks and collect their results.
+
+    ``fn`` must be a module-level function; it usually starts with
+    :func:`init_gloo`. On timeout every worker's process group is killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    prepare_parent()
+    port = free_port()
+    start = time.monotonic()
+    deadline = start + timeout_s
+    pids: dict[int, int] = {}
+    readers: dict[Connection, int] = {}
+    outcomes = [RankOutcome(rank=r, ok=False) for r in range(world_size)]
+    timed_out = False
+    try:
+        for rank in range(world_size):
+            reader, writer = Pipe(duplex=False)
+            ctx = RankContext(rank=rank, world_size=world_size, master_port=port, args=dict(args or {}))
+            pid = os.fork()
+            if pid == 0:  # child: never returns
+                reader.close()
+                for other in readers:
+                    other.close()
+                _worker(fn, ctx, writer)
+            writer.close()
+            pids[rank] = pid
+            readers[reader] = rank
+            try:
+                os.setpgid(pid, pid)  # also done in the child; whichever runs first wins
+            except (ProcessLookupError, PermissionError):
+                pass
+        while readers:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            for conn in wait(list(readers), timeout=remaining):
+                rank = readers.pop(conn)
+                try:
+                    ok, value, error = pickle.loads(conn.recv_bytes())
+                    outcomes[rank] = RankOutcome(rank, ok, value, error)
+                except EOFError:
+                    outcomes[rank] = RankOutcome(rank, False, error="worker exited without a result")
+                conn.close()
+                if not outcomes[rank].ok:
+                    # Peers of a failed rank usually block in a collective: give
+                    # them a short grace period to report, not the whole timeout.
+                    deadline = min(deadline, time.monotonic() + failure_grace_s)
+    finally:
+        for conn, rank in readers.items():
+            outcomes[rank].error = outcomes[rank].error or ("killed at timeout" if timed_out else "killed after a peer failed")
+            conn.close()
+        if not all(o.ok for o in outcomes):
+            for pid in pids.values():
+                _kill_group(pid)
+        for rank, pid in pids.items():
+            _reap(pid, outcomes[rank])
+    return LaunchResult(outcomes, timed_out, time.monotonic() - start)
+
+
+def _reap(pid: int, outcome: RankOutcome) -> None:
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            outcome.exitcode = os.waitstatus_to_exitcode(status)
+            if outcome.ok and outcome.exitcode != 0:
+                outcome.ok = False
+                outcome.error = f"exited with {outcome.exitcode} after reporting"
+            break
+        if time.monotonic() > deadline:
+            _kill_group(pid)
+            deadline = time.monotonic() + 10.0
+        time.sleep(0.005)
+    # Anything the worker forked shares its process group; take it down too.
+    _kill_group(pid)
