@@ -22,14 +22,16 @@ import without being installed; scout_core itself never imports them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,8 +124,13 @@ def run_cells(
     root: str | os.PathLike[str],
     world_size: int | None = None,
     on_result: Callable[[CellReport], None] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
 ) -> list[CellReport]:
-    """Run cells one after another; a crashing cell is a FAIL, not an abort."""
+    """Run cells one after another; a crashing cell is a FAIL, not an abort.
+
+    With ``workdir`` each cell's files (its incident JSON lines) are kept in
+    ``workdir/<cell name>``; otherwise they live in a temporary directory.
+    """
     from scout_core.launcher import prepare_parent
 
     prepare_parent()
@@ -131,9 +138,9 @@ def run_cells(
     for spec in specs:
         n = world_size or spec.world_size
         start = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix=f"scout-{spec.name}-") as workdir:
+        with _cell_dir(spec.name, workdir) as cell_dir:
             try:
-                report = _resolve(spec.target, Path(root))(spec, n, workdir)
+                report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
             except Exception:
                 report = CellReport(
                     name=spec.name, verdict="FAIL", world_size=n,
@@ -145,6 +152,19 @@ def run_cells(
         if on_result:
             on_result(report)
     return reports
+
+
+@contextlib.contextmanager
+def _cell_dir(name: str, workdir: str | os.PathLike[str] | None) -> Iterator[str]:
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix=f"scout-{name}-") as tmp:
+            yield tmp
+        return
+    path = Path(workdir) / name
+    if path.exists():
+        shutil.rmtree(path)  # a rerun must not mix old incident records with new ones
+    path.mkdir(parents=True)
+    yield str(path)
 
 
 def _fault_dict(fault: Fault) -> dict[str, Any]:

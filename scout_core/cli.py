@@ -69,7 +69,8 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
         if report.verdict != "PASS" and report.details:
             print("    " + report.details.replace("\n", "\n    "), flush=True)
 
-    reports = run_cells([specs[n] for n in names], root=path.parent.parent, world_size=args.world, on_result=progress)
+    reports = run_cells([specs[n] for n in names], root=path.parent.parent, world_size=args.world,
+                        on_result=progress, workdir=args.workdir)
     print()
     print(format_cell_table(reports))
     if args.json:
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tag", action="append", help="run cells with this tag (repeatable)")
             p.add_argument("--world", type=int, default=None, help="override each cell's world size")
             p.add_argument("--json", help="write results as JSON to this path")
+            p.add_argument("--workdir", help="keep each cell's incident records in WORKDIR/<cell>")
             p.set_defaults(func=_cmd_cells_run)
         else:
             p.set_defaults(func=_cmd_cells_list)

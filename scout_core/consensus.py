@@ -36,6 +36,7 @@ __all__ = [
     "c3_exchange",
     "Confirmation",
     "MAD_NORMAL_CONSISTENCY",
+    "StatisticalRule",
 ]
 
 # Scales the median absolute deviation to the standard deviation of a normal
@@ -166,6 +167,14 @@ def statistical(
     if kappa <= 0 or min_ratio < 1.0 or min_delta < 0 or mad_floor_fraction < 0:
         raise ValueError("kappa must be > 0, min_ratio >= 1, min_delta >= 0, mad_floor_fraction >= 0")
     ranks = _default_ranks(n, peer_ranks)
+    if n == 2:
+        # The median of two is their mean, which hides the disagreement; compare
+        # the slower peer with the faster one instead. Even then there is no
+        # majority to say which of the two is at fault: group-scoped only.
+        fast, slow_t = sorted(xs)
+        differ = slow_t > max(fast * min_ratio, fast + min_delta)
+        status = C3Status.INCONCLUSIVE if differ else C3Status.AGREE
+        return C3Result(status, (0, 0), xs, ranks, surface, statistics.median(xs))
     median = statistics.median(xs)
     mad = statistics.median(abs(x - median) for x in xs)
     scale = max(mad * MAD_NORMAL_CONSISTENCY, mad_floor_fraction * median)
@@ -174,7 +183,7 @@ def statistical(
     healthy = n - sum(slow)
     if not any(slow):
         return C3Result(C3Status.AGREE, (0,) * n, xs, ranks, surface, median)
-    if n <= 2 or 2 * healthy <= n:
+    if 2 * healthy <= n:
         return C3Result(C3Status.INCONCLUSIVE, (0,) * n, xs, ranks, surface, median)
     return _finish(slow, xs, ranks, surface, median)
 
@@ -187,6 +196,12 @@ class StatisticalRule:
     min_ratio: float = 1.5
     min_delta: float = 0.005
     mad_floor_fraction: float = 0.01
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> StatisticalRule:
+        """Build from a :class:`scout_core.config.ConsensusConfig`."""
+        return cls(kappa=cfg.kappa, min_ratio=cfg.min_ratio, min_delta=cfg.min_delta_s,
+                   mad_floor_fraction=cfg.mad_floor_fraction)
 
     def __call__(self, values: Sequence[float], *, peer_ranks: Sequence[int] | None = None, surface: str = "") -> C3Result:
         return statistical(

@@ -96,7 +96,10 @@ def _finite_gate(tensor: torch.Tensor) -> torch.Tensor:
         t = torch.view_as_real(t)
     if not t.is_floating_point():
         return torch.zeros(1, dtype=torch.int64, device=t.device)
-    acc_dtype = torch.float32 if t.element_size() < 4 else t.dtype
+    # Native-dtype sums are fast for 2-byte floats (an fp32 accumulation dtype
+    # is ~10x slower on CPU); an fp16 sum overflowing to Inf only costs the
+    # exact count. float8 has no sum kernel and is upcast.
+    acc_dtype = torch.float32 if t.element_size() == 1 else t.dtype
     return torch.sum(t, dtype=acc_dtype).to(torch.float64).reshape(1).view(torch.int64)
 
 

@@ -1,0 +1,95 @@
+"""Run the cells of configs/cells.yaml under pytest, and prove their checks can fail.
+
+Fast cells run in `nox -s tests`; the rest are marked `cells` and run in full by
+`nox -s cells` (which calls `scout cells run --all`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import integrations_tests.c3_cells as c3_cells
+from scout_core.cells import load_cells, run_cells
+from scout_core.consensus import C3Result, C3Status
+from scout_core.topology import Localization
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = load_cells(ROOT / "configs" / "cells.yaml")
+
+
+def _params():
+    for name, spec in SPECS.items():
+        marks = [] if "fast" in spec.tags else [pytest.mark.cells]
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", list(_params()))
+def test_cell_passes(name):
+    (report,) = run_cells([SPECS[name]], root=ROOT)
+    assert report.verdict == "PASS", report.details
+    if SPECS[name].faults:
+        assert report.reported, "a faulty cell must report something"
+    else:
+        assert report.reported == [], "a clean cell must report nothing"
+
+
+def _shift_blame(real):
+    """A broken C3 that blames the next peer instead of the real outlier."""
+
+    def wrapper(*args, **kwargs):
+        out = []
+        for r in real(*args, **kwargs):
+            if r.status is C3Status.ATTRIBUTED:
+                r = dataclasses.replace(r, bitmap=r.bitmap[-1:] + r.bitmap[:-1])
+            out.append(r)
+        return out
+
+    return wrapper
+
+
+def test_sdc_cell_fails_when_attribution_is_wrong(monkeypatch):
+    monkeypatch.setattr(c3_cells, "c3_exchange", _shift_blame(c3_cells.c3_exchange))
+    (report,) = run_cells([SPECS["c3-sdc-16"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected" in report.details
+
+
+def test_sdc_cell_fails_when_nothing_is_detected(monkeypatch):
+    def blind(local, **kwargs):
+        return [C3Result(C3Status.AGREE, (0,) * 16, (), tuple(range(16)), s) for s in kwargs["surfaces"]]
+
+    monkeypatch.setattr(c3_cells, "c3_exchange", blind)
+    (report,) = run_cells([SPECS["c3-sdc-16"]], root=ROOT)
+    assert report.verdict == "FAIL"
+
+
+def test_clean_cell_fails_on_a_false_positive(monkeypatch):
+    spec = dataclasses.replace(SPECS["c3-clean-16"], faults=())
+    real = c3_cells.c3_exchange
+
+    def noisy(local, **kwargs):
+        import torch.distributed as dist
+
+        if dist.get_rank() == 5:
+            local = [(0, 0)] + list(local[1:])
+        return real(local, **kwargs)
+
+    monkeypatch.setattr(c3_cells, "c3_exchange", noisy)
+    (report,) = run_cells([spec], root=ROOT)
+    assert report.verdict == "FAIL"
+
+
+def test_fig3_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
+    real = c3_cells.localize_slow_groups
+
+    def wrong(observations, host_of):
+        loc = real(observations, host_of)
+        if loc.scope == "machine":
+            return Localization("machine", (5,), (host_of[5],), loc.slow_groups, "wrong")
+        return loc
+
+    monkeypatch.setattr(c3_cells, "localize_slow_groups", wrong)
+    (report,) = run_cells([SPECS["topology-fig3"]], root=ROOT)
+    assert report.verdict == "FAIL"

@@ -1,0 +1,57 @@
+"""Developer sessions. Every install pins torch through constraints.txt (PIP_CONSTRAINT
+also reaches isolated build environments), so a CPU machine never pulls a CUDA build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+CONSTRAINTS = {"PIP_CONSTRAINT": str(ROOT / "constraints.txt")}
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install(session: nox.Session, extras: str = "dev") -> None:
+    session.install("-e", f".[{extras}]", env=CONSTRAINTS)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit and property tests plus the fast 16-rank cells."""
+    _install(session)
+    session.run("python", "-m", "pytest", "-m", "not cells", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def cells(session: nox.Session) -> None:
+    """Every cell of configs/cells.yaml at its configured world size; JSON in runs/cells.json."""
+    _install(session)
+    session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Inject faults into 16-rank jobs and show what SCOUT names: verdict table plus incident records."""
+    _install(session)
+    session.run("scout", "cells", "run", "c3-sdc-16", "c3-clean-16", "topology-fig3",
+                "--json", "runs/demo/cells.json", "--workdir", "runs/demo", env={"OMP_NUM_THREADS": "1"})
+    for cell in ("c3-sdc-16", "topology-fig3"):
+        session.log(f"incident records written by {cell}:")
+        session.run("scout", "report", f"runs/demo/{cell}/incidents.jsonl")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks as ratios within one run; writes benchmarks/results.json."""
+    _install(session)
+    session.run("python", "benchmarks/run.py", "--out", "benchmarks/results.json", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff", env=CONSTRAINTS)
+    session.run("ruff", "check", "scout_core", "tests", "integrations_tests", "benchmarks", "noxfile.py")

@@ -1,0 +1,270 @@
+"""C3 rules: unit cases, properties (hypothesis) and the statistical noise model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, exact, statistical
+
+# --- exact ------------------------------------------------------------------------------
+
+
+def test_exact_agree_and_attributed():
+    assert exact([7, 7, 7]).status is C3Status.AGREE
+    res = exact([7, 7, 8, 7], peer_ranks=[10, 11, 12, 13], surface="out")
+    assert res.status is C3Status.ATTRIBUTED
+    assert res.bitmap == (0, 0, 1, 0)
+    assert res.outlier_ranks == (12,)
+    assert res.reference == 7
+    assert res.surface == "out"
+    assert res.peer_ranks == (10, 11, 12, 13)
+
+
+def test_exact_two_peers_disagreeing_is_inconclusive():
+    res = exact(["a", "b"])
+    assert res.status is C3Status.INCONCLUSIVE
+    assert res.bitmap == (0, 0)
+    assert res.outlier_ranks == ()
+
+
+def test_exact_half_is_not_a_majority():
+    res = exact([1, 1, 2, 2])
+    assert res.status is C3Status.INCONCLUSIVE and res.bitmap == (0, 0, 0, 0)
+
+
+def test_exact_several_distinct_minority_values():
+    res = exact([5, 5, 5, 9, 5, 3, 5])
+    assert res.outlier_ranks == (3, 5)
+
+
+def test_exact_single_peer_agrees():
+    assert exact([42]).status is C3Status.AGREE
+
+
+def test_exact_rejects_bad_input():
+    with pytest.raises(ValueError):
+        exact([])
+    with pytest.raises(ValueError, match="peer_ranks"):
+        exact([1, 2, 3], peer_ranks=[0, 1])
+
+
+def test_result_to_dict_is_jsonable():
+    import json
+
+    d = exact([(1, 0), (1, 0), (2, 0)]).to_dict()
+    assert json.loads(json.dumps(d))["bitmap"] == [0, 0, 1]
+
+
+hashables = st.one_of(st.integers(-5, 5), st.text(max_size=2), st.tuples(st.integers(0, 3), st.integers(0, 3)))
+
+
+@given(st.lists(hashables, min_size=1, max_size=24), st.randoms(use_true_random=False))
+def test_exact_permutation_equivariant(values, rnd):
+    perm = list(range(len(values)))
+    rnd.shuffle(perm)
+    base = exact(values)
+    permuted = exact([values[i] for i in perm])
+    assert permuted.status is base.status
+    assert permuted.bitmap == tuple(base.bitmap[i] for i in perm)
+
+
+@given(
+    st.integers(1, 40).flatmap(
+        lambda n: st.tuples(
+            st.just(n),
+            st.lists(st.integers(0, n - 1), unique=True, max_size=(n - 1) // 2),
+            st.lists(st.integers(1, 10**6), min_size=n, max_size=n),
+        )
+    )
+)
+def test_exact_any_strict_minority_is_attributed_exactly(args):
+    n, minority, noise = args
+    healthy = 0
+    values = [healthy] * n
+    for i in minority:
+        values[i] = noise[i]  # arbitrary, possibly repeated, non-healthy values
+    res = exact(values)
+    want = tuple(1 if i in minority else 0 for i in range(n))
+    assert res.bitmap == want
+    assert res.status is (C3Status.ATTRIBUTED if minority else C3Status.AGREE)
+
+
+@given(st.lists(st.integers(0, 6), min_size=2, max_size=30))
+def test_exact_without_strict_majority_is_inconclusive_with_zero_bitmap(values):
+    top = max(values.count(v) for v in set(values))
+    res = exact(values)
+    if 2 * top <= len(values):
+        assert res.status is C3Status.INCONCLUSIVE
+        assert res.bitmap == (0,) * len(values)
+    else:
+        # A strict majority exists: flagged peers are exactly the non-majority ones.
+        assert sum(res.bitmap) == len(values) - top
+
+
+@given(hashables)
+def test_exact_n1_agrees(value):
+    res = exact([value])
+    assert res.status is C3Status.AGREE and res.bitmap == (0,)
+
+
+# --- statistical --------------------------------------------------------------------------
+
+
+def test_statistical_flags_slow_outlier():
+    times = [1.0, 1.01, 0.99, 1.02, 2.5, 1.0, 0.98]
+    res = statistical(times, peer_ranks=range(100, 107))
+    assert res.status is C3Status.ATTRIBUTED and res.outlier_ranks == (104,)
+
+
+def test_statistical_never_flags_fast():
+    res = statistical([1.0, 1.0, 1.0, 0.01, 1.0])
+    assert res.status is C3Status.AGREE
+
+
+def test_statistical_identical_values_agree_mad_floor():
+    # MAD is 0; the floor keeps a 0.1% deviation from being "infinitely" significant.
+    res = statistical([1.0] * 7 + [1.001])
+    assert res.status is C3Status.AGREE
+
+
+def test_statistical_two_peers_inconclusive():
+    res = statistical([1.0, 5.0])
+    assert res.status is C3Status.INCONCLUSIVE and res.bitmap == (0, 0)
+
+
+def test_statistical_needs_strict_healthy_majority():
+    res = statistical([1.0, 1.0, 9.0, 9.0])
+    assert res.status in (C3Status.INCONCLUSIVE, C3Status.AGREE)
+    assert res.bitmap == (0, 0, 0, 0)
+
+
+def test_statistical_absolute_floor_suppresses_tiny_deltas():
+    # 3x slower but only 2 ms in absolute terms: below min_delta (5 ms).
+    res = statistical([0.001] * 8 + [0.003])
+    assert res.status is C3Status.AGREE
+
+
+def test_statistical_rejects_bad_input():
+    with pytest.raises(ValueError):
+        statistical([])
+    with pytest.raises(ValueError):
+        statistical([1.0, -1.0, 1.0])
+    with pytest.raises(ValueError):
+        statistical([1.0, 1.0, 1.0], kappa=0)
+
+
+@given(st.lists(st.floats(0.01, 100.0), min_size=3, max_size=32), st.integers(0, 31), st.floats(0.0, 0.99))
+def test_statistical_never_flags_a_faster_rank(times, idx, speedup):
+    idx %= len(times)
+    faster = list(times)
+    faster[idx] = times[idx] * (1 - speedup)
+    res = statistical(faster)
+    if res.bitmap[idx]:
+        # Only possible if it was slow before being made faster: then it is still above threshold.
+        assert faster[idx] > res.reference
+
+
+@given(st.lists(st.floats(0.01, 100.0), min_size=1, max_size=32), st.randoms(use_true_random=False))
+def test_statistical_permutation_equivariant(times, rnd):
+    perm = list(range(len(times)))
+    rnd.shuffle(perm)
+    base = statistical(times)
+    permuted = statistical([times[i] for i in perm])
+    assert permuted.status is base.status
+    assert permuted.bitmap == tuple(base.bitmap[i] for i in perm)
+
+
+# Noise model for the timing claims below (also stated in docs/consensus.md): each
+# healthy peer's time is base * (1 + u) with u uniform in [-0.05, +0.05] plus a
+# log-normal scheduler jitter exp(N(0, 0.02)); base is drawn per round in [1 ms, 10 s].
+
+
+def _healthy(rng: random.Random, n: int, base: float) -> list[float]:
+    return [base * (1 + rng.uniform(-0.05, 0.05)) * rng.lognormvariate(0.0, 0.02) for _ in range(n)]
+
+
+def test_statistical_finds_2x_slow_rank_among_16():
+    rng = random.Random(7)
+    for trial in range(500):
+        base = 10 ** rng.uniform(-1, 1)  # 0.1 s .. 10 s: above the 5 ms absolute floor
+        times = _healthy(rng, 16, base)
+        victim = rng.randrange(16)
+        times[victim] *= 2.0
+        res = statistical(times)
+        assert res.status is C3Status.ATTRIBUTED, (trial, times)
+        assert res.outlier_ranks == (victim,)
+
+
+def test_statistical_no_false_positive_over_10000_healthy_draws():
+    rng = random.Random(11)
+    false_positives = 0
+    for _ in range(10_000):
+        base = 10 ** rng.uniform(-3, 1)
+        res = statistical(_healthy(rng, 16, base))
+        false_positives += res.status is not C3Status.AGREE
+    assert false_positives == 0
+
+
+def test_statistical_rule_from_config_matches_defaults():
+    from scout_core.config import ConsensusConfig
+
+    assert StatisticalRule.from_config(ConsensusConfig()) == StatisticalRule()
+
+
+def test_statistical_rule_bundles_parameters():
+    rule = StatisticalRule(min_ratio=3.0)
+    assert rule([1.0, 1.0, 1.0, 2.5]).status is C3Status.AGREE
+    assert rule([1.0, 1.0, 1.0, 3.5]).outlier_ranks == (3,)
+
+
+# --- confirmation ---------------------------------------------------------------------------
+
+
+def _round(bitmap, surface="t_M"):
+    status = C3Status.ATTRIBUTED if any(bitmap) else C3Status.AGREE
+    return C3Result(status, tuple(bitmap), (), tuple(range(len(bitmap))), surface)
+
+
+def test_confirmation_requires_consecutive_rounds():
+    conf = Confirmation(rounds=2)
+    assert conf.update(_round([0, 1, 0])) == ()
+    assert conf.update(_round([0, 0, 0])) == ()  # reset
+    assert conf.update(_round([0, 1, 0])) == ()
+    assert conf.update(_round([0, 1, 0])) == (1,)
+
+
+def test_confirmation_non_consecutive_counts_total():
+    conf = Confirmation(rounds=2, consecutive=False)
+    conf.update(_round([1, 0, 0]))
+    conf.update(_round([0, 0, 0]))
+    assert conf.update(_round([1, 0, 0])) == (0,)
+
+
+def test_confirmation_keeps_surfaces_apart():
+    conf = Confirmation(rounds=2)
+    conf.update(_round([0, 1, 0], "t_M"))
+    assert conf.update(_round([0, 1, 0], "t_gather")) == ()
+    assert conf.count("t_M", 1) == 1
+
+
+def test_confirmation_ignores_inconclusive():
+    conf = Confirmation(rounds=1)
+    inconclusive = C3Result(C3Status.INCONCLUSIVE, (0, 0), (), (0, 1), "s")
+    assert conf.update(inconclusive) == ()
+    with pytest.raises(ValueError):
+        Confirmation(rounds=0)
+
+
+@settings(max_examples=50)
+@given(st.lists(st.lists(st.integers(0, 1), min_size=5, max_size=5), min_size=1, max_size=8))
+def test_confirmation_matches_reference_count(rounds):
+    conf = Confirmation(rounds=3)
+    streak = [0] * 5
+    for bitmap in rounds:
+        got = conf.update(_round(bitmap))
+        streak = [s + 1 if b else 0 for s, b in zip(streak, bitmap)]
+        assert got == tuple(i for i, s in enumerate(streak) if s >= 3)

@@ -1,0 +1,129 @@
+"""The fork launcher and the C3 transport over real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from scout_core.consensus import C3Status, StatisticalRule, c3_exchange
+from scout_core.launcher import RankContext, init_gloo, launch
+
+
+def _allreduce(ctx: RankContext) -> float:
+    init_gloo(ctx)
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t)
+    mode = ctx.args.get("mode")
+    if mode == "raise" and ctx.rank == 2:
+        raise RuntimeError("rank two broke")
+    if mode == "hang" and ctx.rank == 1:
+        time.sleep(600)
+    if mode == "spawn_child":
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(600)
+            os._exit(0)
+        return pid
+    return float(t)
+
+
+def _shm():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _children():
+    out = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == me:
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def test_sixteen_ranks_return_values_without_leaks():
+    before = _shm()
+    result = launch(_allreduce, 16, timeout_s=60)
+    assert result.ok, result.failures()
+    assert result.values() == [120.0] * 16
+    assert all(o.exitcode == 0 for o in result.outcomes)
+    assert _children() == []
+    assert _shm() <= before
+
+
+def test_exception_returns_traceback_and_kills_blocked_peers():
+    result = launch(_allreduce, 4, timeout_s=60, args={"mode": "raise"})
+    assert not result.ok and not result.timed_out
+    assert "rank two broke" in result.outcomes[2].error
+    assert _children() == []
+
+
+def test_timeout_kills_every_worker():
+    start = time.monotonic()
+    result = launch(_allreduce, 4, timeout_s=3, args={"mode": "hang"})
+    assert result.timed_out and not result.ok
+    assert time.monotonic() - start < 20
+    assert "killed at timeout" in result.outcomes[1].error
+    assert result.outcomes[1].exitcode == -9
+    assert _children() == []
+
+
+def test_grandchildren_die_with_their_worker():
+    result = launch(_allreduce, 2, timeout_s=30, args={"mode": "spawn_child"})
+    assert result.ok, result.failures()
+    time.sleep(0.2)
+    for pid in result.values():
+        assert _state(pid) in (None, "Z"), f"grandchild {pid} still running"  # dead; init may reap late
+
+
+def _exchange(ctx: RankContext):
+    init_gloo(ctx)
+    out = {}
+    sigs = [100, 200, 300]
+    if ctx.rank == 3:
+        sigs[1] = 999
+    out["exact"] = [r.to_dict() for r in c3_exchange(sigs, surfaces=["a", "b", "c"])]
+    timing = 1.0 if ctx.rank != 4 else 3.0
+    out["timing"] = c3_exchange([timing], rule=StatisticalRule(min_delta=0.0))[0].to_dict()
+    # A 3-rank subgroup (ranks 0, 2, 4): peer order maps to global ranks.
+    groups = [[0, 2, 4], [1, 3, 5]]
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    value = 7 if ctx.rank != 4 else 8
+    out["sub"] = c3_exchange([value], group=mine, surfaces=["x"])[0].to_dict()
+    try:
+        c3_exchange([1] * (1 if ctx.rank else 2), surfaces=None)
+        out["mismatch"] = None
+    except RuntimeError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def test_c3_exchange_k_surfaces_identical_everywhere():
+    result = launch(_exchange, 6, timeout_s=60)
+    assert result.ok, result.failures()
+    values = result.values()
+    for v in values[1:]:
+        assert v["exact"] == values[0]["exact"] and v["timing"] == values[0]["timing"]
+    a, b, c = values[0]["exact"]
+    assert (a["status"], b["status"], c["status"]) == ("agree", "attributed", "agree")
+    assert b["bitmap"] == [0, 0, 0, 1, 0, 0] and b["surface"] == "b"
+    assert values[0]["timing"]["bitmap"] == [0, 0, 0, 0, 1, 0]
+    assert values[0]["sub"]["peer_ranks"] == [0, 2, 4] and values[0]["sub"]["bitmap"] == [0, 0, 1]
+    assert values[1]["sub"]["peer_ranks"] == [1, 3, 5] and values[1]["sub"]["status"] == C3Status.AGREE.value
+    assert all("mismatch" in (v["mismatch"] or "") for v in values)

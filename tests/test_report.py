@@ -1,0 +1,127 @@
+"""Incident records: schema round trip, atomic JSON-lines appends, sinks and `scout report`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from scout_core.cli import main
+from scout_core.report import (
+    Incident,
+    IncidentKind,
+    IncidentScope,
+    JsonlSink,
+    LoggingSink,
+    Reporter,
+    format_table,
+    read_incidents,
+)
+
+
+def _incident(**kw):
+    base = dict(kind="sdc", scope="rank", ranks=[9], hosts=["node1"], devices=["cuda:1"], step=12,
+                surface="layers.3.output", evidence={"status": "attributed", "bitmap": [0, 1]},
+                time_to_verdict_s=0.25, reason="signature differs")
+    base.update(kw)
+    return Incident(**base)
+
+
+def test_round_trip_and_enums():
+    inc = _incident()
+    assert inc.kind is IncidentKind.SDC and inc.scope is IncidentScope.RANK
+    again = Incident.from_dict(json.loads(inc.to_json()))
+    assert again == inc
+    with pytest.raises(ValueError):
+        _incident(kind="meltdown")
+    with pytest.raises(ValueError, match="unknown incident fields"):
+        Incident.from_dict({**inc.to_dict(), "extra": 1})
+
+
+def test_every_kind_and_scope_is_representable():
+    for kind in IncidentKind:
+        for scope in IncidentScope:
+            assert Incident.from_dict(_incident(kind=kind.value, scope=scope.value).to_dict()).kind is kind
+
+
+def test_jsonl_sink_and_reporter_stamp(tmp_path):
+    path = tmp_path / "sub" / "incidents.jsonl"
+    rep = Reporter([JsonlSink(path)], run_id="run-7", rank=3)
+    rep.emit(_incident())
+    rep.emit(_incident(kind="straggler", scope="machine", ranks=[4], hosts=["node4"]))
+    got = list(read_incidents(path))
+    assert [i.kind.value for i in got] == ["sdc", "straggler"]
+    assert {i.run_id for i in got} == {"run-7"} and {i.reporter_rank for i in got} == {3}
+    assert got[0].version
+
+
+def test_concurrent_appends_never_interleave(tmp_path):
+    path = tmp_path / "shared.jsonl"
+    writers, per_writer = 6, 150
+    pids = []
+    for w in range(writers):
+        pid = os.fork()
+        if pid == 0:
+            sink = JsonlSink(path, fsync=False)
+            try:
+                for i in range(per_writer):
+                    sink.emit(_incident(step=i, reason="x" * (w * 500), ranks=[w]))
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    lines = path.read_text().splitlines()
+    assert len(lines) == writers * per_writer
+    records = [json.loads(line) for line in lines]  # every line is one whole record
+    for w in range(writers):
+        assert sorted(r["step"] for r in records if r["ranks"] == [w]) == list(range(per_writer))
+
+
+def test_truncated_last_line_is_skipped_but_corruption_elsewhere_raises(tmp_path):
+    path = tmp_path / "i.jsonl"
+    JsonlSink(path).emit(_incident())
+    with open(path, "a") as fh:
+        fh.write('{"kind": "sdc", "sco')
+    assert len(list(read_incidents(path))) == 1
+    path.write_text('garbage\n' + _incident().to_json() + "\n")
+    with pytest.raises(ValueError, match=":1:"):
+        list(read_incidents(path))
+
+
+def test_logging_sink(caplog):
+    with caplog.at_level(logging.WARNING, logger="scout"):
+        LoggingSink().emit(_incident())
+    assert "sdc scope=rank ranks=[9]" in caplog.text
+
+
+def test_reporter_survives_one_broken_sink(tmp_path, caplog):
+    class Broken:
+        def emit(self, incident):
+            raise OSError("disk gone")
+
+    path = tmp_path / "ok.jsonl"
+    Reporter([Broken(), JsonlSink(path)]).emit(_incident())
+    assert len(list(read_incidents(path))) == 1
+    with pytest.raises(RuntimeError, match="every incident sink failed"):
+        Reporter([Broken()]).emit(_incident())
+
+
+def test_scout_report_prints_table(tmp_path, capsys):
+    path = tmp_path / "i.jsonl"
+    sink = JsonlSink(path)
+    sink.emit(_incident())
+    sink.emit(_incident(kind="hang", scope="peer_group", ranks=[0, 1, 2, 3], surface="all_reduce"))
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "kind" in out and "sdc" in out and "peer_group" in out and "0,1,2,3" in out
+    assert main(["report", str(path), "--kind", "hang"]) == 0
+    assert "sdc" not in capsys.readouterr().out.split("\n", 2)[2]
+    assert main(["report", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_empty_table():
+    assert format_table([]) == "no incidents"
