@@ -143,16 +143,17 @@ def sign_many(tensors: Sequence[torch.Tensor]) -> list[Signed]:
             parts.append(fold(tensors[i]))
             parts.append(_finite_gate(tensors[i]))
         host = torch.cat(parts).cpu()  # the single transfer for this device
-        host_bytes = host.numpy().tobytes()
-        stride = (FOLD_WORDS + 1) * 8
+        # tolist + struct instead of .numpy(): numpy is optional for torch.
+        words = host.tolist()
+        stride = FOLD_WORDS + 1
         for j, i in enumerate(idxs):
-            chunk = host_bytes[j * stride : (j + 1) * stride]
-            words = chunk[: FOLD_WORDS * 8]
-            (gate,) = struct.unpack("<d", chunk[FOLD_WORDS * 8 :])
+            chunk = words[j * stride : (j + 1) * stride]
+            payload = struct.pack(f"<{FOLD_WORDS}q", *chunk[:FOLD_WORDS])
+            (gate,) = struct.unpack("<d", struct.pack("<q", chunk[FOLD_WORDS]))
             # Only a tensor whose gate tripped pays the exact count (and a
             # second transfer): healthy surfaces stay at one transfer.
             count = 0 if math.isfinite(gate) else _count_nonfinite(tensors[i])
-            out[i] = Signed(_finalize(_header(tensors[i]), words), count)
+            out[i] = Signed(_finalize(_header(tensors[i]), payload), count)
     return out  # type: ignore[return-value]
 
 
