@@ -47,9 +47,9 @@ def bench_signature(device: torch.device, mib: int, repeats: int) -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         numel = mib * 2**20 // torch.tensor([], dtype=dtype).element_size()
         x = torch.randn(numel, device=device).to(dtype)
-        t_sum = _best(lambda: torch.sum(x), repeats, sync)
-        t_fold = _best(lambda: fold(x), repeats, sync)
-        t_sig = _best(lambda: signature(x), repeats, sync)
+        t_sum = _best(lambda x=x: torch.sum(x), repeats, sync)
+        t_fold = _best(lambda x=x: fold(x), repeats, sync)
+        t_sig = _best(lambda x=x: signature(x), repeats, sync)
         gbps = x.numel() * x.element_size() / 1e9
         rows.append({
             "dtype": str(dtype).removeprefix("torch."),
@@ -63,7 +63,8 @@ def bench_signature(device: torch.device, mib: int, repeats: int) -> list[dict]:
     # Many small surfaces, one transfer: cost per surface.
     small = [torch.randn(4096, device=device) for _ in range(64)]
     t_many = _best(lambda: sign_many(small), repeats, sync)
-    rows.append({"dtype": "float32", "surfaces": len(small), "sign_many_us_per_surface": round(t_many / len(small) * 1e6, 1)})
+    per_surface_us = round(t_many / len(small) * 1e6, 1)
+    rows.append({"dtype": "float32", "surfaces": len(small), "sign_many_us_per_surface": per_surface_us})
     return rows
 
 
@@ -98,8 +99,9 @@ def bench_consensus(repeats: int) -> dict:
         sigs = [12345] * n
         sigs[n // 3] = 999
         times = [1.0 + 0.01 * (i % 7) for i in range(n)]
-        out[f"exact_n{n}_us"] = round(_best(lambda: exact(sigs), repeats, lambda: None) * 1e6, 1)
-        out[f"statistical_n{n}_us"] = round(_best(lambda: statistical(times), repeats, lambda: None) * 1e6, 1)
+        out[f"exact_n{n}_us"] = round(_best(lambda sigs=sigs: exact(sigs), repeats, lambda: None) * 1e6, 1)
+        t_stat = _best(lambda times=times: statistical(times), repeats, lambda: None)
+        out[f"statistical_n{n}_us"] = round(t_stat * 1e6, 1)
     return out
 
 
@@ -116,15 +118,21 @@ def markdown(results: dict) -> str:
         "|---|---|---|",
     ]
     for r in sig:
-        lines.append(f"| signature fold, {r['bytes'] // 2**20} MiB {r['dtype']} | {r['fold_vs_sum']}x of `torch.sum` "
+        size = f"{r['bytes'] // 2**20} MiB {r['dtype']}"
+        lines.append(f"| signature fold, {size} | {r['fold_vs_sum']}x of `torch.sum` "
                      f"({r['fold_gb_s']} vs {r['sum_gb_s']} GB/s) | >= {r['goal_fold_vs_sum']}x |")
-        lines.append(f"| full signature incl. non-finite gate, {r['dtype']} | {r['signature_vs_sum']}x of `torch.sum` | - |")
-    lines.append(f"| `sign_many`, {many['surfaces']} surfaces of 16 KiB, one transfer | {many['sign_many_us_per_surface']} us per surface | - |")
-    lines.append(f"| peer groups at {topo['world_size']:,} ranks | {topo['peer_groups_s'] * 1e3:.1f} ms ({topo['groups']} groups) | < {topo['goal_s']:.0f} s |")
-    lines.append(f"| FSDP + TP groups at {topo['world_size']:,} ranks | {topo['fsdp_and_tp_groups_s'] * 1e3:.1f} ms | < {topo['goal_s']:.0f} s |")
-    lines.append(f"| cross-group intersection at {topo['world_size']:,} ranks | {topo['intersection_s'] * 1e3:.1f} ms | - |")
-    lines.append(f"| exact C3, N=16 / N=1024 | {cons['exact_n16_us']} us / {cons['exact_n1024_us']} us | - |")
-    lines.append(f"| statistical C3, N=16 / N=1024 | {cons['statistical_n16_us']} us / {cons['statistical_n1024_us']} us | - |")
+        lines.append(f"| full signature incl. non-finite gate, {size} | {r['signature_vs_sum']}x of `torch.sum` | - |")
+    world = f"{topo['world_size']:,} ranks"
+    goal = f"< {topo['goal_s']:.0f} s"
+    lines += [
+        f"| `sign_many`, {many['surfaces']} surfaces of 16 KiB, one transfer "
+        f"| {many['sign_many_us_per_surface']} us per surface | - |",
+        f"| peer groups at {world} | {topo['peer_groups_s'] * 1e3:.1f} ms ({topo['groups']} groups) | {goal} |",
+        f"| FSDP + TP groups at {world} | {topo['fsdp_and_tp_groups_s'] * 1e3:.1f} ms | {goal} |",
+        f"| cross-group intersection at {world} | {topo['intersection_s'] * 1e3:.1f} ms | - |",
+        f"| exact C3, N=16 / N=1024 | {cons['exact_n16_us']} us / {cons['exact_n1024_us']} us | - |",
+        f"| statistical C3, N=16 / N=1024 | {cons['statistical_n16_us']} us / {cons['statistical_n1024_us']} us | - |",
+    ]
     return "\n".join(lines)
 
 

@@ -122,7 +122,8 @@ def sdc_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         if injected_count != len(spec.faults):
             problems.append(f"{injected_count} injections applied, {len(spec.faults)} configured")
     got = sorted(
-        ({"kind": i.kind.value, "scope": i.scope.value, "ranks": sorted(i.ranks), "surface": i.surface} for i in incidents),
+        ({"kind": i.kind.value, "scope": i.scope.value, "ranks": sorted(i.ranks), "surface": i.surface}
+         for i in incidents),
         key=lambda d: d["surface"],
     )
     want = _expected_incidents(spec)

@@ -140,6 +140,9 @@ def run_cells(
         start = time.monotonic()
         with _cell_dir(spec.name, workdir) as cell_dir:
             try:
+                out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
+                if out_of_world:
+                    raise ValueError(f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks")
                 report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
             except Exception:
                 report = CellReport(
@@ -190,7 +193,7 @@ def format_cell_table(reports: Sequence[CellReport]) -> str:
         ) or "nothing"
         ttv = "-" if r.time_to_verdict_s is None else f"{r.time_to_verdict_s:.3f}"
         rows.append((r.name, r.verdict, str(r.world_size), inj, rep, ttv, f"{r.wall_s:.1f}"))
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)] if rows else [len(h) for h in headers]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in rows]
     return "\n".join(line.rstrip() for line in out)

@@ -47,7 +47,7 @@ def _range(default: Any, *, ge: float | None = None, gt: float | None = None, le
     return field(default=default, metadata={"ge": ge, "gt": gt, "le": le})
 
 
-class ControlBackend(str, enum.Enum):
+class ControlBackend(enum.StrEnum):
     """Transport of the observers' control group."""
 
     gloo = "gloo"
@@ -197,7 +197,8 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
     if cfg.report.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"report.log_level: {cfg.report.log_level!r}; allowed: {', '.join(_LOG_LEVELS)}")
     if not cfg.replay.input_variants or any(not (math.isfinite(v) and v > 0) for v in cfg.replay.input_variants):
-        raise ConfigError(f"replay.input_variants: {cfg.replay.input_variants}; allowed: a non-empty list of positive scales")
+        raise ConfigError(
+            f"replay.input_variants: {cfg.replay.input_variants}; allowed: a non-empty list of positive scales")
     return cfg
 
 

@@ -44,7 +44,7 @@ __all__ = [
 MAD_NORMAL_CONSISTENCY = 1.4826
 
 
-class C3Status(str, enum.Enum):
+class C3Status(enum.StrEnum):
     """Outcome of one C3 comparison."""
 
     AGREE = "agree"
@@ -203,7 +203,9 @@ class StatisticalRule:
         return cls(kappa=cfg.kappa, min_ratio=cfg.min_ratio, min_delta=cfg.min_delta_s,
                    mad_floor_fraction=cfg.mad_floor_fraction)
 
-    def __call__(self, values: Sequence[float], *, peer_ranks: Sequence[int] | None = None, surface: str = "") -> C3Result:
+    def __call__(
+        self, values: Sequence[float], *, peer_ranks: Sequence[int] | None = None, surface: str = ""
+    ) -> C3Result:
         return statistical(
             values,
             kappa=self.kappa,

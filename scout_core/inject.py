@@ -28,7 +28,7 @@ __all__ = ["Fault", "FaultKind", "Injection", "Injector", "Schedule"]
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class FaultKind(str, enum.Enum):
+class FaultKind(enum.StrEnum):
     BITFLIP = "bitflip"
     SCALE = "scale"
     SET = "set"

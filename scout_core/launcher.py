@@ -204,7 +204,8 @@ def launch(
                     deadline = min(deadline, time.monotonic() + failure_grace_s)
     finally:
         for conn, rank in readers.items():
-            outcomes[rank].error = outcomes[rank].error or ("killed at timeout" if timed_out else "killed after a peer failed")
+            why = "killed at timeout" if timed_out else "killed after a peer failed"
+            outcomes[rank].error = outcomes[rank].error or why
             conn.close()
         if not all(o.ok for o in outcomes):
             for pid in pids.values():

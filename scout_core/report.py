@@ -43,7 +43,7 @@ SCHEMA_VERSION = 1
 _log = logging.getLogger("scout")
 
 
-class IncidentKind(str, enum.Enum):
+class IncidentKind(enum.StrEnum):
     SDC = "sdc"
     STRAGGLER = "straggler"
     HANG = "hang"
@@ -52,7 +52,7 @@ class IncidentKind(str, enum.Enum):
     OBSERVER_FAILURE = "observer_failure"
 
 
-class IncidentScope(str, enum.Enum):
+class IncidentScope(enum.StrEnum):
     RANK = "rank"
     PEER_GROUP = "peer_group"
     MACHINE = "machine"

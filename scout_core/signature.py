@@ -137,7 +137,7 @@ def sign_many(tensors: Sequence[torch.Tensor]) -> list[Signed]:
             raise TypeError(f"signature expects tensors, got {type(t).__name__} at position {i}")
         by_device.setdefault(t.device, []).append(i)
     out: list[Signed | None] = [None] * len(tensors)
-    for device, idxs in by_device.items():
+    for idxs in by_device.values():
         parts = []
         for i in idxs:
             parts.append(fold(tensors[i]))

@@ -59,7 +59,7 @@ MESH_DIM_AXES: Mapping[str, str] = {
 """DeviceMesh dimension names (TorchTitan / torch conventions) mapped to axes."""
 
 
-class AttributionScope(str, enum.Enum):
+class AttributionScope(enum.StrEnum):
     """What a peer group of a given size can say about a disagreement."""
 
     NONE = "none"  # singleton: nothing to compare against

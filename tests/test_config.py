@@ -15,7 +15,8 @@ DEFAULTS = ROOT / "configs" / "scout.yaml"
 
 def test_defaults_file_matches_schema():
     assert load(DEFAULTS) == ScoutConfig()
-    assert OmegaConf.to_container(OmegaConf.load(DEFAULTS)) == OmegaConf.to_container(OmegaConf.create(to_yaml(ScoutConfig())))
+    on_disk = OmegaConf.to_container(OmegaConf.load(DEFAULTS))
+    assert on_disk == OmegaConf.to_container(OmegaConf.create(to_yaml(ScoutConfig())))
 
 
 def test_overrides_apply_in_order(tmp_path):
