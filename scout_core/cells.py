@@ -139,11 +139,16 @@ def run_cells(
         n = world_size or spec.world_size
         start = time.monotonic()
         with _cell_dir(spec.name, workdir) as cell_dir:
+            out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
             try:
-                out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
                 if out_of_world:
                     raise ValueError(f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks")
                 report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
+            except ValueError as exc:
+                report = CellReport(
+                    name=spec.name, verdict="FAIL", world_size=n,
+                    injected=[_fault_dict(f) for f in spec.faults], reported=[], details=str(exc),
+                )
             except Exception:
                 report = CellReport(
                     name=spec.name, verdict="FAIL", world_size=n,
