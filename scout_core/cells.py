@@ -142,13 +142,12 @@ def run_cells(
             out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
             try:
                 if out_of_world:
-                    raise ValueError(f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks")
-                report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
-            except ValueError as exc:
-                report = CellReport(
-                    name=spec.name, verdict="FAIL", world_size=n,
-                    injected=[_fault_dict(f) for f in spec.faults], reported=[], details=str(exc),
-                )
+                    report = CellReport(
+                        name=spec.name, verdict="FAIL", world_size=n, injected=fault_dicts(spec.faults), reported=[],
+                        details=f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks",
+                    )
+                else:
+                    report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
             except Exception:
                 report = CellReport(
                     name=spec.name, verdict="FAIL", world_size=n,
