@@ -12,7 +12,6 @@ incident.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import os
 from collections.abc import Sequence
@@ -32,7 +31,6 @@ __all__ = [
     "ReportConfig",
     "ScoutConfig",
     "TopologyConfig",
-    "ControlBackend",
     "load",
     "to_yaml",
 ]
@@ -45,13 +43,6 @@ class ConfigError(ValueError):
 def _range(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
     """A field with a numeric range checked by :func:`validate`."""
     return field(default=default, metadata={"ge": ge, "gt": gt, "le": le})
-
-
-class ControlBackend(enum.StrEnum):
-    """Transport of the observers' control group."""
-
-    gloo = "gloo"
-    tcpstore = "tcpstore"
 
 
 @dataclass(kw_only=True)
@@ -88,8 +79,13 @@ class ObserverConfig:
     """Start one observer process per rank."""
     silence_threshold_s: float = _range(60.0, gt=0)
     """Seconds without visible progress before observers compare records."""
-    backend: ControlBackend = ControlBackend.gloo
-    """Transport of the observers' own control group, separate from training groups."""
+    gather_timeout_s: float = _range(10.0, gt=0)
+    """How long an observer waits for its peers' evidence; peers silent past it are named lost."""
+    store_addr: str = ""
+    """Host of the observers' control store (a TCPStore served by rank 0's observer, separate from
+    every training process group); empty = MASTER_ADDR, else rank 0's hostname."""
+    store_port: int = _range(0, ge=0, le=65535)
+    """Port of the control store; 0 = a free port chosen by rank 0."""
     startup_timeout_s: float = _range(30.0, gt=0)
     """How long the observers may take to rendezvous."""
 

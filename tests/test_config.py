@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from scout_core.config import ConfigError, ControlBackend, ScoutConfig, load, to_yaml
+from scout_core.config import ConfigError, ScoutConfig, load, to_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = ROOT / "configs" / "scout.yaml"
@@ -21,11 +21,11 @@ def test_defaults_file_matches_schema():
 
 def test_overrides_apply_in_order(tmp_path):
     user = tmp_path / "job.yaml"
-    user.write_text("replay:\n  cadence:\n    hidden: 50\nobserver:\n  backend: tcpstore\n")
+    user.write_text("replay:\n  cadence:\n    hidden: 50\nobserver:\n  store_port: 29600\n")
     cfg = load(user, ["replay.cadence.hidden=7", "consensus.kappa=4.5"])
     assert cfg.replay.cadence.hidden == 7
     assert cfg.replay.cadence.embedding == 20
-    assert cfg.observer.backend is ControlBackend.tcpstore
+    assert cfg.observer.store_port == 29600
     assert cfg.consensus.kappa == 4.5
 
 
@@ -34,7 +34,8 @@ def test_overrides_apply_in_order(tmp_path):
     [
         ("observer.silence_thresold_s=3", "observer.silence_thresold_s", "not in"),
         ("consensus.kappa=fast", "consensus.kappa", "Float"),
-        ("observer.backend=mpi", "observer.backend", "gloo"),
+        ("observer.store_port=70000", "observer.store_port", "<= 65535"),
+        ("observer.enabled=maybe", "observer.enabled", "bool"),
         ("replay.cadence.hidden=-1", "replay.cadence.hidden", ">= 0"),
         ("consensus.kappa=0", "consensus.kappa", "> 0"),
         ("consensus.min_ratio=0.9", "consensus.min_ratio", ">= 1.0"),

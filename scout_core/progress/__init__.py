@@ -1,0 +1,1 @@
+"""Hang localization: shared-memory progress, collective fingerprints, the out-of-band observer."""

@@ -1,0 +1,177 @@
+"""Collective fingerprints and their compatibility rule (paper section 7).
+
+Immediately before a rank enters a collective it publishes what healthy
+callers must share: the operation, the process group, tensor shapes and
+dtypes, the reduction and the root. Peers compare the fingerprints with exact
+C3, so a rank that calls a different collective, or the same one with
+different metadata, stands out.
+
+Two things are legitimately rank-dependent and are kept out of the compared
+key by an explicit rule:
+
+* the caller's own position in the group: the group is described by its size
+  and by member offsets relative to its lowest member, so corresponding
+  groups of different replicas (TP group {0, 1} on replica 0, {2, 3} on
+  replica 1) compare equal while a call on the wrong group does not;
+* all-to-all split sizes and the leading (token) dimension they change, and
+  the peer of a send/recv.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CollectiveFingerprint", "describe_group", "fingerprint_call", "COMPARED_FIELDS"]
+
+# Ops whose dim 0 and split sizes vary with routing; only trailing dims and dtype are compared.
+_VARIABLE_SPLIT_OPS = frozenset({"all_to_all", "all_to_all_single"})
+_P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+COMPARED_FIELDS = ("op", "group", "shapes", "dtypes", "reduce_op", "root")
+
+
+@dataclass(frozen=True)
+class CollectiveFingerprint:
+    op: str
+    group: tuple[int, ...]
+    """(size, *offsets of members from the lowest member)."""
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    reduce_op: str | None = None
+    root: int | None = None
+    peer: int | None = None
+    """send/recv partner; reported, never compared."""
+
+    def key(self) -> tuple[Any, ...]:
+        """The compared part, after the compatibility rule."""
+        shapes = self.shapes
+        if self.op in _VARIABLE_SPLIT_OPS:
+            shapes = tuple(s[1:] for s in shapes)
+        return (self.op, self.group, shapes, self.dtypes, self.reduce_op, self.root)
+
+    def hash64(self) -> int:
+        digest = hashlib.blake2b(repr(self.key()).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    def text(self) -> str:
+        shapes = ";".join("x".join(map(str, s)) for s in self.shapes)
+        parts = [self.op, f"group={self.group[0]}@{','.join(map(str, self.group[1:]))}",
+                 f"shapes={shapes}", f"dtypes={','.join(self.dtypes)}"]
+        if self.reduce_op is not None:
+            parts.append(f"op={self.reduce_op}")
+        if self.root is not None:
+            parts.append(f"root={self.root}")
+        if self.peer is not None:
+            parts.append(f"peer={self.peer}")
+        return "|".join(parts)
+
+
+def describe_group(group: Any) -> tuple[int, ...]:
+    """``(size, offsets...)`` of a process group; the default group when ``None``."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        n = dist.get_world_size()
+        return (n, *range(n))
+    ranks = sorted(dist.get_process_group_ranks(group))
+    base = ranks[0]
+    return (len(ranks), *(r - base for r in ranks))
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_tensors(v))
+        return out
+    return []
+
+
+def _reduce_name(op: Any) -> str | None:
+    if op is None:
+        return None
+    name = getattr(op, "name", None)
+    return str(name if name is not None else op).rsplit(".", 1)[-1].upper()
+
+
+# Which positional/keyword arguments carry tensors, the reduce op, the root and the group.
+_SIGNATURES: dict[str, tuple[Sequence[str], str | None, str | None, str | None]] = {
+    # name: (tensor args, reduce-op arg, root arg, peer arg)
+    "all_reduce": (("tensor",), "op", None, None),
+    "reduce": (("tensor",), "op", "dst", None),
+    "broadcast": (("tensor",), None, "src", None),
+    "all_gather": (("tensor_list", "tensor"), None, None, None),
+    "all_gather_into_tensor": (("output_tensor", "input_tensor"), None, None, None),
+    "all_gather_single": (("output_tensor", "input_tensor"), None, None, None),
+    "reduce_scatter": (("output", "input_list"), "op", None, None),
+    "reduce_scatter_tensor": (("output", "input"), "op", None, None),
+    "reduce_scatter_single": (("output", "input"), "op", None, None),
+    "all_to_all": (("output_tensor_list", "input_tensor_list"), None, None, None),
+    "all_to_all_single": (("output", "input"), None, None, None),
+    "gather": (("tensor", "gather_list"), None, "dst", None),
+    "scatter": (("tensor", "scatter_list"), None, "src", None),
+    "barrier": ((), None, None, None),
+    "send": (("tensor",), None, None, "dst"),
+    "recv": (("tensor",), None, None, "src"),
+    "isend": (("tensor",), None, None, "dst"),
+    "irecv": (("tensor",), None, None, "src"),
+}
+# The argument name order of each function, for binding positional arguments.
+_ORDER: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("tensor", "op", "group", "async_op"),
+    "reduce": ("tensor", "dst", "op", "group", "async_op"),
+    "broadcast": ("tensor", "src", "group", "async_op"),
+    "all_gather": ("tensor_list", "tensor", "group", "async_op"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group", "async_op"),
+    "all_gather_single": ("output_tensor", "input_tensor", "group", "async_op"),
+    "reduce_scatter": ("output", "input_list", "op", "group", "async_op"),
+    "reduce_scatter_tensor": ("output", "input", "op", "group", "async_op"),
+    "reduce_scatter_single": ("output", "input", "op", "group", "async_op"),
+    "all_to_all": ("output_tensor_list", "input_tensor_list", "group", "async_op"),
+    "all_to_all_single": ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    "gather": ("tensor", "gather_list", "dst", "group", "async_op"),
+    "scatter": ("tensor", "scatter_list", "src", "group", "async_op"),
+    "barrier": ("group", "async_op", "device_ids"),
+    "send": ("tensor", "dst", "group", "tag"),
+    "recv": ("tensor", "src", "group", "tag"),
+    "isend": ("tensor", "dst", "group", "tag"),
+    "irecv": ("tensor", "src", "group", "tag"),
+}
+SUPPORTED_OPS = tuple(_SIGNATURES)
+
+
+def fingerprint_call(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CollectiveFingerprint:
+    """Fingerprint a ``torch.distributed.<op>(*args, **kwargs)`` call before it runs."""
+    tensor_args, reduce_arg, root_arg, peer_arg = _SIGNATURES[op]
+    bound = dict(zip(_ORDER[op], args))
+    bound.update(kwargs)
+    tensors = []
+    for name in tensor_args:
+        tensors.extend(_tensors(bound.get(name)))
+    reduce_op = _reduce_name(bound.get(reduce_arg, "SUM" if reduce_arg else None)) if reduce_arg else None
+    root = bound.get(root_arg) if root_arg else None
+    if root_arg and root is None:
+        root = 0  # torch's default src/dst
+    return CollectiveFingerprint(
+        op=op,
+        group=describe_group(bound.get("group")),
+        shapes=tuple(tuple(t.shape) for t in tensors),
+        dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+        reduce_op=reduce_op,
+        root=int(root) if root is not None else None,
+        peer=int(bound[peer_arg]) if peer_arg and bound.get(peer_arg) is not None else None,
+    )
+
+
+def fingerprint_bucket(buffer: Any, group: Any) -> CollectiveFingerprint:
+    """Fingerprint of a DDP gradient bucket all-reduce (the comm-hook path)."""
+    return CollectiveFingerprint(
+        op="ddp_bucket_all_reduce", group=describe_group(group), shapes=(tuple(buffer.shape),),
+        dtypes=(str(buffer.dtype).removeprefix("torch."),), reduce_op="SUM",
+    )

@@ -1,0 +1,212 @@
+"""The per-rank shared-memory progress record (paper sections 7 and 9).
+
+The trainer publishes where it is; its out-of-band observer reads it. The
+record is a small file in ``/dev/shm`` mapped by both processes:
+
+* owner-only permissions (0600), created with ``O_EXCL``;
+* torn-read safe by a sequence lock: the writer makes the sequence odd, writes
+  the fields, then makes it even again; a reader retries until it sees the
+  same even sequence before and after copying the fields;
+* removed at exit by the trainer (``atexit``) or by its observer when the
+  trainer is gone; a segment whose owner process no longer exists is reclaimed
+  by the next :func:`create_record` on the machine.
+
+Publishing is one ``struct.pack_into`` for the fields plus one for the
+sequence (about a microsecond in CPython). Collective fingerprints are written
+only when a collective is entered.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+
+__all__ = ["pid_alive", "Phase", "ProgressRecord", "ProgressSnapshot", "create_record", "reclaim_stale", "SHM_DIR"]
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+_PREFIX = "scout-progress"
+_NAME_RE = re.compile(rf"^{_PREFIX}-(?P<run>[A-Za-z0-9_.-]+)-r(?P<rank>\d+)-p(?P<pid>\d+)$")
+
+# seq | step | op_id | phase | pending | t_publish | t_phase | fp_hash | fp_len | owner pid
+_HEAD = struct.Struct("<QqqIIddQII")
+_SEQ = struct.Struct("<Q")
+_BODY = struct.Struct("<qqIIddQII")  # _HEAD without the sequence, written at offset 8
+_FP_MAX = 448
+SIZE = _HEAD.size + _FP_MAX
+
+
+class Phase(enum.IntEnum):
+    """What the trainer was doing at its last published point."""
+
+    STARTING = 0
+    FORWARD = 1
+    BACKWARD = 2
+    OPTIMIZER = 3
+    DATALOADER = 4
+    CHECKPOINT_READ = 5
+    CHECKPOINT_WRITE = 6
+    COLLECTIVE = 7
+    STEP_END = 8
+    COMPUTE = 9  # between hooks (returned from a data or checkpoint phase)
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    """One consistent read of a record."""
+
+    seq: int
+    step: int
+    op_id: int
+    phase: Phase
+    pending: bool
+    """True while the last published event is a collective the rank entered."""
+    t_publish: float
+    """``time.monotonic()`` of the last publish (system-wide clock on Linux)."""
+    t_phase: float
+    """``time.monotonic()`` when the current phase began."""
+    fp_hash: int
+    fingerprint: str
+    owner_pid: int
+
+    @property
+    def coordinate(self) -> tuple[int, int]:
+        return (self.step, self.op_id)
+
+
+class ProgressRecord:
+    """A mapped record; the owner writes, observers read."""
+
+    def __init__(self, path: str, *, owner: bool) -> None:
+        self.path = path
+        self.owner = owner
+        flags = os.O_RDWR
+        fd = os.open(path, flags)
+        try:
+            self._mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._seq = 0
+        self._phase = Phase.STARTING
+        self._t_phase = time.monotonic()
+        self._fp_hash = 0
+        self._fp_len = 0
+        self._pid = os.getpid()
+
+    # -- writer ------------------------------------------------------------------------------
+
+    def publish(self, step: int, op_id: int, phase: Phase, pending: bool = False) -> None:
+        """Publish a coordinate; the fingerprint of the last collective is kept."""
+        now = time.monotonic()
+        if phase != self._phase:
+            self._phase = phase
+            self._t_phase = now
+        # Sequence odd first, fields, then even: a memcpy may store bytes in any
+        # order, so the odd marker must land before any field changes.
+        _SEQ.pack_into(self._mm, 0, self._seq + 1)
+        _BODY.pack_into(self._mm, 8, step, op_id, phase, pending, now, self._t_phase,
+                        self._fp_hash, self._fp_len, self._pid)
+        self._seq += 2
+        _SEQ.pack_into(self._mm, 0, self._seq)
+
+    def publish_collective(self, step: int, op_id: int, fp_hash: int, fp_text: str) -> None:
+        """Publish the intent to enter a collective, with its fingerprint."""
+        data = fp_text.encode()[:_FP_MAX]
+        now = time.monotonic()
+        self._phase = Phase.COLLECTIVE
+        self._t_phase = now
+        self._fp_hash = fp_hash
+        self._fp_len = len(data)
+        _SEQ.pack_into(self._mm, 0, self._seq + 1)  # odd: readers retry while we write
+        self._mm[_HEAD.size : _HEAD.size + len(data)] = data
+        _BODY.pack_into(self._mm, 8, step, op_id, Phase.COLLECTIVE, True, now, now, fp_hash, len(data), self._pid)
+        self._seq += 2
+        _SEQ.pack_into(self._mm, 0, self._seq)
+
+    # -- reader ------------------------------------------------------------------------------
+
+    def read(self, retries: int = 10_000) -> ProgressSnapshot:
+        for _ in range(retries):
+            head = self._mm[: _HEAD.size]
+            seq = _SEQ.unpack_from(head)[0]
+            if seq & 1:
+                continue
+            fields = _HEAD.unpack(head)
+            fp = bytes(self._mm[_HEAD.size : _HEAD.size + min(fields[8], _FP_MAX)])
+            if _SEQ.unpack_from(self._mm, 0)[0] != seq:
+                continue  # the writer moved on while we copied: torn, retry
+            _, step, op_id, phase, pending, t_pub, t_phase, fp_hash, _, pid = fields
+            return ProgressSnapshot(seq, step, op_id, Phase(phase), bool(pending), t_pub, t_phase, fp_hash,
+                                    fp.decode(errors="replace"), pid)
+        raise RuntimeError(f"progress record {self.path} kept changing during {retries} read attempts")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._mm.close()
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (a zombie never publishes again)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def reclaim_stale(directory: str = SHM_DIR) -> list[str]:
+    """Unlink records of this user whose owner process is gone; return their paths."""
+    removed = []
+    uid = os.getuid()
+    for name in os.listdir(directory):
+        m = _NAME_RE.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid or pid_alive(int(m["pid"])):
+                continue
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def create_record(run_id: str, rank: int, directory: str = SHM_DIR) -> ProgressRecord:
+    """Create this process's record (0600, exclusive) and arrange its removal at exit."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", run_id):
+        raise ValueError(f"run_id {run_id!r} may only contain letters, digits, '_', '.', '-'")
+    reclaim_stale(directory)
+    path = os.path.join(directory, f"{_PREFIX}-{run_id}-r{rank}-p{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, SIZE)
+    finally:
+        os.close(fd)
+    record = ProgressRecord(path, owner=True)
+    record.publish(0, 0, Phase.STARTING)
+    pid = os.getpid()
+
+    def _cleanup() -> None:
+        if os.getpid() == pid:  # not in forked children (the observer unlinks on its own)
+            record.unlink()
+
+    atexit.register(_cleanup)
+    return record
