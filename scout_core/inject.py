@@ -14,10 +14,13 @@ stalls) on top of the same schedule and record types.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
+import os
 import random
+import signal
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,10 @@ class FaultKind(enum.StrEnum):
     SCALE = "scale"
     SET = "set"
     DELAY = "delay"
+    FREEZE = "freeze"  # stop the rank: SIGSTOP, or a blocking wait
+    SKIP = "skip"  # the rank takes another branch and skips a collective
+    MISMATCH = "mismatch"  # the rank calls a collective with different shape, dtype or op
+    HOLD = "hold"  # the rank enters a collective that never completes (transport stall)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +89,10 @@ class Fault:
     """``scale``/``set`` the whole tensor instead of one element."""
     seconds: float = 0.0
     """Sleep for ``delay``."""
+    method: str = "sigstop"
+    """``freeze``: ``sigstop`` (the whole process stops) or ``block`` (the thread waits forever)."""
+    what: str = "shape"
+    """``mismatch``: which metadata differs, ``shape``, ``dtype`` or ``op``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", FaultKind(self.kind))
@@ -91,6 +102,10 @@ class Fault:
             raise ValueError("a delay fault needs seconds > 0")
         if self.bit < 0:
             raise ValueError(f"bit must be >= 0, got {self.bit}")
+        if self.method not in ("sigstop", "block"):
+            raise ValueError(f"freeze method must be 'sigstop' or 'block', got {self.method!r}")
+        if self.what not in ("shape", "dtype", "op"):
+            raise ValueError(f"mismatch must be of 'shape', 'dtype' or 'op', got {self.what!r}")
 
     @classmethod
     def from_dict(cls, spec: Mapping[str, Any]) -> Fault:
@@ -135,6 +150,7 @@ class Injector:
         self.faults: list[Fault] = list(faults)
         self.seed = seed
         self.log: list[Injection] = []
+        self._hold_next_call = False
 
     def add(self, fault: Fault) -> None:
         self.faults.append(fault)
@@ -192,6 +208,71 @@ class Injector:
             total += fault.seconds
             self.log.append(Injection(surface, rank, step, fault.kind, None, None, fault.seconds))
         return total
+
+
+    # -- hangs ------------------------------------------------------------------------------------
+
+    def _record(self, fault: Fault, step: int) -> None:
+        self.log.append(Injection(fault.surface, fault.rank, step, fault.kind, None, None, None))
+
+    def freeze(self, surface: str, *, rank: int, step: int) -> None:
+        """Stop this rank here if a freeze fault matches (never returns then)."""
+        for fault in self._matching(surface, rank, step, (FaultKind.FREEZE,)):
+            self._record(fault, step)
+            if fault.method == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # the observer, a separate process, keeps running
+            _block_forever()
+
+    def skip(self, surface: str, *, rank: int, step: int) -> bool:
+        """True when this rank must skip the collective at ``surface`` (a control-flow fault)."""
+        faults = self._matching(surface, rank, step, (FaultKind.SKIP,))
+        for fault in faults:
+            self._record(fault, step)
+        return bool(faults)
+
+    def mismatch(self, surface: str, tensor: torch.Tensor, op: Any, *, rank: int, step: int) -> tuple[torch.Tensor, Any]:
+        """Return the ``(tensor, op)`` this rank passes to the collective at ``surface``.
+
+        Under a mismatch fault the shape (one extra element), the dtype (float64)
+        or the reduce op (MAX instead of SUM, SUM otherwise) differs, and the next
+        collective that reaches :meth:`wrap_collective`'s wrapper is held: NCCL
+        hangs on such a call, while gloo aborts the process on a size mismatch
+        and silently completes an op mismatch. Holding the call reproduces the
+        NCCL behaviour on CPU after SCOUT's hooks have seen the real arguments.
+        """
+        for fault in self._matching(surface, rank, step, (FaultKind.MISMATCH,)):
+            self._record(fault, step)
+            self._hold_next_call = True
+            if fault.what == "shape":
+                tensor = torch.cat([tensor.reshape(-1), tensor.new_zeros(1)])
+            elif fault.what == "dtype":
+                tensor = tensor.to(torch.float64 if tensor.dtype != torch.float64 else torch.float32)
+            else:
+                import torch.distributed as dist
+
+                op = dist.ReduceOp.MAX if op in (None, dist.ReduceOp.SUM) else dist.ReduceOp.SUM
+        return tensor, op
+
+    def wrap_collective(self, fn: Callable[..., Any], name: str, *, rank: int,
+                        step: Callable[[], int]) -> Callable[..., Any]:
+        """The innermost layer around a backend collective: holds mismatched calls and
+        calls under a ``hold`` fault forever, as a stalled transport would."""
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._hold_next_call:
+                _block_forever()
+            for fault in self._matching(name, rank, step(), (FaultKind.HOLD,)):
+                self._record(fault, step())
+                _block_forever()
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _block_forever() -> None:
+    while True:
+        time.sleep(3600)
 
 
 def _unravel(index: int, shape: torch.Size) -> tuple[int, ...]:

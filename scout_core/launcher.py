@@ -82,6 +82,8 @@ class LaunchResult:
     outcomes: list[RankOutcome]
     timed_out: bool
     wall_s: float
+    stopped: bool = False
+    """True when ``stop_when`` fired and the remaining ranks were killed on purpose."""
 
     @property
     def ok(self) -> bool:
@@ -152,11 +154,16 @@ def launch(
     timeout_s: float = 120.0,
     args: dict[str, Any] | None = None,
     failure_grace_s: float = 5.0,
+    stop_when: Callable[[], bool] | None = None,
+    poll_s: float = 0.1,
 ) -> LaunchResult:
     """Run ``fn(ctx)`` on ``world_size`` forked ranks and collect their results.
 
     ``fn`` must be a module-level function; it usually starts with
     :func:`init_gloo`. On timeout every worker's process group is killed.
+    ``stop_when`` is polled every ``poll_s`` seconds; once it returns True the
+    ranks still running are killed (hang cells end this way: their trainers
+    never return by design).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -168,6 +175,7 @@ def launch(
     readers: dict[Connection, int] = {}
     outcomes = [RankOutcome(rank=r, ok=False) for r in range(world_size)]
     timed_out = False
+    stopped = False
     try:
         for rank in range(world_size):
             reader, writer = Pipe(duplex=False)
@@ -190,7 +198,11 @@ def launch(
             if remaining <= 0:
                 timed_out = True
                 break
-            for conn in wait(list(readers), timeout=remaining):
+            if stop_when is not None and stop_when():
+                stopped = True
+                break
+            wait_s = remaining if stop_when is None else min(remaining, poll_s)
+            for conn in wait(list(readers), timeout=wait_s):
                 rank = readers.pop(conn)
                 try:
                     ok, value, error = pickle.loads(conn.recv_bytes())
@@ -204,7 +216,8 @@ def launch(
                     deadline = min(deadline, time.monotonic() + failure_grace_s)
     finally:
         for conn, rank in readers.items():
-            why = "killed at timeout" if timed_out else "killed after a peer failed"
+            why = ("killed at timeout" if timed_out else "stopped: the cell had what it waited for" if stopped
+                   else "killed after a peer failed")
             outcomes[rank].error = outcomes[rank].error or why
             conn.close()
         if not all(o.ok for o in outcomes):
@@ -212,7 +225,7 @@ def launch(
                 _kill_group(pid)
         for rank, pid in pids.items():
             _reap(pid, outcomes[rank])
-    return LaunchResult(outcomes, timed_out, time.monotonic() - start)
+    return LaunchResult(outcomes, timed_out, time.monotonic() - start, stopped)
 
 
 def _reap(pid: int, outcome: RankOutcome) -> None:

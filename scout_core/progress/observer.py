@@ -169,14 +169,16 @@ class _Observer:
         self.store.set(self._key("ep", episode, spec.rank), json.dumps(mine.to_dict()))
         deadline = time.monotonic() + spec.gather_timeout_s
         keys = {r: self._key("ep", episode, r) for r in range(spec.world_size)}
+        complete = False
         while time.monotonic() < deadline:
             if self.store.check(list(keys.values())):
+                complete = True
                 break
             if self.record.read().seq != snap.seq:
                 return False  # our trainer moved: this was a slow step, not a hang
             time.sleep(spec.poll_s)
-        if int(self.store.get(self._key("episode"))) != episode:
-            return False  # the verdict for this episode is already out; rejoin at the next one
+        if not complete and int(self.store.get(self._key("episode"))) != episode:
+            return False  # we arrived after this episode's verdict; rejoin at the next one
         present = {r: k for r, k in keys.items() if self.store.check([k])}
         evidence = {r: Evidence.from_dict(json.loads(self.store.get(k))) for r, k in present.items()}
         verdicts = classify(evidence, spec.peer_groups)

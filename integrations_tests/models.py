@@ -1,0 +1,83 @@
+"""Small real models and real parallel wrappers for the cells: DDP, FSDP2, HSDP.
+
+The model is deterministic (seeded), small enough that 16 CPU ranks step in
+milliseconds, and shaped like the models SCOUT targets: an input layer, a
+``ModuleList`` of identical repeated blocks, and an output head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+LAYOUTS = ("ddp", "fsdp2", "hsdp")
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class TinyModel(nn.Module):
+    def __init__(self, dim_in: int = 16, hidden: int = 32, depth: int = 3, dim_out: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(dim_in, hidden)
+        self.layers = nn.ModuleList(Block(hidden) for _ in range(depth))
+        self.head = nn.Linear(hidden, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+@dataclass
+class Parallel:
+    """A wrapped model plus what SCOUT needs to know about its layout."""
+
+    model: nn.Module
+    inner: TinyModel
+    layout: str
+    mesh: Any = None
+
+
+def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4) -> Parallel:
+    """The seeded model wrapped for ``layout`` over the default process group."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    torch.manual_seed(seed)
+    model = TinyModel()
+    world = dist.get_world_size()
+    if layout == "ddp":
+        return Parallel(nn.parallel.DistributedDataParallel(model), model, layout)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if layout == "fsdp2":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    else:
+        if world % hsdp_replicas:
+            raise ValueError(f"HSDP with {hsdp_replicas} replicas needs a world size divisible by it, got {world}")
+        mesh = init_device_mesh("cpu", (hsdp_replicas, world // hsdp_replicas),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return Parallel(model, model, layout, mesh)
+
+
+def batches(rank: int, steps: int, *, batch: int = 8, dim_in: int = 16, dim_out: int = 8, seed: int = 0):
+    """Deterministic per-rank data: different ranks see different samples, as in data parallelism."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+    for _ in range(steps):
+        yield torch.randn(batch, dim_in, generator=gen), torch.randn(batch, dim_out, generator=gen)
