@@ -93,3 +93,30 @@ def test_fig3_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
     monkeypatch.setattr(c3_cells, "localize_slow_groups", wrong)
     (report,) = run_cells([SPECS["topology-fig3"]], root=ROOT)
     assert report.verdict == "FAIL"
+
+
+def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch):
+    from scout_core.progress import observer as observer_mod
+    from scout_core.progress.classify import HangClass, HangVerdict
+
+    def blame_rank_zero(evidence, peer_groups):
+        return [HangVerdict(HangClass.LAGGING, (0,), tuple(peer_groups[0]), "wrong on purpose")]
+
+    monkeypatch.setattr(observer_mod, "classify", blame_rank_zero)
+    (report,) = run_cells([SPECS["hang-frozen-rank"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected" in report.details
+
+
+def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch):
+    from scout_core.progress.record import ProgressRecord
+
+    real_read = ProgressRecord.read
+
+    def stale_read(self, *args, **kwargs):  # an observer that believes nothing ever moves
+        snap = real_read(self, *args, **kwargs)
+        return dataclasses.replace(snap, t_publish=snap.t_publish - 3600)
+
+    monkeypatch.setattr(ProgressRecord, "read", stale_read)
+    spec = dataclasses.replace(SPECS["hang-clean"], params={**SPECS["hang-clean"].params, "steps": 200})
+    (report,) = run_cells([spec], root=ROOT)
+    assert report.verdict == "FAIL"

@@ -230,7 +230,9 @@ class Injector:
             self._record(fault, step)
         return bool(faults)
 
-    def mismatch(self, surface: str, tensor: torch.Tensor, op: Any, *, rank: int, step: int) -> tuple[torch.Tensor, Any]:
+    def mismatch(
+        self, surface: str, tensor: torch.Tensor, op: Any, *, rank: int, step: int
+    ) -> tuple[torch.Tensor, Any]:
         """Return the ``(tensor, op)`` this rank passes to the collective at ``surface``.
 
         Under a mismatch fault the shape (one extra element), the dtype (float64)

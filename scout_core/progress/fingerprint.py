@@ -117,6 +117,10 @@ _SIGNATURES: dict[str, tuple[Sequence[str], str | None, str | None, str | None]]
     "gather": (("tensor", "gather_list"), None, "dst", None),
     "scatter": (("tensor", "scatter_list"), None, "src", None),
     "barrier": ((), None, None, None),
+    # Object collectives: published once as themselves; their inner tensor collectives
+    # carry rank-dependent pickled sizes and are not published again.
+    "all_gather_object": ((), None, None, None),
+    "broadcast_object_list": ((), None, "src", None),
     "send": (("tensor",), None, None, "dst"),
     "recv": (("tensor",), None, None, "src"),
     "isend": (("tensor",), None, None, "dst"),
@@ -138,6 +142,8 @@ _ORDER: dict[str, tuple[str, ...]] = {
     "gather": ("tensor", "gather_list", "dst", "group", "async_op"),
     "scatter": ("tensor", "scatter_list", "src", "group", "async_op"),
     "barrier": ("group", "async_op", "device_ids"),
+    "all_gather_object": ("object_list", "obj", "group"),
+    "broadcast_object_list": ("object_list", "src", "group", "device"),
     "send": ("tensor", "dst", "group", "tag"),
     "recv": ("tensor", "src", "group", "tag"),
     "isend": ("tensor", "dst", "group", "tag"),

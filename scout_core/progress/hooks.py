@@ -2,16 +2,15 @@
 
 Nothing in the training loop is edited. What is published, and from where:
 
-| boundary | mechanism | phase |
-|---|---|---|
-| repeated layer forward | ``register_forward_pre_hook`` / ``register_forward_hook`` | forward |
-| repeated layer backward | a tensor hook on the layer output (fires when its gradient arrives) | backward |
-| optimizer step | ``Optimizer.register_step_pre_hook`` / ``register_step_post_hook`` | optimizer, step end |
-| data loader fetch | :meth:`ProgressTracker.wrap_dataloader` (wraps the iterator) | dataloader |
-| checkpoint I/O | :meth:`ProgressTracker.checkpoint_io` (context manager) | checkpoint read / write |
-| ``torch.distributed`` collectives | module-attribute wrappers installed by :func:`install_collective_hooks` | collective |
-| DDP gradient buckets | ``DistributedDataParallel.register_comm_hook`` | collective |
-| FSDP2 all-gather / reduce-scatter | FSDP2 calls ``dist.all_gather_single`` / ``reduce_scatter_single`` / ``all_reduce``, which are wrapped | collective |
+* repeated layer forward: ``register_forward_pre_hook`` / ``register_forward_hook``;
+* repeated layer backward: a tensor hook on the layer output (fires when its gradient arrives);
+* optimizer step: ``Optimizer.register_step_pre_hook`` / ``register_step_post_hook``;
+* data loader fetch: :meth:`ProgressTracker.wrap_dataloader` (wraps the iterator);
+* checkpoint I/O: :meth:`ProgressTracker.checkpoint_io` (a context manager);
+* ``torch.distributed`` collectives: module-attribute wrappers (:func:`install_collective_hooks`);
+* DDP gradient buckets: ``DistributedDataParallel.register_comm_hook``;
+* FSDP2 all-gather / reduce-scatter: FSDP2 calls ``dist.all_gather_single``,
+  ``dist.reduce_scatter_single`` and ``dist.all_reduce``, which are wrapped.
 
 Intent and fingerprint of a collective are published BEFORE the call, so a
 rank waiting inside it is distinguishable from one that never arrived.

@@ -131,8 +131,18 @@ class ProgressRecord:
 
     # -- reader ------------------------------------------------------------------------------
 
-    def read(self, retries: int = 10_000) -> ProgressSnapshot:
-        for _ in range(retries):
+    def read(self, timeout_s: float = 1.0) -> ProgressSnapshot:
+        deadline = None
+        attempt = 0
+        while True:
+            attempt += 1
+            if attempt % 64 == 0:
+                # A writer publishing back to back can starve us: yield, and give up
+                # only after a wall-clock bound rather than a retry count.
+                deadline = deadline or time.monotonic() + timeout_s
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"progress record {self.path} kept changing for {timeout_s}s")
+                time.sleep(0)
             head = self._mm[: _HEAD.size]
             seq = _SEQ.unpack_from(head)[0]
             if seq & 1:
@@ -144,7 +154,6 @@ class ProgressRecord:
             _, step, op_id, phase, pending, t_pub, t_phase, fp_hash, _, pid = fields
             return ProgressSnapshot(seq, step, op_id, Phase(phase), bool(pending), t_pub, t_phase, fp_hash,
                                     fp.decode(errors="replace"), pid)
-        raise RuntimeError(f"progress record {self.path} kept changing during {retries} read attempts")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,0 +1,110 @@
+"""Hang classification on gathered evidence: every class, victims, lost peers."""
+
+from __future__ import annotations
+
+from scout_core.progress.classify import Evidence, HangClass, classify
+from scout_core.progress.record import Phase
+
+WORLD = list(range(8))
+FP_AR = ("ddp_bucket_all_reduce|group=8@0,1,2,3,4,5,6,7", 111)
+
+
+def _ev(rank, step=3, op=50, phase=Phase.COLLECTIVE, pending=True, fp=FP_AR):
+    return Evidence(rank=rank, step=step, op_id=op, phase=int(phase), pending=pending,
+                    fp_hash=fp[1] if pending else 0, fingerprint=fp[0] if pending else "", silent_s=5.0)
+
+
+def _healthy(ranks=WORLD):
+    return {r: _ev(r) for r in ranks}
+
+
+def _one(verdicts):
+    assert len(verdicts) == 1, verdicts
+    return verdicts[0]
+
+
+def test_lagging_rank():
+    ev = _healthy()
+    ev[5] = _ev(5, op=41, phase=Phase.FORWARD, pending=False)
+    v = _one(classify(ev, [WORLD]))
+    assert v.hang_class is HangClass.LAGGING and v.ranks == (5,)
+    assert (v.kind, v.scope) == ("hang", "rank")
+
+
+def test_frozen_before_entering_a_collective_in_the_previous_step():
+    ev = _healthy()
+    ev[2] = _ev(2, step=2, op=99, phase=Phase.OPTIMIZER, pending=False)
+    assert _one(classify(ev, [WORLD])).hang_class is HangClass.LAGGING
+
+
+def test_fingerprint_mismatch_at_equal_progress():
+    ev = _healthy()
+    ev[6] = _ev(6, fp=("all_reduce|group=8@0,1,2,3,4,5,6,7|shapes=2|op=SUM", 222))
+    v = _one(classify(ev, [WORLD]))
+    assert v.hang_class is HangClass.PROTOCOL_MISMATCH and v.ranks == (6,)
+    assert "shapes=2" in v.reason
+
+
+def test_rank_ahead_in_another_collective_is_control_flow_divergence():
+    ev = _healthy()
+    ev[1] = _ev(1, step=4, op=60, fp=("all_reduce|other", 333))
+    v = _one(classify(ev, [WORLD]))
+    assert v.hang_class is HangClass.PROTOCOL_MISMATCH and v.ranks == (1,)
+
+
+def test_data_and_checkpoint_stalls():
+    ev = _healthy()
+    ev[3] = _ev(3, op=10, phase=Phase.DATALOADER, pending=False)
+    v = _one(classify(ev, [WORLD]))
+    assert (v.hang_class, v.kind, v.scope, v.ranks) == (HangClass.DATA_STALL, "data_stall", "rank", (3,))
+    ev = _healthy()
+    ev[7] = _ev(7, op=70, phase=Phase.CHECKPOINT_WRITE, pending=False)
+    v = _one(classify(ev, [WORLD]))
+    assert (v.hang_class, v.kind, v.ranks) == (HangClass.CHECKPOINT_STALL, "checkpoint_stall", (7,))
+
+
+def test_equal_progress_stall_is_group_scoped():
+    v = _one(classify(_healthy(), [WORLD]))
+    assert v.hang_class is HangClass.EQUAL_PROGRESS_STALL and v.scope == "peer_group"
+    assert v.ranks == tuple(WORLD)
+
+
+def test_two_peers_disagreeing_are_inconclusive_never_named():
+    ev = {0: _ev(0), 1: _ev(1, op=10, pending=False)}
+    v = _one(classify(ev, [[0, 1]]))
+    assert v.hang_class is HangClass.INCONCLUSIVE and v.scope == "peer_group" and v.ranks == (0, 1)
+
+
+def test_other_groups_are_victims():
+    groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    ev = _healthy()
+    ev[5] = _ev(5, op=30, phase=Phase.FORWARD, pending=False)
+    v = _one(classify(ev, groups))
+    assert v.ranks == (5,) and v.peer_group == (1, 3, 5, 7)
+
+
+def test_equal_stall_in_every_group_gives_one_verdict_per_group():
+    groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    verdicts = classify(_healthy(), groups)
+    assert [v.ranks for v in verdicts] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+
+
+def test_lost_peer_named_and_survivors_not_blamed():
+    ev = _healthy()
+    del ev[4]
+    v = _one(classify(ev, [WORLD]))
+    assert v.hang_class is HangClass.LOST and v.ranks == (4,) and v.scope == "rank"
+
+
+def test_lost_peer_plus_a_named_culprit():
+    ev = _healthy()
+    del ev[4]
+    ev[5] = _ev(5, op=30, phase=Phase.FORWARD, pending=False)
+    assert {v.hang_class for v in classify(ev, [WORLD])} == {HangClass.LOST, HangClass.LAGGING}
+
+
+def test_identical_input_identical_output_regardless_of_order():
+    ev = _healthy()
+    ev[5] = _ev(5, op=30, phase=Phase.FORWARD, pending=False)
+    shuffled = dict(reversed(list(ev.items())))
+    assert classify(ev, [WORLD]) == classify(shuffled, [WORLD])

@@ -1,0 +1,172 @@
+"""Trainer-side hooks: what is published, in which order, and that training is unchanged."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.progress.hooks import (
+    ProgressTracker,
+    install_collective_hooks,
+    repeated_layers,
+    uninstall_collective_hooks,
+)
+from scout_core.progress.record import Phase
+
+
+class RecordingRecord:
+    """Stands in for the shared-memory record to capture the publish sequence."""
+
+    path = "<memory>"
+
+    def __init__(self, log=None):
+        self.log = log if log is not None else []
+
+    def publish(self, step, op_id, phase, pending=False):
+        self.log.append(("mark", step, op_id, Phase(phase).name))
+
+    def publish_collective(self, step, op_id, fp_hash, fp_text):
+        self.log.append(("collective", step, op_id, fp_text.split("|")[0]))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+def test_repeated_layers_are_modulelist_children():
+    net = Net()
+    assert repeated_layers([net]) == list(net.layers)
+    lone = torch.nn.Linear(2, 2)
+    assert repeated_layers([lone]) == [lone]
+
+
+def test_one_training_step_publishes_every_boundary_in_order():
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    tracker.install_module_hooks(repeated_layers([net]))
+    tracker.install_optimizer_hooks([opt])
+    for x in tracker.wrap_dataloader([torch.randn(3, 4)]):
+        net(x).sum().backward()
+        opt.step()
+        with tracker.checkpoint_io("write"):
+            pass
+    phases = [e[3] for e in rec.log]
+    assert phases == [
+        "DATALOADER", "COMPUTE",
+        "FORWARD", "FORWARD", "FORWARD", "FORWARD",  # pre/post of two repeated layers
+        "BACKWARD", "BACKWARD",  # gradients reach layer 1, then layer 0
+        "OPTIMIZER", "STEP_END",
+        "CHECKPOINT_WRITE", "COMPUTE",
+        "DATALOADER", "COMPUTE",  # the fetch that ends the iteration
+    ]
+    op_ids = [e[2] for e in rec.log]
+    assert op_ids == sorted(op_ids) and len(set(op_ids)) == len(op_ids)
+    assert rec.log[-1][1] == 1  # step counter advanced once
+    tracker.remove_hooks()
+    rec.log.clear()
+    net(torch.randn(1, 4)).sum().backward()
+    assert rec.log == []
+
+
+def test_hooks_leave_training_bitwise_unchanged():
+    def run(hooked):
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        if hooked:
+            tracker = ProgressTracker(RecordingRecord())
+            tracker.install_module_hooks(repeated_layers([net]))
+            tracker.install_optimizer_hooks([opt])
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            net(torch.randn(6, 4, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in net.parameters()]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_io_rejects_unknown_kind():
+    tracker = ProgressTracker(RecordingRecord())
+    try:
+        with tracker.checkpoint_io("delete"):
+            pass
+    except ValueError as exc:
+        assert "read" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
+
+
+def _collectives(ctx: RankContext):
+    init_gloo(ctx)
+    log = []
+    real = dist.all_reduce
+
+    def backend_all_reduce(*args, **kwargs):  # stands for the backend: logs when the call arrives
+        log.append(("backend", "all_reduce"))
+        return real(*args, **kwargs)
+
+    dist.all_reduce = backend_all_reduce
+    tracker = ProgressTracker(RecordingRecord(log))
+    install_collective_hooks(tracker)
+    install_collective_hooks(tracker)  # idempotent
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    objs = [None] * ctx.world_size
+    dist.all_gather_object(objs, ctx.rank)  # nested collectives publish once
+    dist.barrier()
+    uninstall_collective_hooks(tracker)
+    restored = dist.all_reduce is backend_all_reduce
+    dist.all_reduce(t)
+    return {"log": log, "restored": restored, "sum": float(t[0]), "objs": objs}
+
+
+def test_collective_intent_is_published_before_the_call_and_nested_calls_once():
+    result = launch(_collectives, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    v = result.values()[0]
+    assert v["log"][:2] == [("collective", 0, 1, "all_reduce"), ("backend", "all_reduce")]
+    ops = [e[3] for e in v["log"] if e[0] == "collective"]
+    assert ops == ["all_reduce", "all_gather_object", "barrier"]
+    assert v["restored"] and v["log"][-1] == ("backend", "all_reduce")  # after uninstall: no publish
+    assert v["sum"] == 4.0 and v["objs"] == [0, 1]
+
+
+def _ddp(ctx: RankContext):
+    init_gloo(ctx)
+    torch.manual_seed(0)
+    plain = torch.nn.parallel.DistributedDataParallel(Net())
+    torch.manual_seed(0)
+    hooked = torch.nn.parallel.DistributedDataParallel(Net())
+    log = []
+    tracker = ProgressTracker(RecordingRecord(log))
+    assert tracker.install_ddp_comm_hook(hooked)
+    assert not tracker.install_ddp_comm_hook(hooked)  # DDP allows one hook: reported, not raised
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(ctx.rank))
+    plain(x).sum().backward()
+    hooked(x).sum().backward()
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters()))
+    return {"same": same, "ops": [e[3] for e in log if e[0] == "collective"]}
+
+
+def test_ddp_comm_hook_publishes_buckets_and_keeps_gradients():
+    result = launch(_ddp, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    for v in result.values():
+        assert v["same"]
+        assert v["ops"] and set(v["ops"]) == {"ddp_bucket_all_reduce"}

@@ -1,0 +1,112 @@
+"""The shared-memory progress record: layout, torn-read safety, permissions, cleanup."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from scout_core.progress.record import Phase, ProgressRecord, create_record, pid_alive, reclaim_stale
+
+
+@pytest.fixture
+def shm(tmp_path):
+    return str(tmp_path)
+
+
+def test_publish_and_read_round_trip(shm):
+    rec = create_record("run1", 4, directory=shm)
+    rec.publish(7, 120, Phase.BACKWARD)
+    reader = ProgressRecord(rec.path, owner=False)
+    snap = reader.read()
+    assert (snap.step, snap.op_id, snap.phase, snap.pending) == (7, 120, Phase.BACKWARD, False)
+    assert snap.owner_pid == os.getpid()
+    rec.publish_collective(7, 121, 0xABCDEF, "all_reduce|group=16@0,1|shapes=10|dtypes=float32|op=SUM")
+    snap = reader.read()
+    assert snap.pending and snap.phase is Phase.COLLECTIVE and snap.fp_hash == 0xABCDEF
+    assert snap.fingerprint.startswith("all_reduce|group=16")
+    rec.publish(7, 122, Phase.FORWARD)
+    snap = reader.read()
+    assert not snap.pending and snap.fp_hash == 0xABCDEF  # the last collective stays visible
+
+
+def test_phase_start_time_only_moves_on_phase_change(shm):
+    rec = create_record("run1", 0, directory=shm)
+    rec.publish(1, 1, Phase.FORWARD)
+    t0 = ProgressRecord(rec.path, owner=False).read().t_phase
+    time.sleep(0.01)
+    rec.publish(1, 2, Phase.FORWARD)
+    snap = ProgressRecord(rec.path, owner=False).read()
+    assert snap.t_phase == t0 and snap.t_publish > t0
+
+
+def test_owner_only_permissions_and_exclusive_create(shm):
+    rec = create_record("perm", 1, directory=shm)
+    mode = stat.S_IMODE(os.stat(rec.path).st_mode)
+    assert mode == 0o600
+    with pytest.raises(FileExistsError):
+        create_record("perm", 1, directory=shm)
+
+
+def test_bad_run_id_rejected(shm):
+    with pytest.raises(ValueError):
+        create_record("../etc", 0, directory=shm)
+
+
+def test_no_torn_reads_under_a_concurrent_writer(shm):
+    rec = create_record("torn", 0, directory=shm)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            end = time.monotonic() + 1.0
+            i = 0
+            while time.monotonic() < end:
+                i += 1
+                # Every field encodes i, so a torn read shows up as a mix of values.
+                if i % 3:
+                    rec.publish(i, i, Phase(i % 9))
+                else:
+                    rec.publish_collective(i, i, i, f"op-{i}" * (1 + i % 7))
+        finally:
+            os._exit(0)
+    reader = ProgressRecord(rec.path, owner=False)
+    reads = 0
+    deadline = time.monotonic() + 0.9
+    while time.monotonic() < deadline:
+        snap = reader.read()
+        assert snap.step == snap.op_id
+        if snap.pending:
+            assert snap.fp_hash == snap.step
+            assert snap.fingerprint == f"op-{snap.step}" * (1 + snap.step % 7)
+        reads += 1
+    os.waitpid(pid, 0)
+    assert reads > 1000
+
+
+def test_stale_segments_of_dead_owners_are_reclaimed(shm):
+    pid = os.fork()
+    if pid == 0:
+        create_record("stale", 2, directory=shm)
+        os._exit(0)  # exits without running atexit: the segment stays behind
+    os.waitpid(pid, 0)
+    assert not pid_alive(pid)
+    leftovers = [f for f in os.listdir(shm) if f.startswith("scout-progress-stale")]
+    assert len(leftovers) == 1
+    live = create_record("live", 0, directory=shm)
+    removed = reclaim_stale(shm)
+    assert removed == []  # create_record already reclaimed it
+    assert [f for f in os.listdir(shm) if f.startswith("scout-progress-stale")] == []
+    assert os.path.exists(live.path)
+
+
+def test_segment_removed_at_normal_exit(shm):
+    code = ("from scout_core.progress.record import create_record; "
+            f"print(create_record('atexit', 0, directory={shm!r}).path)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = out.stdout.strip()
+    assert path.startswith(shm) and not os.path.exists(path)
