@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -105,6 +106,153 @@ def bench_consensus(repeats: int) -> dict:
     return out
 
 
+def _step_overhead(steps: int) -> dict:
+    """Step time with every hang-path hook vs none: two identical models stepped alternately.
+
+    Model A carries the module, optimizer and data-loader hooks permanently; the
+    collective wrappers are switched on for A's steps only (switching them costs
+    nothing on the timed path). Alternating single steps cancels drift; the same
+    alternation between two unhooked models (A/A) gives the noise floor.
+    """
+    import copy
+    import tempfile
+
+    import torch.distributed as dist
+
+    from scout_core.progress.hooks import (
+        ProgressTracker,
+        install_collective_hooks,
+        repeated_layers,
+        uninstall_collective_hooks,
+    )
+    from scout_core.progress.record import create_record
+
+    def make():
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(8))
+        model = torch.nn.Sequential(*blocks)
+        return model, blocks, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    data = [torch.randn(64, 1024) for _ in range(4)]
+    tracker = ProgressTracker(create_record("bench", 0, directory=tempfile.mkdtemp()))
+    hooked, hooked_blocks, hooked_opt = make()
+    tracker.install_module_hooks(repeated_layers([torch.nn.Sequential(hooked_blocks)]))
+    tracker.install_optimizer_hooks([hooked_opt])
+    plain, _, plain_opt = make()
+    plain2, _, plain2_opt = copy.deepcopy(plain), None, None
+    plain2_opt = torch.optim.AdamW(plain2.parameters(), lr=1e-4)
+    hooked_iter = iter(tracker.wrap_dataloader(range(10**9)))
+    plain_iter = iter(range(10**9))
+
+    def step(model, opt, it, x, collectives_hooked):
+        if collectives_hooked:
+            install_collective_hooks(tracker)
+        start = time.perf_counter()
+        next(it)
+        model(x).square().mean().backward()
+        params = list(model.parameters())
+        # Gradient sync as DDP does it: a few large buckets (two here), each one visible collective.
+        for half in (params[: len(params) // 2], params[len(params) // 2 :]):
+            dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in half]))
+        dist.all_reduce(torch.zeros(1))  # a metrics reduction
+        opt.step()
+        opt.zero_grad()
+        elapsed = time.perf_counter() - start
+        if collectives_hooked:
+            uninstall_collective_hooks(tracker)
+        return elapsed
+
+    for i in range(4):
+        step(hooked, hooked_opt, hooked_iter, data[i % 4], True)
+        step(plain, plain_opt, plain_iter, data[i % 4], False)
+        step(plain2, plain2_opt, plain_iter, data[i % 4], False)
+    ab, aa, base = [], [], []
+    for i in range(steps):
+        x = data[i % len(data)]
+        order = [("h", hooked, hooked_opt, hooked_iter, True), ("p", plain, plain_opt, plain_iter, False),
+                 ("q", plain2, plain2_opt, plain_iter, False)]
+        if i % 2:
+            order.reverse()
+        t = {name: step(m, o, it, x, coll) for name, m, o, it, coll in order}
+        ab.append(t["h"] / t["p"] - 1)
+        aa.append(t["q"] / t["p"] - 1)
+        base.append(t["p"])
+    before = tracker.op_id
+    step(hooked, hooked_opt, hooked_iter, data[0], True)
+    return {"step_ms": round(statistics.median(base) * 1e3, 3), "overhead_ratio": round(statistics.median(ab), 5),
+            "noise_ratio": round(abs(statistics.median(aa)), 5),
+            "publishes_per_step": tracker.op_id - before, "goal_ratio": 0.005}
+
+
+def bench_hang(repeats: int) -> dict:
+    """Publish cost, hook overhead, and observer latency / startup on a 16-rank job."""
+    import tempfile
+
+    from scout_core.launcher import RankContext, init_gloo, launch
+    from scout_core.progress.fingerprint import fingerprint_call
+    from scout_core.progress.hooks import ProgressTracker
+    from scout_core.progress.record import Phase, create_record
+
+    rec = create_record("benchpub", 0, directory=tempfile.mkdtemp())
+    tracker = ProgressTracker(rec)
+    n = 200_000
+    start = time.perf_counter()
+    for i in range(n):
+        rec.publish(1, i, Phase.FORWARD)
+    publish_us = (time.perf_counter() - start) / n * 1e6
+    start = time.perf_counter()
+    for _ in range(n):
+        tracker.mark(Phase.FORWARD)
+    mark_us = (time.perf_counter() - start) / n * 1e6
+    out = {"record_publish_us": round(publish_us, 3), "tracker_mark_us": round(mark_us, 3), "goal_publish_us": 2.0}
+
+    def one_rank(ctx: RankContext) -> dict:
+        init_gloo(ctx)
+        t = torch.zeros(1024)
+        k = 20_000
+        s = time.perf_counter()
+        for i in range(k):
+            fp = fingerprint_call("all_reduce", (t,), {})
+            tracker.enter_collective(fp)
+        intent_us = (time.perf_counter() - s) / k * 1e6
+        overhead = _step_overhead(40 * max(1, repeats // 3))
+        return {"collective_intent_us": round(intent_us, 3), **overhead}
+
+    result = launch(one_rank, 1, timeout_s=600)
+    if not result.ok:
+        raise RuntimeError(result.failures())
+    out.update(result.values()[0])
+    # What the hooks cost by construction: publishes and collective intents per step.
+    intents = 3
+    out["accounted_ratio"] = round(
+        ((out["publishes_per_step"] - intents) * out["tracker_mark_us"] + intents * out["collective_intent_us"])
+        / (out["step_ms"] * 1e3), 6)
+    out["latency"] = _hang_latency()
+    return out
+
+
+def _hang_latency() -> dict:
+    """Frozen-rank and mismatch cells at 16 ranks with a 1 s threshold: verdict latency beyond it."""
+    import dataclasses
+
+    from scout_core.cells import load_cells, run_cells
+
+    specs = load_cells(ROOT / "configs" / "cells.yaml")
+    rows = []
+    for name in ("hang-frozen-rank", "hang-mismatch-shape", "data-stall", "hang-equal-stall"):
+        spec = specs[name]
+        spec = dataclasses.replace(spec, params={**spec.params, "threshold_s": 1.0, "gather_timeout_s": 3.0})
+        (report,) = run_cells([spec], root=ROOT)
+        if report.verdict != "PASS":
+            raise RuntimeError(f"{name} failed during the benchmark: {report.details}")
+        startup = report.metrics["observer_startup_max_s"]
+        rows.append({"cell": name, "verdict": report.verdict, "beyond_threshold_s": report.time_to_verdict_s,
+                     "observer_startup_max_s": startup})
+    return {"threshold_s": 1.0, "world_size": 16, "cells": rows, "goal_beyond_threshold_s": 2.0,
+            "goal_startup_s": 1.0}
+
+
 def markdown(results: dict) -> str:
     sig = [r for r in results["signature"] if "fold_vs_sum" in r]
     many = next(r for r in results["signature"] if "surfaces" in r)
@@ -133,6 +281,21 @@ def markdown(results: dict) -> str:
         f"| exact C3, N=16 / N=1024 | {cons['exact_n16_us']} us / {cons['exact_n1024_us']} us | - |",
         f"| statistical C3, N=16 / N=1024 | {cons['statistical_n16_us']} us / {cons['statistical_n1024_us']} us | - |",
     ]
+    hang = results["hang"]
+    lines += [
+        f"| progress publish (record / tracker with lock) | {hang['record_publish_us']} us / {hang['tracker_mark_us']} us "
+        f"| <= {hang['goal_publish_us']} us |",
+        f"| collective intent: fingerprint + publish | {hang['collective_intent_us']} us | - |",
+        f"| all hang-path hooks on a {hang['step_ms']:.0f} ms training step ({hang['publishes_per_step']} publishes): "
+        f"measured A/B (A/A noise) / accounted | {hang['overhead_ratio'] * 100:+.2f} % "
+        f"(+-{hang['noise_ratio'] * 100:.2f} %) / {hang['accounted_ratio'] * 100:.3f} % "
+        f"| <= {hang['goal_ratio'] * 100:.1f} % |",
+    ]
+    for row in hang["latency"]["cells"]:
+        lines.append(
+            f"| `{row['cell']}`, 16 ranks, {hang['latency']['threshold_s']:.0f} s threshold: verdict after threshold "
+            f"/ observer start-up (max rank) | {row['beyond_threshold_s']:.2f} s / {row['observer_startup_max_s']:.2f} s "
+            f"| <= {hang['latency']['goal_beyond_threshold_s']:.0f} s / <= {hang['latency']['goal_startup_s']:.0f} s |")
     return "\n".join(lines)
 
 
@@ -168,6 +331,7 @@ def main() -> None:
         "signature": bench_signature(device, args.mib, args.repeats),
         "topology": bench_topology(max(3, args.repeats // 2)),
         "consensus": bench_consensus(args.repeats),
+        "hang": bench_hang(args.repeats),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:

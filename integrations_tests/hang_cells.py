@@ -52,6 +52,8 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
     ])
     callbacks = JsonlSink(os.path.join(a["workdir"], f"callback-r{ctx.rank}.jsonl"), fsync=False)
     handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh, on_incident=callbacks.emit)
+    with open(os.path.join(a["workdir"], f"startup-r{ctx.rank}.txt"), "w") as fh:
+        fh.write(repr(handle.observer_startup_s))  # hung ranks never return it
     par.inner.layers[1].register_forward_pre_hook(
         lambda *_: injector.freeze("layers.1.forward", rank=ctx.rank, step=state["step"]))
 
@@ -77,9 +79,8 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
                 shard = {k: v.detach().clone() for k, v in par.inner.state_dict().items()}
                 torch.save(shard, os.path.join(a["workdir"], f"ckpt-r{ctx.rank}.pt"))
     dist.barrier()
-    startup = handle.observer_startup_s
     handle.close()
-    return {"steps": state["step"] + 1, "observer_startup_s": startup}
+    return {"steps": state["step"] + 1}
 
 
 class _RecordsSettled:
@@ -127,12 +128,16 @@ def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         calls = [f for f in os.listdir(workdir) if f.startswith("callback-r")]
         if len(calls) < world_size - sum(len(e["ranks"]) for e in expect if e.get("class") == "lost"):
             problems.append(f"user callback ran in {len(calls)} observers only")
-    startups = [v["observer_startup_s"] for v in result.values() if isinstance(v, dict)]
-    details = "\n".join(problems)
-    if startups:
-        details += f"{chr(10) if details else ''}observer startup max {max(startups):.3f}s"
+    startups = []
+    for name in os.listdir(workdir):
+        if name.startswith("startup-r"):
+            with open(os.path.join(workdir, name)) as fh:
+                startups.append(float(fh.read()))
+    if len(startups) != world_size:
+        problems.append(f"{len(startups)} of {world_size} observers started")
+    metrics = {"observer_startup_max_s": round(max(startups), 4)} if startups else {}
     return CellReport(
         name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
-        injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents], details=details,
-        time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None),
+        injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents], details="\n".join(problems),
+        time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None), metrics=metrics,
     )

@@ -68,6 +68,8 @@ class CellReport:
     wall_s: float = 0.0
     details: str = ""
     time_to_verdict_s: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Measured facts worth keeping (e.g. observer start-up), never pass/fail criteria."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -19,10 +19,14 @@ key by an explicit rule:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
 
 __all__ = ["CollectiveFingerprint", "describe_group", "fingerprint_call", "COMPARED_FIELDS"]
 
@@ -32,8 +36,9 @@ _P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 COMPARED_FIELDS = ("op", "group", "shapes", "dtypes", "reduce_op", "root")
 
 
-@dataclass(frozen=True)
-class CollectiveFingerprint:
+class CollectiveFingerprint(NamedTuple):
+    """Immutable and cheap to build: one is made before every collective."""
+
     op: str
     group: tuple[int, ...]
     """(size, *offsets of members from the lowest member)."""
@@ -52,10 +57,12 @@ class CollectiveFingerprint:
         return (self.op, self.group, shapes, self.dtypes, self.reduce_op, self.root)
 
     def hash64(self) -> int:
-        digest = hashlib.blake2b(repr(self.key()).encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
+        return _hash_key(self.key())
 
     def text(self) -> str:
+        return _text(self)
+
+    def _text(self) -> str:
         shapes = ";".join("x".join(map(str, s)) for s in self.shapes)
         parts = [self.op, f"group={self.group[0]}@{','.join(map(str, self.group[1:]))}",
                  f"shapes={shapes}", f"dtypes={','.join(self.dtypes)}"]
@@ -68,21 +75,49 @@ class CollectiveFingerprint:
         return "|".join(parts)
 
 
-def describe_group(group: Any) -> tuple[int, ...]:
-    """``(size, offsets...)`` of a process group; the default group when ``None``."""
-    import torch.distributed as dist
+# Training loops issue the same few collectives every step: cache what does not change.
+@functools.lru_cache(maxsize=4096)
+def _hash_key(key: tuple[Any, ...]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
 
+
+@functools.lru_cache(maxsize=4096)
+def _text(fp: CollectiveFingerprint) -> str:
+    return fp._text()
+
+
+_GROUPS: dict[Any, tuple[int, ...]] = {}
+_WORLDS: dict[int, tuple[int, ...]] = {}
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def describe_group(group: Any) -> tuple[int, ...]:
+    """``(size, offsets...)`` of a process group; the default group when ``None``.
+
+    Cached per group object (membership never changes). The default group is
+    not cached by identity because it is recreated when a job re-initializes.
+    """
     if group is None or group is dist.group.WORLD:
         n = dist.get_world_size()
-        return (n, *range(n))
-    ranks = sorted(dist.get_process_group_ranks(group))
-    base = ranks[0]
-    return (len(ranks), *(r - base for r in ranks))
+        world = _WORLDS.get(n)
+        if world is None:
+            world = _WORLDS[n] = (n, *range(n))
+        return world
+    cached = _GROUPS.get(group)
+    if cached is None:
+        ranks = sorted(dist.get_process_group_ranks(group))
+        cached = _GROUPS[group] = (len(ranks), *(r - ranks[0] for r in ranks))
+    return cached
 
 
 def _tensors(value: Any) -> list[Any]:
-    import torch
-
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -93,11 +128,21 @@ def _tensors(value: Any) -> list[Any]:
     return []
 
 
+_REDUCE_NAMES: dict[Any, str] = {}
+
+
 def _reduce_name(op: Any) -> str | None:
     if op is None:
         return None
+    try:
+        return _REDUCE_NAMES[op]
+    except (KeyError, TypeError):
+        pass
     name = getattr(op, "name", None)
-    return str(name if name is not None else op).rsplit(".", 1)[-1].upper()
+    text = str(name if name is not None else op).rsplit(".", 1)[-1].upper()
+    with contextlib.suppress(TypeError):  # unhashable custom ops are simply not cached
+        _REDUCE_NAMES[op] = text
+    return text
 
 
 # Which positional/keyword arguments carry tensors, the reduce op, the root and the group.
@@ -168,7 +213,7 @@ def fingerprint_call(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         op=op,
         group=describe_group(bound.get("group")),
         shapes=tuple(tuple(t.shape) for t in tensors),
-        dtypes=tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+        dtypes=tuple(_dtype_name(t.dtype) for t in tensors),
         reduce_op=reduce_op,
         root=int(root) if root is not None else None,
         peer=int(bound[peer_arg]) if peer_arg and bound.get(peer_arg) is not None else None,
@@ -179,5 +224,5 @@ def fingerprint_bucket(buffer: Any, group: Any) -> CollectiveFingerprint:
     """Fingerprint of a DDP gradient bucket all-reduce (the comm-hook path)."""
     return CollectiveFingerprint(
         op="ddp_bucket_all_reduce", group=describe_group(group), shapes=(tuple(buffer.shape),),
-        dtypes=(str(buffer.dtype).removeprefix("torch."),), reduce_op="SUM",
+        dtypes=(_dtype_name(buffer.dtype),), reduce_op="SUM",
     )

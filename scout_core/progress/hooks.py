@@ -220,10 +220,16 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
         if not _ACTIVE:
             return original(*args, **kwargs)
         tracker = _ACTIVE[-1]
-        if tracker.in_collective:
+        local = tracker._local
+        depth = getattr(local, "depth", 0)
+        if depth:  # inside an object collective: its inner calls are not published again
             return original(*args, **kwargs)
-        with tracker.collective(fingerprint_call(name, args, kwargs)):
+        tracker.enter_collective(fingerprint_call(name, args, kwargs))
+        local.depth = 1
+        try:
             return original(*args, **kwargs)
+        finally:
+            local.depth = 0
 
     wrapper.__scout_original__ = original  # type: ignore[attr-defined]
     return wrapper
