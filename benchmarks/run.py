@@ -212,7 +212,7 @@ def bench_hang(repeats: int) -> dict:
         t = torch.zeros(1024)
         k = 20_000
         s = time.perf_counter()
-        for i in range(k):
+        for _ in range(k):
             fp = fingerprint_call("all_reduce", (t,), {})
             tracker.enter_collective(fp)
         intent_us = (time.perf_counter() - s) / k * 1e6
@@ -283,8 +283,8 @@ def markdown(results: dict) -> str:
     ]
     hang = results["hang"]
     lines += [
-        f"| progress publish (record / tracker with lock) | {hang['record_publish_us']} us / {hang['tracker_mark_us']} us "
-        f"| <= {hang['goal_publish_us']} us |",
+        f"| progress publish (record / tracker with lock) | {hang['record_publish_us']} us "
+        f"/ {hang['tracker_mark_us']} us | <= {hang['goal_publish_us']} us |",
         f"| collective intent: fingerprint + publish | {hang['collective_intent_us']} us | - |",
         f"| all hang-path hooks on a {hang['step_ms']:.0f} ms training step ({hang['publishes_per_step']} publishes): "
         f"measured A/B (A/A noise) / accounted | {hang['overhead_ratio'] * 100:+.2f} % "
@@ -294,7 +294,8 @@ def markdown(results: dict) -> str:
     for row in hang["latency"]["cells"]:
         lines.append(
             f"| `{row['cell']}`, 16 ranks, {hang['latency']['threshold_s']:.0f} s threshold: verdict after threshold "
-            f"/ observer start-up (max rank) | {row['beyond_threshold_s']:.2f} s / {row['observer_startup_max_s']:.2f} s "
+            f"/ observer start-up (max rank) | {row['beyond_threshold_s']:.2f} s "
+            f"/ {row['observer_startup_max_s']:.2f} s "
             f"| <= {hang['latency']['goal_beyond_threshold_s']:.0f} s / <= {hang['latency']['goal_startup_s']:.0f} s |")
     return "\n".join(lines)
 
