@@ -37,9 +37,11 @@ def cells(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Inject faults into 16-rank jobs and show what SCOUT names: verdict table plus incident records."""
     _install(session)
-    session.run("scout", "cells", "run", "c3-sdc-16", "c3-clean-16", "topology-fig3",
-                "--json", "runs/demo/cells.json", "--workdir", "runs/demo", env={"OMP_NUM_THREADS": "1"})
-    for cell in ("c3-sdc-16", "topology-fig3"):
+    cells = ("c3-sdc-16", "c3-clean-16", "topology-fig3", "hang-frozen-rank", "hang-mismatch-shape", "data-stall",
+             "hang-equal-stall")
+    session.run("scout", "cells", "run", *cells, "--json", "runs/demo/cells.json", "--workdir", "runs/demo",
+                env={"OMP_NUM_THREADS": "1"})
+    for cell in ("c3-sdc-16", "topology-fig3", "hang-frozen-rank", "hang-equal-stall"):
         session.log(f"incident records written by {cell}:")
         session.run("scout", "report", f"runs/demo/{cell}/incidents.jsonl")
 

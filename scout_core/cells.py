@@ -186,13 +186,21 @@ def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
     return [_fault_dict(f) for f in faults]
 
 
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """'0-15' for a contiguous run, '3,14' otherwise."""
+    rs = sorted(ranks)
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
 def format_cell_table(reports: Sequence[CellReport]) -> str:
     headers = ("cell", "verdict", "ranks", "injected", "reported", "verdict_s", "wall_s")
     rows = []
     for r in reports:
         inj = "; ".join(f"{f['kind']}@r{f['rank']}:{f['surface']}" for f in r.injected) or "nothing"
         rep = "; ".join(
-            f"{i['kind']}/{i['scope']} r{','.join(map(str, i['ranks']))}"
+            f"{i['kind']}/{i['scope']} r{_ranks_text(i['ranks'])}"
             + (f" {','.join(i['hosts'])}" if i.get("hosts") and i["scope"] == "machine" else "")
             + (f" {i['surface']}" if i.get("surface") else "")
             for i in r.reported

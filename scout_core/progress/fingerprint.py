@@ -64,7 +64,7 @@ class CollectiveFingerprint(NamedTuple):
 
     def _text(self) -> str:
         shapes = ";".join("x".join(map(str, s)) for s in self.shapes)
-        parts = [self.op, f"group={self.group[0]}@{','.join(map(str, self.group[1:]))}",
+        parts = [self.op, f"group={_group_text(self.group)}",
                  f"shapes={shapes}", f"dtypes={','.join(self.dtypes)}"]
         if self.reduce_op is not None:
             parts.append(f"op={self.reduce_op}")
@@ -73,6 +73,16 @@ class CollectiveFingerprint(NamedTuple):
         if self.peer is not None:
             parts.append(f"peer={self.peer}")
         return "|".join(parts)
+
+
+def _group_text(group: tuple[int, ...]) -> str:
+    """'16@0..15' for a contiguous group, '4@0..12/4' for a strided one, else every offset."""
+    size, offsets = group[0], group[1:]
+    if size > 2:
+        stride = offsets[1] - offsets[0]
+        if stride > 0 and all(b - a == stride for a, b in zip(offsets, offsets[1:])):
+            return f"{size}@0..{offsets[-1]}" + (f"/{stride}" if stride != 1 else "")
+    return f"{size}@{','.join(map(str, offsets))}"
 
 
 # Training loops issue the same few collectives every step: cache what does not change.
