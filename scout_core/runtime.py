@@ -224,7 +224,8 @@ def enable(
                            f"{cfg.observer.startup_timeout_s}s (control store {store_host}:{everyone[0]['port']})")
     handle.observer_startup_s = time.monotonic() - start
 
-    tracker.install_module_hooks(list(layers) if layers is not None else repeated_layers(chunks))
+    tracker.install_module_hooks(list(layers) if layers is not None else repeated_layers(chunks),
+                                 backward=cfg.observer.layer_backward_marks)
     tracker.install_optimizer_hooks(optimizers)
     if optimizers:  # a dead observer is noticed, and reported, at the next optimizer step
         tracker._handles.append(optimizers[0].register_step_post_hook(lambda *_: handle.check_observer()))

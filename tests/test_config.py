@@ -69,3 +69,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load(broken)
     with pytest.raises(ConfigError, match="key.path=value"):
         load(None, ["replay.enabled"])
+
+
+def test_configuration_reference_is_current():
+    from scout_core.config import markdown_reference
+
+    on_disk = (ROOT / "docs" / "configuration.md").read_text()
+    assert on_disk == markdown_reference(), "regenerate: python -c 'from scout_core.config import " \
+        "markdown_reference as m; open(\"docs/configuration.md\", \"w\").write(m())'"

@@ -56,7 +56,7 @@ def test_one_training_step_publishes_every_boundary_in_order():
     tracker = ProgressTracker(rec)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    tracker.install_module_hooks(repeated_layers([net]))
+    tracker.install_module_hooks(repeated_layers([net]), backward=True)
     tracker.install_optimizer_hooks([opt])
     for x in tracker.wrap_dataloader([torch.randn(3, 4)]):
         net(x).sum().backward()
@@ -66,8 +66,8 @@ def test_one_training_step_publishes_every_boundary_in_order():
     phases = [e[3] for e in rec.log]
     assert phases == [
         "DATALOADER", "COMPUTE",
-        "FORWARD", "FORWARD", "FORWARD", "FORWARD",  # pre/post of two repeated layers
-        "BACKWARD", "BACKWARD",  # gradients reach layer 1, then layer 0
+        "FORWARD", "FORWARD",  # two repeated layers enter forward
+        "BACKWARD", "BACKWARD",  # layer 1's backward is done, then layer 0's
         "OPTIMIZER", "STEP_END",
         "CHECKPOINT_WRITE", "COMPUTE",
         "DATALOADER", "COMPUTE",  # the fetch that ends the iteration
@@ -81,6 +81,15 @@ def test_one_training_step_publishes_every_boundary_in_order():
     assert rec.log == []
 
 
+def test_backward_marks_are_optional():
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    net = Net()
+    tracker.install_module_hooks(repeated_layers([net]))
+    net(torch.randn(2, 4)).sum().backward()
+    assert [e[3] for e in rec.log] == ["FORWARD", "FORWARD"]
+
+
 def test_hooks_leave_training_bitwise_unchanged():
     def run(hooked):
         torch.manual_seed(0)
@@ -88,7 +97,7 @@ def test_hooks_leave_training_bitwise_unchanged():
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
         if hooked:
             tracker = ProgressTracker(RecordingRecord())
-            tracker.install_module_hooks(repeated_layers([net]))
+            tracker.install_module_hooks(repeated_layers([net]), backward=True)
             tracker.install_optimizer_hooks([opt])
         gen = torch.Generator().manual_seed(1)
         for _ in range(5):

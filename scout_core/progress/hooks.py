@@ -2,8 +2,8 @@
 
 Nothing in the training loop is edited. What is published, and from where:
 
-* repeated layer forward: ``register_forward_pre_hook`` / ``register_forward_hook``;
-* repeated layer backward: a tensor hook on the layer output (fires when its gradient arrives);
+* repeated layer forward: ``register_forward_pre_hook``;
+* repeated layer backward (``observer.layer_backward_marks``): a gradient hook on the layer's input;
 * optimizer step: ``Optimizer.register_step_pre_hook`` / ``register_step_post_hook``;
 * data loader fetch: :meth:`ProgressTracker.wrap_dataloader` (wraps the iterator);
 * checkpoint I/O: :meth:`ProgressTracker.checkpoint_io` (a context manager);
@@ -122,22 +122,33 @@ class ProgressTracker:
 
     # -- module and optimizer hooks ---------------------------------------------------------------
 
-    def install_module_hooks(self, layers: Iterable[torch.nn.Module]) -> None:
-        def pre(_module: torch.nn.Module, _args: Any) -> None:
-            self.mark(Phase.FORWARD)
+    def install_module_hooks(self, layers: Iterable[torch.nn.Module], *, backward: bool = False) -> None:
+        """One forward pre-hook per repeated layer; optionally backward marks too.
+
+        With ``backward=True`` the pre-hook also puts a gradient hook on the
+        layer's input, which fires once the layer's backward has produced it.
+        That locates a rank frozen inside backward more precisely, but a Python
+        callback per layer inside the autograd engine costs 1-3 % of a CPU step
+        (README benchmarks), so it is off by default. Classification does not
+        need it: peers that wait in a collective have published its intent and
+        are ahead of a rank stopped anywhere in backward.
+        """
 
         def on_grad(grad: torch.Tensor) -> None:
             self.mark(Phase.BACKWARD)
 
-        def post(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        def pre(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             self.mark(Phase.FORWARD)
-            first = _first_tensor(output)
+
+        def pre_with_backward(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            self.mark(Phase.FORWARD)
+            first = _first_tensor(args) if args else _first_tensor(kwargs)
             if first is not None and first.requires_grad:
                 first.register_hook(on_grad)
 
+        hook = pre_with_backward if backward else pre
         for layer in layers:
-            self._handles.append(layer.register_forward_pre_hook(pre))
-            self._handles.append(layer.register_forward_hook(post))
+            self._handles.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
 
     def install_optimizer_hooks(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         opts = list(optimizers)
