@@ -1,0 +1,147 @@
+"""Checkpoint certification and retrieval (paper section 8, Algorithm 3). Pure logic.
+
+Three trust states name checkpoint generations (a generation is the step it
+was captured at):
+
+* ``latest``: the newest in-memory snapshot;
+* ``candidate``: a persisted snapshot awaiting complete validation;
+* ``verified``: a snapshot whose numerical trust is backed by replay evidence.
+
+At every replay boundary the job-wide evidence (combined by one collective,
+see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundary`:
+
+* SDC or inconclusive evidence anywhere: the candidate is rejected and recovery
+  must run (:func:`decide_retrieval`); nothing is captured.
+* Missing evidence: the capture is skipped; no state changes.
+* Healthy, or a straggler only (slowness is not numerical divergence): the
+  current state is captured as ``latest`` and ``q`` (accepted recipes in the
+  cycle) grows. When ``q`` reaches ``K`` the prior candidate is promoted to
+  verified and ``latest`` is persisted as the new candidate: a candidate is
+  promoted only after two consecutive accepted cycles (2K checks), because a
+  fault can corrupt state after its triggering recipe already ran.
+
+Static-shape (dense) models use ``K = 1`` with ``static=True``: every capture
+after an accepted check is certified by that check and becomes verified at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["Action", "BoundaryEvidence", "Certifier", "FailureKind", "RetrievalDecision", "decide_retrieval"]
+
+
+@dataclass(frozen=True)
+class BoundaryEvidence:
+    """Job-wide evidence at one replay boundary (already combined across ranks)."""
+
+    sdc: bool = False
+    inconclusive: bool = False
+    missing: bool = False
+    straggler: bool = False
+
+
+class Action(enum.StrEnum):
+    CAPTURE = "capture"  # take an in-memory snapshot as latest
+    CAPTURE_AND_PERSIST = "capture_and_persist"  # ... and persist it as the new candidate
+    SKIP = "skip"  # evidence missing: keep everything as it is
+    RECOVER = "recover"  # SDC or inconclusive evidence: run retrieval
+
+
+@dataclass
+class Certifier:
+    """The certification state machine; one per job, identical on every rank."""
+
+    recipes_per_cycle: int = 1
+    static: bool = False
+    latest: int | None = None
+    candidate: int | None = None
+    verified: int | None = None
+    q: int = 0
+    history: list[tuple[int, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.recipes_per_cycle < 1:
+            raise ValueError(f"recipes_per_cycle must be >= 1, got {self.recipes_per_cycle}")
+        if self.static and self.recipes_per_cycle != 1:
+            raise ValueError("static-shape certification has exactly one recipe set per check (K = 1)")
+
+    @property
+    def at_cycle_boundary(self) -> bool:
+        """Whether the next accepted check closes a cycle (ranks must agree on this)."""
+        return self.q + 1 == self.recipes_per_cycle
+
+    def on_boundary(self, step: int, evidence: BoundaryEvidence) -> Action:
+        if evidence.sdc or evidence.inconclusive:
+            if self.candidate is not None:
+                self.history.append((step, f"candidate {self.candidate} rejected"))
+            self.candidate = None  # may already hold corruption the finished checks did not see
+            self.q = 0
+            self.history.append((step, "recover"))
+            return Action.RECOVER
+        if evidence.missing:
+            self.history.append((step, "skip: evidence missing"))
+            return Action.SKIP
+        self.latest = step
+        if self.static:
+            self.verified = step
+            self.history.append((step, "captured and verified (static shapes)"))
+            return Action.CAPTURE_AND_PERSIST
+        self.q += 1
+        if self.q < self.recipes_per_cycle:
+            self.history.append((step, f"captured ({self.q}/{self.recipes_per_cycle} recipes accepted)"))
+            return Action.CAPTURE
+        self.q = 0
+        if self.candidate is not None:
+            self.verified = self.candidate
+            self.history.append((step, f"candidate {self.candidate} promoted to verified"))
+        self.candidate = step
+        self.history.append((step, f"captured and persisted as candidate {step}"))
+        return Action.CAPTURE_AND_PERSIST
+
+
+class FailureKind(enum.StrEnum):
+    SDC = "sdc"
+    MACHINE_UNREACHABLE = "machine_unreachable"
+    STRAGGLER = "straggler"
+    OTHER = "other"  # hangs, crashes, anything without numerical evidence either way
+
+
+@dataclass(frozen=True)
+class RetrievalDecision:
+    source: str  # "latest" or "verified"
+    generation: int | None
+    reason: str
+    failure: str
+    sweep_clean: bool | None = None
+
+
+def decide_retrieval(certifier: Certifier, failure: FailureKind, *, sweep=None) -> RetrievalDecision:
+    """Choose what recovery loads (Algorithm 3, CheckpointRetrieval).
+
+    ``sweep`` runs the complete recipe catalog against the latest state and
+    returns True when it found no SDC; it is only called for ``OTHER``
+    failures. A decision without any usable generation has ``generation=None``.
+    """
+    failure = FailureKind(failure)
+    latest, verified = certifier.latest, certifier.verified
+
+    def pick(source: str, reason: str, sweep_clean: bool | None = None) -> RetrievalDecision:
+        gen = latest if source == "latest" else verified
+        if gen is None:
+            reason += f"; no {source} generation exists yet"
+        return RetrievalDecision(source, gen, reason, failure.value, sweep_clean)
+
+    if failure is FailureKind.SDC:
+        return pick("verified", "confirmed SDC: the latest state may carry the corruption")
+    if failure is FailureKind.MACHINE_UNREACHABLE:
+        return pick("verified", "a machine is unreachable: its latest shard cannot be shown clean")
+    if failure is FailureKind.STRAGGLER:
+        return pick("latest", "straggler: slowness is not numerical divergence")
+    if sweep is None:
+        return pick("verified", "no emergency sweep available: cannot show the latest state clean")
+    clean = bool(sweep())
+    if clean:
+        return pick("latest", "emergency sweep of every recipe found no SDC", True)
+    return pick("verified", "emergency sweep found SDC in the latest state", False)

@@ -1,0 +1,207 @@
+"""In-memory snapshots of the training state, captured without blocking training.
+
+A snapshot holds what a bitwise resume needs: this rank's model parameters and
+buffers (local shards for FSDP2 / HSDP), every optimizer's state and param
+groups, caller-owned extra state, and the CPU and device RNG states (plus any
+RNG a plugin registers).
+
+Capture is asynchronous. :meth:`SnapshotEngine.capture` grabs the RNG states
+and starts copying tensors on a background thread (on CUDA: a side stream into
+pinned host memory, ordered after the optimizer step that produced them). The
+next optimizer step is the first thing that mutates the sources again, so an
+optimizer step pre-hook waits for an unfinished copy; the forward and backward
+passes in between overlap with it. The time the training thread spends in
+``capture`` and in that wait is accumulated in ``blocking_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["SnapshotEngine", "local_tensor", "restore_state"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a tensor (the shard of a DTensor)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Wrap a saved local tensor the way ``param`` is held (DTensor shard or plain)."""
+    local = local_tensor(param)
+    if local is param or value.shape != local.shape:
+        return value.to(local.device)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value.to(local.device), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
+class SnapshotEngine:
+    """Captures and restores one rank's training state."""
+
+    def __init__(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        get_extra: Callable[[], dict[str, Any]] | None = None,
+        set_extra: Callable[[dict[str, Any]], None] | None = None,
+        rng_providers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] | None = None,
+    ) -> None:
+        self.chunks = list(model_chunks)
+        self.optimizers = list(optimizers)
+        self.get_extra = get_extra
+        self.set_extra = set_extra
+        self.rng_providers = dict(rng_providers or {})
+        self.blocking_s = 0.0
+        self.captures = 0
+        self._pending: threading.Thread | None = None
+        self._cuda_event: Any = None
+        self._result: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self._wait_blocking()) for opt in self.optimizers]
+
+    # -- capture ------------------------------------------------------------------------------
+
+    def _sources(self) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
+        models = [{k: local_tensor(v) for k, v in chunk.state_dict().items()} for chunk in self.chunks]
+        optims = []
+        for opt in self.optimizers:
+            sd = opt.state_dict()  # references to live state tensors; param ids are indices
+            optims.append({
+                "state": {i: {k: (local_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                          for i, st in sd["state"].items()},
+                "param_groups": sd["param_groups"],
+            })
+        return models, optims
+
+    def capture(self, step: int) -> None:
+        """Start capturing the state as of now (call right after the optimizer step)."""
+        start = time.perf_counter()
+        self._wait()  # at most one capture in flight
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        for name, (get, _) in self.rng_providers.items():
+            rng[name] = get()
+        extra = self.get_extra() if self.get_extra else {}
+        models, optims = self._sources()
+        header = {"step": step, "rng": rng, "extra": extra}
+        tensors = [t for m in models for t in m.values()] + [
+            v for o in optims for st in o["state"].values() for v in st.values() if isinstance(v, torch.Tensor)]
+        on_cuda = any(t.is_cuda for t in tensors)
+        if on_cuda:
+            self._capture_cuda(header, models, optims)
+        else:
+            self._pending = threading.Thread(target=self._copy, args=(header, models, optims), daemon=True)
+            self._pending.start()
+        self.captures += 1
+        self.blocking_s += time.perf_counter() - start
+
+    def _copy(self, header: dict[str, Any], models: list[dict[str, torch.Tensor]], optims: list[dict[str, Any]],
+              non_blocking: bool = False) -> None:
+        def cp(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=non_blocking)
+            return out.copy_(t.detach(), non_blocking=non_blocking)
+
+        try:
+            self._result = {
+                **header,
+                "model": [{k: cp(v) for k, v in m.items()} for m in models],
+                "optim": [{"state": {i: {k: cp(v) for k, v in st.items()} for i, st in o["state"].items()},
+                           "param_groups": [dict(g) for g in o["param_groups"]]} for o in optims],
+            }
+        except BaseException as exc:  # surfaced by wait()
+            self._error = exc
+
+    def _capture_cuda(self, header: dict[str, Any], models: Any, optims: Any) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # after the optimizer step's kernels
+        with torch.cuda.stream(stream):
+            self._copy(header, models, optims, non_blocking=True)
+        self._cuda_event = torch.cuda.Event()
+        self._cuda_event.record(stream)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+            self._cuda_event = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("snapshot copy failed") from err
+
+    def _wait_blocking(self) -> None:
+        if self._pending is None and self._cuda_event is None:
+            return
+        start = time.perf_counter()
+        self._wait()
+        self.blocking_s += time.perf_counter() - start
+
+    def result(self) -> dict[str, Any]:
+        """The last captured snapshot (waits for its copy)."""
+        self._wait()
+        if self._result is None:
+            raise RuntimeError("no snapshot captured yet")
+        return self._result
+
+    # -- restore ------------------------------------------------------------------------------
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        restore_state(self.chunks, self.optimizers, snap, set_extra=self.set_extra,
+                      rng_providers=self.rng_providers)
+
+    def close(self) -> None:
+        self._wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+@torch.no_grad()
+def restore_state(
+    chunks: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    snap: dict[str, Any],
+    *,
+    set_extra: Callable[[dict[str, Any]], None] | None = None,
+    rng_providers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] | None = None,
+) -> None:
+    """Copy a snapshot into live (possibly freshly built) model chunks and optimizers, bitwise."""
+    if len(snap["model"]) != len(chunks) or len(snap["optim"]) != len(optimizers):
+        raise ValueError(f"snapshot has {len(snap['model'])} chunks / {len(snap['optim'])} optimizers, "
+                         f"the job has {len(chunks)} / {len(optimizers)}")
+    for chunk, saved in zip(chunks, snap["model"]):
+        live = chunk.state_dict()
+        if set(live) != set(saved):
+            raise ValueError(f"snapshot keys differ from the model: {sorted(set(live) ^ set(saved))[:5]}")
+        for k, v in live.items():
+            local_tensor(v).copy_(saved[k])
+    for opt, saved in zip(optimizers, snap["optim"]):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state = {}
+        for i, st in saved["state"].items():
+            p = params[int(i)]
+            # Clone: load_state_dict may keep these very tensors, and the snapshot must stay intact.
+            state[int(i)] = {k: (_like_param(p, v.clone()) if isinstance(v, torch.Tensor) else v)
+                             for k, v in st.items()}
+        opt.load_state_dict({"state": state, "param_groups": [dict(g) for g in saved["param_groups"]]})
+    torch.set_rng_state(snap["rng"]["cpu"])
+    if "cuda" in snap["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(snap["rng"]["cuda"])
+    for name, (_, setter) in (rng_providers or {}).items():
+        if name in snap["rng"]:
+            setter(snap["rng"][name])
+    if set_extra is not None:
+        set_extra(snap["extra"])

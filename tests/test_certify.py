@@ -1,0 +1,98 @@
+"""Algorithm 3: the certification state machine and the retrieval policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind, decide_retrieval
+
+OK = BoundaryEvidence()
+SDC = BoundaryEvidence(sdc=True)
+
+
+def test_paper_two_recipe_example():
+    # 8 ranks, K = 2, a check every step: step 2 becomes candidate, is promoted after the
+    # clean check at step 4, SDC at step 5, recovery loads step 2.
+    c = Certifier(recipes_per_cycle=2)
+    assert c.on_boundary(1, OK) is Action.CAPTURE
+    assert c.on_boundary(2, OK) is Action.CAPTURE_AND_PERSIST and c.candidate == 2 and c.verified is None
+    assert c.on_boundary(3, OK) is Action.CAPTURE
+    assert c.on_boundary(4, OK) is Action.CAPTURE_AND_PERSIST
+    assert (c.verified, c.candidate, c.latest) == (2, 4, 4)
+    assert c.on_boundary(5, SDC) is Action.RECOVER
+    assert c.candidate is None and c.verified == 2
+    d = decide_retrieval(c, FailureKind.SDC)
+    assert (d.source, d.generation) == ("verified", 2)
+
+
+def test_promotion_needs_two_consecutive_accepted_cycles():
+    c = Certifier(recipes_per_cycle=3)
+    for step in range(1, 4):
+        c.on_boundary(step, OK)
+    assert c.candidate == 3 and c.verified is None  # one cycle: candidate only
+    c.on_boundary(4, OK)
+    c.on_boundary(5, SDC)  # inside the second cycle: the candidate is rejected
+    assert c.candidate is None and c.verified is None
+    for step in range(6, 12):
+        c.on_boundary(step, OK)
+    assert (c.candidate, c.verified) == (11, 8)
+
+
+def test_missing_evidence_skips_and_straggler_counts_as_accepted():
+    c = Certifier(recipes_per_cycle=2)
+    assert c.on_boundary(1, BoundaryEvidence(missing=True)) is Action.SKIP
+    assert (c.latest, c.q) == (None, 0)
+    assert c.on_boundary(2, BoundaryEvidence(straggler=True)) is Action.CAPTURE
+    assert c.latest == 2 and c.q == 1
+
+
+def test_inconclusive_rejects_like_sdc():
+    c = Certifier(recipes_per_cycle=1)
+    c.on_boundary(1, OK)
+    assert c.on_boundary(2, BoundaryEvidence(inconclusive=True)) is Action.RECOVER
+    assert c.candidate is None
+
+
+def test_static_shapes_certify_every_accepted_capture():
+    c = Certifier(recipes_per_cycle=1, static=True)
+    assert c.on_boundary(1, OK) is Action.CAPTURE_AND_PERSIST
+    assert c.verified == 1 and c.latest == 1
+    c.on_boundary(2, SDC)
+    assert decide_retrieval(c, "sdc").generation == 1
+    with pytest.raises(ValueError):
+        Certifier(recipes_per_cycle=2, static=True)
+    with pytest.raises(ValueError):
+        Certifier(recipes_per_cycle=0)
+
+
+def test_retrieval_policy_per_failure():
+    c = Certifier(recipes_per_cycle=1)
+    for step in (1, 2, 3):
+        c.on_boundary(step, OK)
+    assert (c.latest, c.verified) == (3, 2)
+    assert decide_retrieval(c, FailureKind.SDC).generation == 2
+    assert decide_retrieval(c, FailureKind.MACHINE_UNREACHABLE).generation == 2
+    d = decide_retrieval(c, FailureKind.STRAGGLER)
+    assert (d.source, d.generation) == ("latest", 3) and "straggler" in d.reason
+    calls = []
+    d = decide_retrieval(c, FailureKind.OTHER, sweep=lambda: calls.append(1) or True)
+    assert (d.source, d.generation, d.sweep_clean) == ("latest", 3, True) and calls == [1]
+    d = decide_retrieval(c, FailureKind.OTHER, sweep=lambda: False)
+    assert (d.source, d.generation, d.sweep_clean) == ("verified", 2, False)
+    assert decide_retrieval(c, FailureKind.OTHER).source == "verified"
+
+
+def test_sweep_not_run_for_classified_failures():
+    c = Certifier()
+    c.on_boundary(1, OK)
+
+    def boom():
+        raise AssertionError("sweep must not run")
+
+    for kind in (FailureKind.SDC, FailureKind.STRAGGLER, FailureKind.MACHINE_UNREACHABLE):
+        decide_retrieval(c, kind, sweep=boom)
+
+
+def test_no_generation_yet_is_explicit():
+    d = decide_retrieval(Certifier(), FailureKind.SDC)
+    assert d.generation is None and "no verified generation" in d.reason
