@@ -267,6 +267,59 @@ def _hang_latency() -> dict:
             "goal_startup_s": 1.0}
 
 
+def bench_checkpoint(repeats: int) -> dict:
+    """Training-thread blocking of background snapshots as a ratio of step time; restore times."""
+    import tempfile
+
+    from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
+    from scout_core.checkpoint.store import DurableStore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randn(64, 1024)
+
+    def step():
+        model(data).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()
+    def blocking_ratio(cadence: int, steps: int) -> float:
+        engine = SnapshotEngine([model], [opt], get_extra=lambda: {"tokens": 0})
+        start = time.perf_counter()
+        for i in range(steps):
+            step()
+            if i % cadence == 0:
+                engine.capture(i)
+        engine.result()
+        ratio = engine.blocking_s / (time.perf_counter() - start)
+        engine.close()
+        return ratio
+
+    steps = 20 * max(1, repeats // 3)
+    blocking_every = blocking_ratio(1, steps)
+    blocking_cadence = blocking_ratio(20, 3 * steps)
+    engine = SnapshotEngine([model], [opt], get_extra=lambda: {"tokens": 0})
+    engine.capture(0)
+    state_bytes = sum(p.numel() * p.element_size() * 3 for p in model.parameters())  # params + 2 Adam moments
+    snap = engine.result()
+    fresh = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU()) for _ in range(8)])
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-4)
+    t_mem = _best(lambda: restore_state([fresh], [fresh_opt], snap), 3, lambda: None)
+    root = tempfile.mkdtemp()
+    store = DurableStore(root, 0, 1)
+    t_write = _best(lambda: store.write(1, snap), 3, lambda: None)
+    t_disk = _best(lambda: restore_state([fresh], [fresh_opt], store.load(1)), 3, lambda: None)
+    engine.close()
+    return {"state_mb": round(state_bytes / 2**20, 1), "steps": steps,
+            "blocking_ratio_capture_every_step": round(blocking_every, 5),
+            "blocking_ratio_at_cadence_20": round(blocking_cadence, 6), "goal_ratio": 0.01,
+            "restore_from_memory_s": round(t_mem, 4), "persist_write_s": round(t_write, 4),
+            "restore_from_disk_s": round(t_disk, 4)}
+
+
 def markdown(results: dict) -> str:
     sig = [r for r in results["signature"] if "fold_vs_sum" in r]
     many = next(r for r in results["signature"] if "surfaces" in r)
@@ -315,6 +368,15 @@ def markdown(results: dict) -> str:
             f"/ observer start-up (max rank) | {row['beyond_threshold_s']:.2f} s "
             f"/ {row['observer_startup_max_s']:.2f} s "
             f"| <= {hang['latency']['goal_beyond_threshold_s']:.0f} s / <= {hang['latency']['goal_startup_s']:.0f} s |")
+    ck = results["checkpoint"]
+    lines += [
+        f"| snapshot capture, training-thread blocking / step time ({ck['state_mb']} MB of state): "
+        f"capture every step / at the default cadence (20) | {ck['blocking_ratio_capture_every_step'] * 100:.2f} % "
+        f"/ {ck['blocking_ratio_at_cadence_20'] * 100:.3f} % | <= {ck['goal_ratio'] * 100:.0f} % |",
+        f"| restore {ck['state_mb']} MB: from memory / from the durable store (checksum + weights_only load) "
+        f"| {ck['restore_from_memory_s'] * 1e3:.0f} ms / {ck['restore_from_disk_s'] * 1e3:.0f} ms | - |",
+        f"| persist one shard (write, fsync, rename, sidecar) | {ck['persist_write_s'] * 1e3:.0f} ms | - |",
+    ]
     return "\n".join(lines)
 
 
@@ -351,6 +413,7 @@ def main() -> None:
         "topology": bench_topology(max(3, args.repeats // 2)),
         "consensus": bench_consensus(args.repeats),
         "hang": bench_hang(args.repeats),
+        "checkpoint": bench_checkpoint(args.repeats),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -120,3 +120,31 @@ def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch):
     spec = dataclasses.replace(SPECS["hang-clean"], params={**SPECS["hang-clean"].params, "steps": 200})
     (report,) = run_cells([spec], root=ROOT)
     assert report.verdict == "FAIL"
+
+
+def test_recovery_cell_fails_when_the_restore_is_not_bitwise(monkeypatch):
+    import integrations_tests.recovery_cells as rc
+
+    real = rc.restore_state
+
+    def forgetful(chunks, optimizers, snap, **kwargs):  # restores the model but drops optimizer state
+        real(chunks, optimizers, {**snap, "optim": [{"state": {}, "param_groups": o["param_groups"]}
+                                                    for o in snap["optim"]]}, **kwargs)
+
+    monkeypatch.setattr(rc, "restore_state", forgetful)
+    (report,) = run_cells([SPECS["ddp-recovery-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "not bitwise" in report.details
+
+
+def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
+    import integrations_tests.recovery_cells as rc
+    from scout_core.checkpoint import coordinator
+    from scout_core.checkpoint.certify import decide_retrieval
+
+    def reckless(certifier, failure, *, sweep=None):
+        return decide_retrieval(certifier, "straggler")  # always "latest"
+
+    monkeypatch.setattr(coordinator, "decide_retrieval", reckless)
+    monkeypatch.setattr(rc, "decide_retrieval", reckless)
+    (report,) = run_cells([SPECS["ddp-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL"

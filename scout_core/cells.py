@@ -200,6 +200,7 @@ def format_cell_table(reports: Sequence[CellReport]) -> str:
     for r in reports:
         inj = "; ".join(f"{f['kind']}@r{f['rank']}:{f['surface']}" for f in r.injected) or "nothing"
         rep = "; ".join(
+            f"restore {i['scope']} gen {i['surface']}" if i["kind"] == "decision" else
             f"{i['kind']}/{i['scope']} r{_ranks_text(i['ranks'])}"
             + (f" {','.join(i['hosts'])}" if i.get("hosts") and i["scope"] == "machine" else "")
             + (f" {i['surface']}" if i.get("surface") else "")

@@ -206,34 +206,61 @@ class CheckpointCoordinator:
         return decision
 
 
-def load_latest(run_id: str, rank: int, *, hosts: Mapping[int, str] | None = None) -> dict[str, Any]:
-    """This rank's newest in-memory snapshot: its own slot, else the replica its partner keeps.
-
-    A replica held on another machine would be fetched over the network by the
-    launcher's restore path; within one machine both files are local.
-    """
+def _slot_paths(run_id: str, rank: int) -> list[str]:
     directory = memory_dir_for(run_id)
-    own = os.path.join(directory, f"rank-{rank:05d}-current.pt")
-    if os.path.exists(own):
-        with open(own, "rb") as fh:
+    return [os.path.join(directory, f"rank-{rank:05d}-{which}.pt")
+            for which in ("current", "previous", "replica-current", "replica-previous")]
+
+
+def _read_slot(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as fh:
             return _from_bytes(fh.read())
-    replica = os.path.join(directory, f"rank-{rank:05d}-replica-current.pt")
-    if os.path.exists(replica):
-        with open(replica, "rb") as fh:
-            return _from_bytes(fh.read())
-    raise FileNotFoundError(f"rank {rank}: no in-memory snapshot in {directory}")
+    except (FileNotFoundError, RuntimeError, EOFError):
+        return None  # absent, or never completed (its writer was stopped mid-way)
+
+
+def latest_steps(run_id: str, rank: int) -> list[int]:
+    """Steps of the in-memory snapshots available for ``rank`` (own slots, then the partner's replicas)."""
+    steps = []
+    for path in _slot_paths(run_id, rank):
+        snap = _read_slot(path)
+        if snap is not None:
+            steps.append(int(snap["step"]))
+    return sorted(set(steps))
+
+
+def load_latest(run_id: str, rank: int, step: int | None = None) -> dict[str, Any]:
+    """This rank's in-memory snapshot of ``step`` (default: its newest).
+
+    Looks at the rank's own slots first, then at the replica its partner keeps
+    (on another machine in production; there the launcher's restore path moves
+    the file, here both live in one tmpfs).
+    """
+    best = None
+    for path in _slot_paths(run_id, rank):
+        snap = _read_slot(path)
+        if snap is None:
+            continue
+        if step is not None and int(snap["step"]) == step:
+            return snap
+        if step is None and (best is None or snap["step"] > best["step"]):
+            best = snap
+    if best is None:
+        raise FileNotFoundError(f"rank {rank}: no in-memory snapshot{'' if step is None else f' of step {step}'} "
+                                f"in {memory_dir_for(run_id)}")
+    return best
 
 
 def agree_on_latest(run_id: str, group: Any = None) -> int | None:
-    """Step of the newest in-memory snapshot every rank holds (one all-gather)."""
-    rank = dist.get_rank()
-    try:
-        step = int(load_latest(run_id, rank)["step"])
-    except FileNotFoundError:
-        step = -1
+    """The newest step for which every rank holds an in-memory snapshot (one all-gather)."""
+    mine = latest_steps(run_id, dist.get_rank())
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, step, group=group)
-    return everyone[0] if len(set(everyone)) == 1 and everyone[0] >= 0 else None
+    dist.all_gather_object(everyone, mine, group=group)
+    common = set(everyone[0])
+    for steps in everyone[1:]:
+        common &= set(steps)
+    return max(common) if common else None
 
 
 def verified_generation(store: DurableStore, group: Any = None) -> int | None:
