@@ -191,10 +191,8 @@ def _install_persist_kill(coord: CheckpointCoordinator, injector: Injector, rank
     real_write = coord.store.write
 
     def write(generation: int, state: dict[str, Any], role: str = "candidate") -> str:
-        if any(f.surface == "checkpoint.persist" and f.rank == rank and f.schedule.active(generation)
-               for f in injector.faults):
+        if injector.armed("checkpoint.persist", "kill", rank=rank, step=generation):
             import io
-            import signal
 
             shard = os.path.join(coord.store.root, f"gen-{generation:09d}", f"rank-{rank:05d}.pt")
             os.makedirs(os.path.dirname(shard), exist_ok=True)
@@ -202,7 +200,7 @@ def _install_persist_kill(coord: CheckpointCoordinator, injector: Injector, rank
             torch.save(state, buf)
             with open(shard + f".tmp-{os.getpid()}", "wb") as fh:
                 fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])  # half a shard, then the machine dies
-            os.kill(os.getpid(), signal.SIGKILL)
+            injector.kill("checkpoint.persist", rank=rank, step=generation)
         return real_write(generation, state, role)
 
     coord.store.write = write  # type: ignore[method-assign]

@@ -40,6 +40,7 @@ class FaultKind(enum.StrEnum):
     SKIP = "skip"  # the rank takes another branch and skips a collective
     MISMATCH = "mismatch"  # the rank calls a collective with different shape, dtype or op
     HOLD = "hold"  # the rank enters a collective that never completes (transport stall)
+    KILL = "kill"  # the rank's machine dies here (SIGKILL, no cleanup)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +223,16 @@ class Injector:
             if fault.method == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)  # the observer, a separate process, keeps running
             _block_forever()
+
+    def kill(self, surface: str, *, rank: int, step: int) -> None:
+        """Die here, as a machine losing power would: SIGKILL, no cleanup, no flush."""
+        for fault in self._matching(surface, rank, step, (FaultKind.KILL,)):
+            self._record(fault, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def armed(self, surface: str, kind: FaultKind | str, *, rank: int, step: int) -> bool:
+        """Whether a fault of ``kind`` would fire at this point (for multi-part injections)."""
+        return bool(self._matching(surface, rank, step, (FaultKind(kind),)))
 
     def skip(self, surface: str, *, rank: int, step: int) -> bool:
         """True when this rank must skip the collective at ``surface`` (a control-flow fault)."""

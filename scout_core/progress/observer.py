@@ -80,6 +80,8 @@ def start_observer(spec: ObserverSpec) -> tuple[int, int]:
         code = 0
         try:
             code = _Observer(spec, write_fd).run()
+        except SystemExit:
+            code = 0  # SIGTERM from a trainer that exited: a normal end
         except BaseException:  # noqa: BLE001 - last resort: never let the observer die silently
             traceback.print_exc()
             code = 1
@@ -119,6 +121,7 @@ class _Observer:
             self._report_own_failure(traceback.format_exc())
             return OBSERVER_REPORTED_EXIT
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
             if not pid_alive(self.spec.trainer_pid) and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
 
