@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from scout_core.checkpoint.coordinator import (
     agree_on_latest,
     load_latest,
     memory_dir_for,
+    record_decision,
 )
 from scout_core.checkpoint.snapshot import SnapshotEngine, local_tensor, restore_state
 from scout_core.checkpoint.store import DurableStore, agree_on_generation
@@ -218,26 +220,22 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
     verified = agree_on_generation(store, "verified")
     if decisions:
         decision = decisions[-1]
-    elif a["failure"] == FailureKind.MACHINE_UNREACHABLE:  # its memory went with it: only durable state
-        d = decide_retrieval(Certifier(latest=latest, verified=verified), FailureKind.MACHINE_UNREACHABLE)
-        decision = {"source": d.source, "generation": d.generation, "reason": d.reason, "failure": d.failure}
-        if ctx.rank == 0:
-            with open(a["decisions"], "a") as fh:
-                fh.write(json.dumps({"time_unix": time.time(), **decision}) + "\n")
-    else:  # the job died without a classified numerical verdict (hang, crash): sweep, then decide
+    else:
+        # The job died without a numerical verdict: the certifier is rebuilt from what every rank
+        # holds (latest in memory, verified on disk) and the retrieval policy decides.
         certifier = Certifier(latest=latest, verified=verified)
-        check = _Check(par, Injector([], seed=0), ctx.rank, StatisticalRule(**a["rule"]))
+        sweep = None
+        if a["failure"] == FailureKind.OTHER:  # hang or crash: emergency sweep of the latest state
+            check = _Check(par, Injector([], seed=0), ctx.rank, StatisticalRule(**a["rule"]))
 
-        def sweep() -> bool:
-            restore_state([par.model], [opt], load_latest(a["run_id"], ctx.rank, latest), set_extra=extra.update)
-            return check.run(latest)["sdc"].status is C3Status.AGREE
+            def sweep() -> bool:
+                restore_state([par.model], [opt], load_latest(a["run_id"], ctx.rank, latest), set_extra=extra.update)
+                return check.run(latest)["sdc"].status is C3Status.AGREE
 
-        d = decide_retrieval(certifier, FailureKind.OTHER, sweep=sweep)
-        decision = {"source": d.source, "generation": d.generation, "reason": d.reason, "failure": d.failure,
-                    "sweep_clean": d.sweep_clean}
+        d = decide_retrieval(certifier, FailureKind(a["failure"]), sweep=sweep)
+        decision = asdict(d)
         if ctx.rank == 0:
-            with open(a["decisions"], "a") as fh:
-                fh.write(json.dumps({"time_unix": time.time(), **decision}) + "\n")
+            record_decision(a["decisions"], d, certifier=certifier)
     gen = decision["generation"]
     if decision["source"] == "verified":
         if verified != gen:

@@ -32,7 +32,7 @@ from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, F
 from scout_core.checkpoint.snapshot import SnapshotEngine
 from scout_core.checkpoint.store import DurableStore, _atomic_write, agree_on_generation
 
-__all__ = ["CheckpointCoordinator", "partners", "memory_dir_for"]
+__all__ = ["CheckpointCoordinator", "agree_on_latest", "load_latest", "memory_dir_for", "partners", "record_decision"]
 
 
 def memory_dir_for(run_id: str) -> str:
@@ -193,17 +193,25 @@ class CheckpointCoordinator:
         self._join_background()
         decision = decide_retrieval(self.certifier, FailureKind(failure), sweep=sweep)
         if self.decisions_path and self.rank == 0:
-            record = {"time_unix": time.time(), **asdict(decision), "certifier": {
-                "latest": self.certifier.latest, "candidate": self.certifier.candidate,
-                "verified": self.certifier.verified}, "incident": incident or {}}
-            parent = os.path.dirname(self.decisions_path)
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            with open(self.decisions_path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(record, sort_keys=True) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+            record_decision(self.decisions_path, decision, certifier=self.certifier, incident=incident)
         return decision
+
+
+def record_decision(path: str, decision: Any, *, certifier: Certifier | None = None,
+                    incident: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Append a retrieval decision as one fsync'ed JSON line beside the incident records."""
+    record = {"time_unix": time.time(), **asdict(decision), "incident": incident or {}}
+    if certifier is not None:
+        record["certifier"] = {"latest": certifier.latest, "candidate": certifier.candidate,
+                               "verified": certifier.verified}
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return record
 
 
 def _slot_paths(run_id: str, rank: int) -> list[str]:
