@@ -148,3 +148,11 @@ def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
     monkeypatch.setattr(rc, "decide_retrieval", reckless)
     (report,) = run_cells([SPECS["ddp-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL"
+
+
+def test_replay_cell_fails_when_blame_shifts(monkeypatch):
+    from scout_core.replay import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "c3_exchange", _shift_blame(engine_mod.c3_exchange))
+    (report,) = run_cells([SPECS["ddp-sdc-output"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks" in report.details

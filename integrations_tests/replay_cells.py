@@ -1,0 +1,136 @@
+"""In-situ replay cells (DDP so far): real faults in a real 16-rank job, localized by replay.
+
+Each rank trains the tiny model with a ReplayEngine on its optimizer (cadence 1,
+variants {0.1x, x, 10x}); the sampled layer rotates over the three blocks. Faults
+are injected through hooks on the model, so they hit training and replay alike,
+as a defective unit would. The cell compares the incident records with
+``params.expect``: every named rank, the kinds, and the surfaces that must appear.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from integrations_tests.models import batches, build
+from scout_core.cells import CellReport, CellSpec, fault_dicts
+from scout_core.config import ReplayCadence, ReplayConfig
+from scout_core.consensus import StatisticalRule
+from scout_core.inject import Injector
+from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.replay.engine import ReplayEngine
+from scout_core.report import JsonlSink, Reporter, read_incidents
+from scout_core.signature import sign_many
+
+
+def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, rank: int, state: dict) -> None:
+    inner = par.inner
+
+    def out_fault(_m: Any, _a: Any, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            injector.corrupt("layers.1.output", out, rank=rank, step=state["step"])
+
+    def slow(_m: Any, _a: Any, _out: Any) -> None:
+        injector.delay("compute", rank=rank, step=state["step"])
+
+    def grad_fault(_m: Any, grad_input: Any, _grad_output: Any) -> Any:
+        g = grad_input[0]
+        if g is None:
+            return None
+        g = g.clone()
+        injector.corrupt("layers.1.grad", g, rank=rank, step=state["step"])
+        return (g,)
+
+    inner.layers[1].register_forward_hook(out_fault)
+    inner.layers[1].fc.register_full_backward_hook(grad_fault)
+    for block in inner.layers:
+        block.register_forward_hook(slow)
+
+    def weight_fault(*_: Any) -> None:  # a stuck bit in this rank's replica, as compute reads it
+        with torch.no_grad():
+            injector.corrupt("layers.1.weight", inner.layers[1].fc.weight, rank=rank, step=state["step"])
+
+    inner.layers[1].register_forward_pre_hook(weight_fault)
+
+    def update_fault(*_: Any) -> None:  # a fault in this rank's live optimizer update
+        with torch.no_grad():
+            for p in inner.parameters():
+                injector.corrupt("optimizer.update", p, rank=rank, step=state["step"])
+
+    opt.register_step_post_hook(update_fault)  # before the engine's hook: replay sees the damage
+
+
+def _replay_rank(ctx: RankContext) -> dict[str, Any]:
+    init_gloo(ctx, timeout_s=300)
+    a = ctx.args
+    injector = Injector(a["faults"], seed=a["seed"])
+    par = build(a["layout"], seed=a["seed"])
+    opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+    state = {"step": 0}
+    _install_faults(par, opt, injector, ctx.rank, state)
+    reporter = Reporter([JsonlSink(a["jsonl"])], run_id=a["run_id"], rank=ctx.rank) if a["replay"] else None
+    engine = None
+    if a["replay"]:
+        cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=1),
+                           optimizer_slice_elems=256)
+        engine = ReplayEngine(list(par.inner.layers), opt, config=cfg, reporter=reporter,
+                              rule=StatisticalRule(**a["rule"]),
+                              hosts={r: f"node{r // 8}" for r in range(ctx.world_size)})
+    loss_fn = torch.nn.MSELoss()
+    for step, (x, y) in enumerate(batches(ctx.rank, a["steps"], seed=a["seed"]), start=1):
+        state["step"] = step
+        loss_fn(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    final = [s.signature for s in sign_many([p.detach() for p in par.model.parameters()])]
+    checks = [(r.step, r.source) for r in engine.history] if engine else []
+    if engine:
+        engine.close()
+    return {"final": final, "checks": checks, "rng": sign_many([torch.get_rng_state()])[0].signature}
+
+
+def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
+    p = spec.params
+    jsonl = os.path.join(workdir, "incidents.jsonl")
+    args = {"faults": list(spec.faults), "seed": spec.seed, "layout": p.get("layout", "ddp"),
+            "steps": int(p.get("steps", 9)), "rule": dict(p.get("rule", {"min_ratio": 2.0, "min_delta": 0.05})),
+            "jsonl": jsonl, "run_id": spec.name, "replay": True}
+    start = time.monotonic()
+    result = launch(_replay_rank, world_size, timeout_s=spec.timeout_s, args=args)
+    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
+    problems = []
+    if not result.ok:
+        problems.append(result.failures())
+    expect = p.get("expect", {})
+    named = sorted({r for i in incidents for r in i.ranks})
+    if sorted(expect.get("ranks", [])) != named:
+        problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
+    kinds = sorted({i.kind.value for i in incidents})
+    if sorted(expect.get("kinds", [])) != kinds:
+        problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
+    scopes = sorted({i.scope.value for i in incidents})
+    if incidents and scopes != ["rank"]:
+        problems.append(f"scopes {scopes}, expected rank only")
+    surfaces = sorted({i.surface for i in incidents})
+    for needle in expect.get("surfaces", []):
+        if not any(needle in s for s in surfaces):
+            problems.append(f"no incident on a surface containing {needle!r}; got {surfaces}")
+    for forbidden in expect.get("not_surfaces", []):
+        if any(forbidden in s for s in surfaces):
+            problems.append(f"unexpected incident on {forbidden!r}: {surfaces}")
+    if "steps" in expect:
+        got_steps = sorted({i.step for i in incidents})
+        if got_steps != sorted(expect["steps"]):
+            problems.append(f"incidents at steps {got_steps}, expected {expect['steps']}")
+    if result.ok:
+        checks = result.values()[0]["checks"]
+        if len(checks) != args["steps"]:
+            problems.append(f"{len(checks)} checks ran, expected {args['steps']}")
+    return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
+                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
+                      details="\n".join(problems), wall_s=time.monotonic() - start)

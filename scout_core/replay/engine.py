@@ -1,0 +1,296 @@
+"""In-situ replay at the optimizer boundary (paper section 6.1 and Algorithm 2).
+
+On a due step the engine, right after the real optimizer step:
+
+1. picks this check's source peer (rotating, so one faulty source cannot
+   poison every check) and broadcasts the source's captured layer inputs, the
+   incoming output gradient and its RNG states to the peer group;
+2. checks with exact C3 that every peer received identical inputs and RNG;
+3. replays the sampled layer's forward and backward (``torch.autograd.grad``
+   on cloned inputs, never touching ``.grad``) under the source's RNG and
+   deterministic kernels, once per input variant ({0.1x, x, 10x});
+4. replays the optimizer on a cloned rotating slice (see
+   :mod:`scout_core.replay.optimizer`);
+5. signs every surface (outputs, input gradients, parameter gradients,
+   parameter state, optimizer update) and compares all of them in ONE
+   exchange, each with its own bitmap; compute time is compared with
+   statistical C3 and a straggler is confirmed over consecutive rounds.
+
+Every verdict becomes an incident record. Training numerics are untouched:
+replay restores the RNG streams and computes gradients functionally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_unflatten
+
+from scout_core.config import ReplayConfig
+from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, c3_exchange
+from scout_core.replay.capture import LayerCapture, first_tensor
+from scout_core.replay.optimizer import OptimizerSlice
+from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
+from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
+from scout_core.signature import sign_many
+
+__all__ = ["BoundaryResult", "ReplayEngine"]
+
+
+@dataclass
+class BoundaryResult:
+    step: int
+    surfaces: list[C3Result] = field(default_factory=list)
+    timing: C3Result | None = None
+    stragglers: tuple[int, ...] = ()
+    incidents: list[Incident] = field(default_factory=list)
+    source: int | None = None
+
+    @property
+    def sdc(self) -> bool:
+        return any(r.status is C3Status.ATTRIBUTED for r in self.surfaces)
+
+    @property
+    def inconclusive(self) -> bool:
+        return any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
+
+    @property
+    def missing(self) -> bool:
+        return not self.surfaces
+
+
+class ReplayEngine:
+    """Replays one sampled layer (rotating) and an optimizer slice on due steps."""
+
+    def __init__(
+        self,
+        layers: Sequence[torch.nn.Module],
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        config: ReplayConfig,
+        group: Any = None,
+        rule: StatisticalRule | None = None,
+        confirm_rounds: int = 2,
+        reporter: Reporter | None = None,
+        hosts: Mapping[int, str] | None = None,
+        compare_param_state: bool = True,
+        rng_providers: Mapping[str, RngProvider] | None = None,
+        layer_names: Sequence[str] | None = None,
+    ) -> None:
+        if not layers:
+            raise ValueError("replay needs at least one repeated layer")
+        self.layers = list(layers)
+        self.names = list(layer_names) if layer_names else [f"layers.{i}" for i in range(len(self.layers))]
+        self.cfg = config
+        self.group = group
+        self.peers = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+            range(dist.get_world_size()))
+        self.rank = dist.get_rank()
+        self.rule = rule or StatisticalRule()
+        self.confirm = Confirmation(rounds=confirm_rounds)
+        self.reporter = reporter
+        self.hosts = dict(hosts or {})
+        self.compare_param_state = compare_param_state
+        self.rng_providers = dict(rng_providers or {})
+        self.captures = [LayerCapture(layer) for layer in self.layers]
+        self.optimizer = optimizer
+        self.opt_slice = OptimizerSlice(optimizer, config.optimizer_slice_elems) if optimizer is not None else None
+        self.step = 0
+        self.checks = 0
+        self.history: list[BoundaryResult] = []
+        self._handles: list[Any] = []
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
+            self._handles.append(optimizer.register_step_post_hook(self._post_step))
+        self._arm(1)
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _due(self, step: int, cadence: int) -> bool:
+        return cadence > 0 and step % cadence == 0
+
+    def _layer_index(self) -> int:
+        return self.checks % len(self.layers)
+
+    def _arm(self, step: int) -> None:
+        if self.cfg.enabled and self._due(step, self.cfg.cadence.hidden):
+            self.captures[self._layer_index()].arm()
+
+    def _pre_step(self, *_: Any) -> None:
+        if self.cfg.enabled and self.opt_slice is not None and self._due(self.step + 1, self.cfg.cadence.optimizer):
+            self.opt_slice.before_step()
+
+    def _post_step(self, *_: Any) -> None:
+        self.boundary()
+
+    # -- the boundary ----------------------------------------------------------------------------
+
+    def boundary(self) -> BoundaryResult:
+        """Run whatever is due for the step that just finished (called by the step post-hook)."""
+        self.step += 1
+        result = BoundaryResult(self.step)
+        evidence: list[Any] = []
+        names: list[str] = []
+        compute_s = 0.0
+        if self.cfg.enabled and self._due(self.step, self.cfg.cadence.hidden):
+            idx = self._layer_index()
+            layer_surfaces, compute_s, result.source = self._replay_layer(idx)
+            for name, value in layer_surfaces:
+                names.append(name)
+                evidence.append(value)
+            self.checks += 1
+        if self.opt_slice is not None and self.opt_slice.pending:
+            for name, value in self.opt_slice.after_step():
+                names.append(name)
+                evidence.append(value)
+        if names:
+            timing_rule = self.rule
+            results = c3_exchange(evidence, group=self.group, surfaces=names)
+            times = c3_exchange([compute_s], group=self.group, surfaces=["replay.compute_s"], rule=timing_rule)[0]
+            result.surfaces, result.timing = results, times
+            result.stragglers = self.confirm.update(times)
+            result.incidents = self._verdicts(result)
+        self._arm(self.step + 1)
+        self.history.append(result)
+        return result
+
+    # -- layer replay ----------------------------------------------------------------------------
+
+    def _broadcast_call(self, idx: int, src: int) -> tuple[list[Any], Any, list[bool], torch.Tensor | None,
+                                                          dict[str, torch.Tensor]]:
+        captured = self.captures[idx].take()
+        if self.rank == src and captured is None:
+            raise RuntimeError(f"step {self.step}: layer {self.names[idx]} was not called on the source rank; "
+                               "replay needs the sampled layer to run every due step")
+        meta: list[Any] = [None]
+        if self.rank == src:
+            tensors = [v for v in captured.leaves if isinstance(v, torch.Tensor)]
+            rng = capture_rng(self.rng_providers)
+            meta[0] = {
+                "spec": captured.spec,
+                "plain": [None if isinstance(v, torch.Tensor) else v for v in captured.leaves],
+                "tensors": [(tuple(t.shape), t.dtype) for t in tensors],
+                "mask": captured.requires_grad,
+                "grad": None if captured.grad_output is None else (tuple(captured.grad_output.shape),
+                                                                  captured.grad_output.dtype),
+                "rng": {k: v for k, v in rng.items()},
+            }
+        dist.broadcast_object_list(meta, src=src, group=self.group)
+        m = meta[0]
+        device = next(iter(self.layers[idx].parameters())).device
+        if self.rank == src:
+            tensors = [v.contiguous() for v in captured.leaves if isinstance(v, torch.Tensor)]
+            grad = captured.grad_output.contiguous() if captured.grad_output is not None else None
+        else:
+            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in m["tensors"]]
+            grad = torch.empty(m["grad"][0], dtype=m["grad"][1], device=device) if m["grad"] else None
+        for t in tensors + ([grad] if grad is not None else []):
+            dist.broadcast(t, src=src, group=self.group)
+        it = iter(tensors)
+        leaves = [next(it) if v is None else v for v in m["plain"]]
+        return leaves, m["spec"], m["mask"], grad, m["rng"]
+
+    def _replay_layer(self, idx: int) -> tuple[list[tuple[str, Any]], float, int]:
+        src = self.peers[self.checks % len(self.peers)]
+        leaves, spec, mask, grad_out, rng = self._broadcast_call(idx, src)
+        layer, name, capture = self.layers[idx], self.names[idx], self.captures[idx]
+        received = [v for v in leaves if isinstance(v, torch.Tensor)] + ([grad_out] if grad_out is not None else [])
+        surfaces: list[tuple[str, Any]] = [
+            ("replay.inputs", (tuple(s.signature for s in sign_many(received)), rng_fingerprint(rng)))]
+        params = [p for p in layer.parameters() if p.requires_grad]
+        to_sign: list[tuple[str, torch.Tensor]] = []
+        compute_s = 0.0
+        capture.suspended = True
+        try:
+            for v in self.cfg.input_variants:
+                with replay_rng_scope(rng, self.rng_providers, deterministic=self.cfg.deterministic):
+                    inputs = []
+                    for leaf, needs_grad in zip(leaves, mask, strict=True):
+                        if isinstance(leaf, torch.Tensor):
+                            x = leaf.detach().clone()
+                            if v != 1.0 and x.is_floating_point():
+                                x.mul_(v)
+                            inputs.append(x.requires_grad_(needs_grad and x.is_floating_point()))
+                        else:
+                            inputs.append(leaf)
+                    args, kwargs = tree_unflatten(inputs, spec)
+                    _sync(params)
+                    start = time.perf_counter()
+                    out = first_tensor(layer(*args, **kwargs))
+                    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] + params
+                    grads: Sequence[torch.Tensor | None] = ()
+                    if out is not None and out.requires_grad and wrt:
+                        g = grad_out if grad_out is not None and grad_out.shape == out.shape else torch.ones_like(out)
+                        grads = torch.autograd.grad(out, wrt, grad_outputs=g, allow_unused=True)
+                    _sync(params)
+                    compute_s += time.perf_counter() - start
+                tag = f"{name}.x{v:g}"
+                n_in = len(wrt) - len(params)
+                if out is not None:
+                    to_sign.append((f"{tag}.output", out.detach()))
+                in_grads = [g.reshape(-1) for g in grads[:n_in] if g is not None]
+                if in_grads:
+                    to_sign.append((f"{tag}.grad_input", torch.cat(in_grads)))
+                p_grads = [g.reshape(-1) for g in grads[n_in:] if g is not None]
+                if p_grads:
+                    to_sign.append((f"{tag}.grad_param", torch.cat(p_grads)))
+        finally:
+            capture.suspended = False
+        if self.compare_param_state:
+            to_sign.append((f"{name}.param_state", torch.cat([p.detach().reshape(-1) for p in params])))
+        signed = sign_many([t for _, t in to_sign])
+        surfaces += [(n, (s.signature, s.nonfinite)) for (n, _), s in zip(to_sign, signed, strict=True)]
+        return surfaces, compute_s, src
+
+    # -- verdicts -----------------------------------------------------------------------------------
+
+    def _verdicts(self, result: BoundaryResult) -> list[Incident]:
+        """One SDC record per set of culprit ranks per boundary (all its surfaces in the evidence),
+        one group-scoped record for surfaces without a majority, one record per newly confirmed straggler."""
+        incidents = []
+        by_ranks: dict[tuple[int, ...], list[C3Result]] = {}
+        inconclusive = []
+        for r in result.surfaces:
+            if r.status is C3Status.ATTRIBUTED:
+                by_ranks.setdefault(r.outlier_ranks, []).append(r)
+            elif r.status is C3Status.INCONCLUSIVE:
+                inconclusive.append(r)
+        for ranks, rs in by_ranks.items():
+            incidents.append(self._incident(IncidentKind.SDC, IncidentScope.RANK, ranks, rs,
+                                            f"{len(rs)} replayed surface(s) differ from the strict majority"))
+        if inconclusive:
+            incidents.append(self._incident(IncidentKind.SDC, IncidentScope.PEER_GROUP, self.peers, inconclusive,
+                                            "replayed surfaces disagree without a strict majority"))
+        new = tuple(r for r in result.stragglers if self.confirm.count(result.timing.surface, r) == self.confirm.rounds)
+        if new:
+            incidents.append(self._incident(
+                IncidentKind.STRAGGLER, IncidentScope.RANK, new, [result.timing],
+                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds"))
+        reporter_rank = min(r for r in self.peers if all(r not in i.ranks for i in incidents)) if incidents else None
+        if self.reporter is not None and self.rank == reporter_rank:
+            for inc in incidents:
+                self.reporter.emit(inc)
+        return incidents
+
+    def _incident(self, kind: IncidentKind, scope: IncidentScope, ranks: Sequence[int],
+                  results: Sequence[C3Result], reason: str) -> Incident:
+        return Incident(kind=kind, scope=scope, ranks=list(ranks), hosts=[self.hosts.get(r, "?") for r in ranks],
+                        devices=[], step=self.step, surface=";".join(r.surface for r in results),
+                        evidence={"surfaces": {r.surface: r.to_dict() for r in results}}, reason=reason)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for c in self.captures:
+            c.remove()
+
+
+def _sync(params: Sequence[torch.Tensor]) -> None:
+    if params and params[0].is_cuda:
+        torch.cuda.synchronize(params[0].device)

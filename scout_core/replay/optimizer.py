@@ -1,0 +1,110 @@
+"""Optimizer replay on a rotating slice (paper section 9, "Optimizer boundary").
+
+Before a due optimizer step, a step pre-hook clones a slice (default 64K
+elements) of one parameter, its effective gradient and every per-element
+optimizer state tensor (scalar state such as ``step`` is cloned whole). After
+the real step has run unchanged, the SAME optimizer class with the same group
+hyperparameters is applied to the clone. Three surfaces come out:
+
+* ``optimizer.replayed``: the replayed update, compared across peers;
+* ``optimizer.live``: the live updated slice, compared across peers (where
+  replicas own equal state, e.g. DDP and HSDP replicas of one shard);
+* ``optimizer.self_check``: whether the live slice equals the replayed one,
+  the only evidence where the update is uniquely owned (pure FSDP).
+
+The slice rotates over parameters and offsets from check to check. Offsets are
+aligned to 64 elements so the replayed kernel takes the same vectorized path
+as the live one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from scout_core.signature import sign_many
+
+__all__ = ["OptimizerSlice"]
+
+_ALIGN = 64
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+class OptimizerSlice:
+    def __init__(self, optimizer: torch.optim.Optimizer, slice_elems: int) -> None:
+        if slice_elems < 1:
+            raise ValueError(f"slice_elems must be >= 1, got {slice_elems}")
+        self.optimizer = optimizer
+        self.slice_elems = slice_elems
+        self.turn = 0
+        self.pending: dict[str, Any] | None = None
+
+    def _choose(self) -> tuple[int, int, torch.Tensor, dict[str, Any]] | None:
+        params = [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]
+                  if p.grad is not None and _local(p).numel() > 0]
+        if not params:
+            return None
+        gi, p = params[self.turn % len(params)]
+        n = _local(p).numel()
+        span = min(self.slice_elems, n)
+        slots = max(1, (n - span) // _ALIGN + 1)
+        offset = ((self.turn // len(params)) % slots) * _ALIGN
+        offset = min(offset, n - span)
+        return gi, offset, p, self.optimizer.param_groups[gi]
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        chosen = self._choose()
+        self.turn += 1
+        if chosen is None:
+            self.pending = None
+            return
+        gi, offset, p, group = chosen
+        span = min(self.slice_elems, _local(p).numel())
+        sl = slice(offset, offset + span)
+        flat = _local(p).reshape(-1)
+        state = {}
+        for k, v in self.optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor):
+                lv = _local(v)
+                state[k] = lv.reshape(-1)[sl].clone() if lv.numel() == flat.numel() else lv.clone()
+            else:
+                state[k] = v
+        self.pending = {
+            "param": p, "slice": sl, "value": flat[sl].clone(), "grad": _local(p.grad).reshape(-1)[sl].clone(),
+            "state": state, "hyper": {k: v for k, v in group.items() if k != "params"},
+        }
+
+    @torch.no_grad()
+    def after_step(self) -> list[tuple[str, Any]]:
+        """Replay the update on the clone; return the three surfaces' evidence."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return []
+        live = _local(pending["param"]).reshape(-1)[pending["slice"]].clone()
+        clone = torch.nn.Parameter(pending["value"].clone())
+        clone.grad = pending["grad"].clone()
+        # Build with what the constructor accepts, then copy the group verbatim: optimizers keep
+        # derived keys (AdamW's decoupled_weight_decay) that their constructor does not take.
+        accepted = inspect.signature(type(self.optimizer).__init__).parameters
+        replay_opt = type(self.optimizer)([clone], **{k: v for k, v in pending["hyper"].items() if k in accepted})
+        replay_opt.param_groups[0].update(pending["hyper"])
+        if pending["state"]:
+            replay_opt.state[clone] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                       for k, v in pending["state"].items()}
+        with torch.enable_grad():
+            replay_opt.step()
+        replayed = clone.detach()
+        s_replayed, s_live = sign_many([replayed, live])
+        same = s_replayed.signature == s_live.signature  # bitwise, NaN payloads included
+        return [
+            ("optimizer.replayed", (s_replayed.signature, s_replayed.nonfinite)),
+            ("optimizer.live", (s_live.signature, s_live.nonfinite)),
+            ("optimizer.self_check", same),
+        ]
