@@ -38,10 +38,10 @@ def demo(session: nox.Session) -> None:
     """Inject faults into 16-rank jobs and show what SCOUT names: verdict table plus incident records."""
     _install(session)
     cells = ("c3-sdc-16", "c3-clean-16", "topology-fig3", "hang-frozen-rank", "hang-mismatch-shape", "data-stall",
-             "hang-equal-stall")
+             "hang-equal-stall", "ddp-sdc-output", "ddp-compute-straggler", "ddp-recovery-sdc")
     session.run("scout", "cells", "run", *cells, "--json", "runs/demo/cells.json", "--workdir", "runs/demo",
                 env={"OMP_NUM_THREADS": "1"})
-    for cell in ("c3-sdc-16", "topology-fig3", "hang-frozen-rank", "hang-equal-stall"):
+    for cell in ("topology-fig3", "hang-frozen-rank", "hang-equal-stall", "ddp-sdc-output", "ddp-recovery-sdc"):
         session.log(f"incident records written by {cell}:")
         session.run("scout", "report", f"runs/demo/{cell}/incidents.jsonl")
 

@@ -357,7 +357,7 @@ def bench_replay(repeats: int) -> dict:
         period(plain, plain_opt)
         period(replayed, replayed_opt)
         ratios = []
-        for i in range(max(4, repeats)):
+        for i in range(max(12, 2 * repeats)):
             if i % 2:
                 b, r = period(plain, plain_opt), period(replayed, replayed_opt)
             else:
@@ -366,6 +366,7 @@ def bench_replay(repeats: int) -> dict:
         variants, interval = len(cfg.input_variants), cfg.cadence.hidden
         return {"layers": depth, "variants": variants, "interval": interval,
                 "measured_ratio": round(statistics.median(ratios), 5),
+                "measured_ratio_stderr": round(1.2533 * statistics.stdev(ratios) / len(ratios) ** 0.5, 5),
                 "model_ratio": round(variants / (interval * depth), 5),
                 "checks": len(engine.history)}
 
@@ -436,6 +437,7 @@ def markdown(results: dict) -> str:
     lines.append(
         f"| replay, amortized over a training step (N={rp['layers']} layers, V={rp['variants']} variants, "
         f"I={rp['interval']}, layer + optimizer recipes) | {rp['measured_ratio'] * 100:.2f} % "
+        f"(+-{rp['measured_ratio_stderr'] * 100:.2f} %) "
         f"| paper model V/(I*N) = {rp['model_ratio'] * 100:.2f} % |")
     return "\n".join(lines)
 
