@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 from scout_core.inject import Fault
+from scout_core.report import ranks_text
 
 __all__ = ["CellReport", "CellSpec", "find_cells_file", "load_cells", "run_cells", "format_cell_table"]
 
@@ -186,14 +187,6 @@ def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
     return [_fault_dict(f) for f in faults]
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """'0-15' for a contiguous run, '3,14' otherwise."""
-    rs = sorted(ranks)
-    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
-        return f"{rs[0]}-{rs[-1]}"
-    return ",".join(map(str, rs))
-
-
 def format_cell_table(reports: Sequence[CellReport]) -> str:
     headers = ("cell", "verdict", "ranks", "injected", "reported", "verdict_s", "wall_s")
     rows = []
@@ -201,7 +194,7 @@ def format_cell_table(reports: Sequence[CellReport]) -> str:
         inj = "; ".join(f"{f['kind']}@r{f['rank']}:{f['surface']}" for f in r.injected) or "nothing"
         rep = "; ".join(
             f"restore {i['scope']} gen {i['surface']}" if i["kind"] == "decision" else
-            f"{i['kind']}/{i['scope']} r{_ranks_text(i['ranks'])}"
+            f"{i['kind']}/{i['scope']} r{ranks_text(i['ranks'])}"
             + (f" {','.join(i['hosts'])}" if i.get("hosts") and i["scope"] == "machine" else "")
             + (f" {i['surface']}" if i.get("surface") else "")
             for i in r.reported

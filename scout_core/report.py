@@ -205,6 +205,14 @@ def read_incidents(path: str | os.PathLike[str]) -> Iterator[Incident]:
         yield Incident.from_dict(data)
 
 
+def ranks_text(ranks: Sequence[int]) -> str:
+    """'0-15' for a contiguous run of three or more, '3,14' otherwise."""
+    rs = sorted(ranks)
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
 def format_table(incidents: Sequence[Incident]) -> str:
     """A fixed-width table an operator can read at a glance."""
     headers = ("time", "kind", "scope", "ranks", "hosts", "step", "surface", "verdict_s", "reason")
@@ -214,8 +222,8 @@ def format_table(incidents: Sequence[Incident]) -> str:
             time.strftime("%H:%M:%S", time.localtime(inc.time_unix)),
             inc.kind.value,
             inc.scope.value,
-            ",".join(map(str, inc.ranks)) or "-",
-            ",".join(inc.hosts) or "-",
+            ranks_text(inc.ranks) or "-",
+            ",".join(dict.fromkeys(inc.hosts)) or "-",  # each machine once, in order
             "-" if inc.step is None else str(inc.step),
             inc.surface or "-",
             "-" if inc.time_to_verdict_s is None else f"{inc.time_to_verdict_s:.3f}",
