@@ -63,6 +63,14 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
 
     opt.register_step_post_hook(update_fault)  # before the engine's hook: replay sees the damage
 
+    real_all_reduce = dist.all_reduce
+
+    def slow_collective(*args: Any, **kwargs: Any) -> Any:  # a slow endpoint inside this rank's collectives
+        injector.delay("collective", rank=rank, step=state["step"])
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = slow_collective
+
 
 def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     init_gloo(ctx, timeout_s=300)
@@ -114,8 +122,8 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if sorted(expect.get("kinds", [])) != kinds:
         problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
     scopes = sorted({i.scope.value for i in incidents})
-    if incidents and scopes != ["rank"]:
-        problems.append(f"scopes {scopes}, expected rank only")
+    if incidents and scopes != [expect.get("scope", "rank")]:
+        problems.append(f"scopes {scopes}, expected {expect.get('scope', 'rank')} only")
     surfaces = sorted({i.surface for i in incidents})
     for needle in expect.get("surfaces", []):
         if not any(needle in s for s in surfaces):

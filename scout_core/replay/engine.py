@@ -47,7 +47,10 @@ class BoundaryResult:
     step: int
     surfaces: list[C3Result] = field(default_factory=list)
     timing: C3Result | None = None
+    comm_timing: C3Result | None = None
     stragglers: tuple[int, ...] = ()
+    group_slowdown: bool = False
+    """The whole group's communication is slow against its own clean history (no outlier rank)."""
     incidents: list[Incident] = field(default_factory=list)
     source: int | None = None
 
@@ -103,6 +106,8 @@ class ReplayEngine:
         self.step = 0
         self.checks = 0
         self.history: list[BoundaryResult] = []
+        self.comm_baseline: list[float] = []  # group medians of clean rounds, newest last
+        self._slow_group_rounds = 0
         self._handles: list[Any] = []
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
@@ -136,10 +141,11 @@ class ReplayEngine:
         result = BoundaryResult(self.step)
         evidence: list[Any] = []
         names: list[str] = []
-        compute_s = 0.0
+        compute_s = comm_s = 0.0
         if self.cfg.enabled and self._due(self.step, self.cfg.cadence.hidden):
             idx = self._layer_index()
             layer_surfaces, compute_s, result.source = self._replay_layer(idx)
+            comm_s = self._replay_comm(idx)
             for name, value in layer_surfaces:
                 names.append(name)
                 evidence.append(value)
@@ -149,11 +155,12 @@ class ReplayEngine:
                 names.append(name)
                 evidence.append(value)
         if names:
-            timing_rule = self.rule
             results = c3_exchange(evidence, group=self.group, surfaces=names)
-            times = c3_exchange([compute_s], group=self.group, surfaces=["replay.compute_s"], rule=timing_rule)[0]
-            result.surfaces, result.timing = results, times
-            result.stragglers = self.confirm.update(times)
+            times, comm = c3_exchange([compute_s, comm_s], group=self.group,
+                                      surfaces=["replay.compute_s", "replay.comm_s"], rule=self.rule)
+            result.surfaces, result.timing, result.comm_timing = results, times, comm
+            result.stragglers = tuple(sorted(set(self.confirm.update(times)) | set(self.confirm.update(comm))))
+            result.group_slowdown = self._group_slowdown(comm)
             result.incidents = self._verdicts(result)
         self._arm(self.step + 1)
         self.history.append(result)
@@ -247,6 +254,41 @@ class ReplayEngine:
         surfaces += [(n, (s.signature, s.nonfinite)) for (n, _), s in zip(to_sign, signed, strict=True)]
         return surfaces, compute_s, src
 
+    def _replay_comm(self, idx: int) -> float:
+        """Time a training-shaped all-reduce (the sampled layer's gradient size) on a scratch tensor."""
+        params = [p for p in self.layers[idx].parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params) or 1
+        scratch = torch.zeros(numel, dtype=params[0].dtype if params else torch.float32,
+                              device=params[0].device if params else "cpu")
+        dist.barrier(group=self.group)  # start together: the time is the collective's, not arrival skew
+        _sync(params)
+        start = time.perf_counter()
+        dist.all_reduce(scratch, group=self.group)
+        _sync(params)
+        return time.perf_counter() - start
+
+    def _group_slowdown(self, comm: C3Result) -> bool:
+        """Temporal reference for what spatial consensus cannot see: the whole group slower.
+
+        A collective spanning every peer makes every peer wait for a slow member, so
+        no peer is an outlier. The group's median is compared with the median of its
+        own clean rounds (same ratio and absolute floors as the spatial rule) and a
+        slowdown is confirmed over the same number of consecutive rounds.
+        """
+        median = float(comm.reference)
+        history = self.comm_baseline[-10:]
+        slow = False
+        if len(history) >= 3:
+            base = sorted(history)[len(history) // 2]
+            slow = median > max(base * self.rule.min_ratio, base + self.rule.min_delta)
+        if slow:
+            self._slow_group_rounds += 1
+        else:
+            self._slow_group_rounds = 0
+            if comm.status is C3Status.AGREE:
+                self.comm_baseline.append(median)
+        return self._slow_group_rounds >= self.confirm.rounds
+
     # -- verdicts -----------------------------------------------------------------------------------
 
     def _verdicts(self, result: BoundaryResult) -> list[Incident]:
@@ -266,12 +308,22 @@ class ReplayEngine:
         if inconclusive:
             incidents.append(self._incident(IncidentKind.SDC, IncidentScope.PEER_GROUP, self.peers, inconclusive,
                                             "replayed surfaces disagree without a strict majority"))
-        new = tuple(r for r in result.stragglers if self.confirm.count(result.timing.surface, r) == self.confirm.rounds)
-        if new:
+        for timing in (result.timing, result.comm_timing):
+            new = tuple(r for r in timing.outlier_ranks if self.confirm.count(timing.surface, r) == self.confirm.rounds)
+            if new:
+                what = "compute" if timing is result.timing else "communication"
+                incidents.append(self._incident(
+                    IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
+                    f"replay {what} slower than peers in {self.confirm.rounds} consecutive rounds"))
+        if result.group_slowdown and self._slow_group_rounds == self.confirm.rounds:
             incidents.append(self._incident(
-                IncidentKind.STRAGGLER, IncidentScope.RANK, new, [result.timing],
-                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds"))
-        reporter_rank = min(r for r in self.peers if all(r not in i.ranks for i in incidents)) if incidents else None
+                IncidentKind.STRAGGLER, IncidentScope.PEER_GROUP, self.peers, [result.comm_timing],
+                "the whole group's communication is slow against its own clean history; no member is an "
+                "outlier (one group spans every peer): inspect the group's fabric"))
+        # The lowest peer not named by a rank-scoped verdict writes the records (group-scoped verdicts
+        # name everyone, and any member may report those).
+        named = {r for i in incidents if i.scope is IncidentScope.RANK for r in i.ranks}
+        reporter_rank = min((r for r in self.peers if r not in named), default=min(self.peers)) if incidents else None
         if self.reporter is not None and self.rank == reporter_rank:
             for inc in incidents:
                 self.reporter.emit(inc)
