@@ -28,14 +28,14 @@ from scout_core.signature import sign_many
 
 
 def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, rank: int, state: dict) -> None:
+    """Faults live inside the blocks (on ``fc``), so they act in training and in replay alike,
+    whichever way replay calls the block (FSDP2 replay bypasses the block's own hooks)."""
     inner = par.inner
+    fc = inner.layers[1].fc
 
     def out_fault(_m: Any, _a: Any, out: torch.Tensor) -> None:
         with torch.no_grad():
             injector.corrupt("layers.1.output", out, rank=rank, step=state["step"])
-
-    def slow(_m: Any, _a: Any, _out: Any) -> None:
-        injector.delay("compute", rank=rank, step=state["step"])
 
     def grad_fault(_m: Any, grad_input: Any, _grad_output: Any) -> Any:
         g = grad_input[0]
@@ -45,31 +45,39 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
         injector.corrupt("layers.1.grad", g, rank=rank, step=state["step"])
         return (g,)
 
-    inner.layers[1].register_forward_hook(out_fault)
-    inner.layers[1].fc.register_full_backward_hook(grad_fault)
+    def weight_fault(*_: Any) -> None:
+        # A stuck value in this rank's copy of the weight as its compute reads it: the replica under
+        # DDP, the unsharded buffer after every all-gather under FSDP2 / HSDP.
+        with torch.no_grad():
+            injector.corrupt("layers.1.weight", fc.weight, rank=rank, step=state["step"])
+
+    def slow(_m: Any, _a: Any, _out: Any) -> None:
+        injector.delay("compute", rank=rank, step=state["step"])
+
+    fc.register_forward_hook(out_fault)
+    fc.register_full_backward_hook(grad_fault)
+    fc.register_forward_pre_hook(weight_fault)
     for block in inner.layers:
-        block.register_forward_hook(slow)
+        block.fc.register_forward_hook(slow)
 
-    def weight_fault(*_: Any) -> None:  # a stuck bit in this rank's replica, as compute reads it
-        with torch.no_grad():
-            injector.corrupt("layers.1.weight", inner.layers[1].fc.weight, rank=rank, step=state["step"])
-
-    inner.layers[1].register_forward_pre_hook(weight_fault)
-
-    def update_fault(*_: Any) -> None:  # a fault in this rank's live optimizer update
-        with torch.no_grad():
-            for p in inner.parameters():
-                injector.corrupt("optimizer.update", p, rank=rank, step=state["step"])
+    def update_fault(*_: Any) -> None:
+        # A fault in this rank's live optimizer update of the parameter the replayed slice samples.
+        pending = state["engine"].opt_slice.pending if state.get("engine") else None
+        if pending is not None:
+            with torch.no_grad():
+                injector.corrupt("optimizer.update", pending["param"], rank=rank, step=state["step"])
 
     opt.register_step_post_hook(update_fault)  # before the engine's hook: replay sees the damage
 
-    real_all_reduce = dist.all_reduce
+    def slowed(real: Any) -> Any:
+        def slow_collective(*args: Any, **kwargs: Any) -> Any:  # a slow endpoint inside this rank's collectives
+            injector.delay("collective", rank=rank, step=state["step"])
+            return real(*args, **kwargs)
 
-    def slow_collective(*args: Any, **kwargs: Any) -> Any:  # a slow endpoint inside this rank's collectives
-        injector.delay("collective", rank=rank, step=state["step"])
-        return real_all_reduce(*args, **kwargs)
+        return slow_collective
 
-    dist.all_reduce = slow_collective
+    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single"):  # FSDP2 uses the latter two
+        setattr(dist, name, slowed(getattr(dist, name)))
 
 
 def _replay_rank(ctx: RankContext) -> dict[str, Any]:
@@ -85,11 +93,15 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     if a["replay"]:
         cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=1),
                            optimizer_slice_elems=256)
-        engine = ReplayEngine(list(par.inner.layers), opt, config=cfg, reporter=reporter,
+        group = par.mesh.get_group("dp_replicate") if a["layout"] == "hsdp" else None
+        engine = ReplayEngine(list(par.inner.layers), opt, config=cfg, reporter=reporter, group=group,
                               rule=StatisticalRule(**a["rule"]),
                               hosts={r: f"node{r // 8}" for r in range(ctx.world_size)})
+        state["engine"] = engine
     loss_fn = torch.nn.MSELoss()
-    for step, (x, y) in enumerate(batches(ctx.rank, a["steps"], seed=a["seed"]), start=1):
+    # Replicas see different data; under HSDP the shard ranks of one replica see the same batch.
+    data_rank = ctx.rank // (ctx.world_size // 4) if a["layout"] == "hsdp" else ctx.rank
+    for step, (x, y) in enumerate(batches(data_rank, a["steps"], seed=a["seed"]), start=1):
         state["step"] = step
         loss_fn(par.model(x), y).backward()
         opt.step()

@@ -131,6 +131,8 @@ def sign_many(tensors: Sequence[torch.Tensor]) -> list[Signed]:
     """
     if not tensors:
         return []
+    # A DTensor is signed by its rank-local shard: what this rank holds and computes with.
+    tensors = [t.to_local() if callable(getattr(t, "to_local", None)) else t for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):

@@ -77,7 +77,18 @@ class DropNet(torch.nn.Module):
 def _train(ctx: RankContext):
     init_gloo(ctx)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(DropNet())
+    if ctx.args.get("layout") == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = DropNet()
+        mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("dp_shard",))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.module = model  # the same attribute path as DDP below
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(DropNet())
     torch.manual_seed(100 + ctx.rank)  # different RNG streams per rank, as in real data-parallel jobs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = None
@@ -96,9 +107,10 @@ def _train(ctx: RankContext):
     return {"sigs": [s.signature for s in sign_many(tensors)], "statuses": statuses}
 
 
-def test_replay_leaves_training_bitwise_unchanged_and_aligns_dropout():
-    off = launch(_train, 4, timeout_s=120, args={"replay": False})
-    on = launch(_train, 4, timeout_s=120, args={"replay": True})
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_replay_leaves_training_bitwise_unchanged_and_aligns_dropout(layout):
+    off = launch(_train, 4, timeout_s=120, args={"replay": False, "layout": layout})
+    on = launch(_train, 4, timeout_s=120, args={"replay": True, "layout": layout})
     assert off.ok and on.ok, off.failures() + on.failures()
     for a, b in zip(off.values(), on.values()):
         assert a["sigs"] == b["sigs"]  # parameters, optimizer state and the training RNG stream

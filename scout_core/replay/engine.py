@@ -82,6 +82,7 @@ class ReplayEngine:
         reporter: Reporter | None = None,
         hosts: Mapping[int, str] | None = None,
         compare_param_state: bool = True,
+        compare_optimizer_slices: bool | None = None,
         rng_providers: Mapping[str, RngProvider] | None = None,
         layer_names: Sequence[str] | None = None,
     ) -> None:
@@ -99,6 +100,9 @@ class ReplayEngine:
         self.reporter = reporter
         self.hosts = dict(hosts or {})
         self.compare_param_state = compare_param_state
+        # Pure FSDP owns each update uniquely: only the self-check is comparable across peers.
+        self.compare_optimizer_slices = (_peers_hold_equal_shards(optimizer, self.peers, self.rank)
+                                         if compare_optimizer_slices is None else compare_optimizer_slices)
         self.rng_providers = dict(rng_providers or {})
         self.captures = [LayerCapture(layer) for layer in self.layers]
         self.optimizer = optimizer
@@ -107,6 +111,7 @@ class ReplayEngine:
         self.checks = 0
         self.history: list[BoundaryResult] = []
         self.comm_baseline: list[float] = []  # group medians of clean rounds, newest last
+        self._gather_s: float | None = None
         self._slow_group_rounds = 0
         self._handles: list[Any] = []
         if optimizer is not None:
@@ -145,13 +150,16 @@ class ReplayEngine:
         if self.cfg.enabled and self._due(self.step, self.cfg.cadence.hidden):
             idx = self._layer_index()
             layer_surfaces, compute_s, result.source = self._replay_layer(idx)
-            comm_s = self._replay_comm(idx)
+            # FSDP2: the timed parameter all-gather; otherwise a training-shaped scratch all-reduce.
+            comm_s = self._gather_s if self._gather_s is not None else self._replay_comm(idx)
             for name, value in layer_surfaces:
                 names.append(name)
                 evidence.append(value)
             self.checks += 1
         if self.opt_slice is not None and self.opt_slice.pending:
             for name, value in self.opt_slice.after_step():
+                if not self.compare_optimizer_slices and name != "optimizer.self_check":
+                    continue
                 names.append(name)
                 evidence.append(value)
         if names:
@@ -203,9 +211,20 @@ class ReplayEngine:
         return leaves, m["spec"], m["mask"], grad, m["rng"]
 
     def _replay_layer(self, idx: int) -> tuple[list[tuple[str, Any]], float, int]:
+        """Broadcast the source's call, materialize the layer, replay it; reshard even on error."""
         src = self.peers[self.checks % len(self.peers)]
         leaves, spec, mask, grad_out, rng = self._broadcast_call(idx, src)
         layer, name, capture = self.layers[idx], self.names[idx], self.captures[idx]
+        forward, self._gather_s, release = _materialize(layer)
+        try:
+            return self._replay_materialized(forward, layer, name, capture, leaves, spec, mask, grad_out, rng, src)
+        finally:
+            if release is not None:
+                release()
+
+    def _replay_materialized(self, forward: Any, layer: torch.nn.Module, name: str, capture: LayerCapture,
+                             leaves: list[Any], spec: Any, mask: list[bool], grad_out: torch.Tensor | None,
+                             rng: dict[str, torch.Tensor], src: int) -> tuple[list[tuple[str, Any]], float, int]:
         received = [v for v in leaves if isinstance(v, torch.Tensor)] + ([grad_out] if grad_out is not None else [])
         surfaces: list[tuple[str, Any]] = [
             ("replay.inputs", (tuple(s.signature for s in sign_many(received)), rng_fingerprint(rng)))]
@@ -228,7 +247,7 @@ class ReplayEngine:
                     args, kwargs = tree_unflatten(inputs, spec)
                     _sync(params)
                     start = time.perf_counter()
-                    out = first_tensor(layer(*args, **kwargs))
+                    out = first_tensor(forward(*args, **kwargs))
                     wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] + params
                     grads: Sequence[torch.Tensor | None] = ()
                     if out is not None and out.requires_grad and wrt:
@@ -341,6 +360,49 @@ class ReplayEngine:
         self._handles.clear()
         for c in self.captures:
             c.remove()
+
+
+def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:
+    """False when some peer holds a different shard of a parameter (its sharding dim spans peers)."""
+    if optimizer is None:
+        return True
+    others = set(peers) - {rank}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is None:
+                continue
+            for dim, placement in enumerate(p.placements):
+                if placement.is_shard():
+                    members = set(dist.get_process_group_ranks(mesh.get_group(dim)))
+                    if members & others:
+                        return False
+    return True
+
+
+def _materialize(layer: torch.nn.Module) -> tuple[Any, float | None, Any]:
+    """``(forward, gather_s, release)`` for replaying ``layer``.
+
+    An FSDP2 layer is unsharded through its public ``unshard()`` (timed: the
+    parameter all-gather is the layer's communication) and its ORIGINAL class's
+    ``forward`` is called directly, so FSDP's own hooks, and with them its
+    reduce-scatter into the live sharded gradients, never run for the replay.
+    ``release`` reshards. Other layers are called as they are.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()  # type: ignore[assignment]  # noqa: N806
+    if FSDPModule and isinstance(layer, FSDPModule):
+        params = list(layer.parameters())
+        _sync(params)
+        start = time.perf_counter()
+        layer.unshard()
+        _sync(list(layer.parameters()))
+        gather_s = time.perf_counter() - start
+        cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
+        return cls.forward.__get__(layer), gather_s, layer.reshard
+    return layer, None, None
 
 
 def _sync(params: Sequence[torch.Tensor]) -> None:
