@@ -54,6 +54,14 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def campaign(session: nox.Session) -> None:
+    """>= 300 parametrized SDC injections across DDP, FSDP2 and HSDP; table in runs/campaign.json."""
+    _install(session)
+    session.run("python", "-m", "integrations_tests.campaign", "--out", "runs/campaign.json", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff", env=CONSTRAINTS)
     session.run("ruff", "check", "scout_core", "tests", "integrations_tests", "benchmarks", "noxfile.py")
