@@ -55,10 +55,10 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def campaign(session: nox.Session) -> None:
-    """>= 300 parametrized SDC injections across DDP, FSDP2 and HSDP; table in runs/campaign.json."""
+    """>= 300 SDC injections across DDP, FSDP2 and HSDP; results in benchmarks/campaign.json and the README."""
     _install(session)
-    session.run("python", "-m", "integrations_tests.campaign", "--out", "runs/campaign.json", *session.posargs,
-                env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "-m", "integrations_tests.campaign", "--out", "benchmarks/campaign.json",
+                "--readme", "README.md", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -184,7 +184,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="runs/campaign.json")
+    parser.add_argument("--out", default="benchmarks/campaign.json")
     parser.add_argument("--readme", help="rewrite the campaign block of this README")
     parser.add_argument("--layouts", default="ddp,fsdp2,hsdp")
     parser.add_argument("--jobs", type=int, default=4)
