@@ -76,7 +76,8 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
 
         return slow_collective
 
-    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single"):  # FSDP2 uses the latter two
+    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "broadcast"):
         setattr(dist, name, slowed(getattr(dist, name)))
 
 
@@ -91,11 +92,12 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     reporter = Reporter([JsonlSink(a["jsonl"])], run_id=a["run_id"], rank=ctx.rank) if a["replay"] else None
     engine = None
     if a["replay"]:
-        cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=1),
+        cfg = ReplayConfig(cadence=ReplayCadence(embedding=1, hidden=1, output=1, optimizer=1),
                            optimizer_slice_elems=256)
         group = par.mesh.get_group("dp_replicate") if a["layout"] == "hsdp" else None
         engine = ReplayEngine(list(par.inner.layers), opt, config=cfg, reporter=reporter, group=group,
-                              rule=StatisticalRule(**a["rule"]),
+                              rule=StatisticalRule(**a["rule"]), embedding=par.inner.embed, output=par.inner.head,
+                              boundary_owner=par.model if a["layout"] != "ddp" else None,
                               hosts={r: f"node{r // 8}" for r in range(ctx.world_size)})
         state["engine"] = engine
     loss_fn = torch.nn.MSELoss()
@@ -109,9 +111,11 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     dist.barrier()
     final = [s.signature for s in sign_many([p.detach() for p in par.model.parameters()])]
     checks = [(r.step, r.source) for r in engine.history] if engine else []
+    compared = sorted({r.surface for res in engine.history for r in res.surfaces}) if engine else []
     if engine:
         engine.close()
-    return {"final": final, "checks": checks, "rng": sign_many([torch.get_rng_state()])[0].signature}
+    return {"final": final, "checks": checks, "compared": compared,
+            "rng": sign_many([torch.get_rng_state()])[0].signature}
 
 
 def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -143,6 +147,10 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     for forbidden in expect.get("not_surfaces", []):
         if any(forbidden in s for s in surfaces):
             problems.append(f"unexpected incident on {forbidden!r}: {surfaces}")
+    if "hosts" in expect:
+        hosts = sorted({h for i in incidents for h in i.hosts})
+        if hosts != sorted(expect["hosts"]):
+            problems.append(f"hosts {hosts}, expected {expect['hosts']}")
     if "steps" in expect:
         got_steps = sorted({i.step for i in incidents})
         if got_steps != sorted(expect["steps"]):
@@ -151,6 +159,10 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         checks = result.values()[0]["checks"]
         if len(checks) != args["steps"]:
             problems.append(f"{len(checks)} checks ran, expected {args['steps']}")
+        compared = result.values()[0]["compared"]
+        for recipe in expect.get("recipes", []):
+            if not any(c.startswith(recipe) for c in compared):
+                problems.append(f"no {recipe} surface was compared; compared: {compared[:8]}...")
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
                       injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
                       details="\n".join(problems), wall_s=time.monotonic() - start)

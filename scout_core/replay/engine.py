@@ -38,6 +38,7 @@ from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
+from scout_core.topology import GroupTiming, localize_slow_groups
 
 __all__ = ["BoundaryResult", "ReplayEngine"]
 
@@ -51,6 +52,9 @@ class BoundaryResult:
     stragglers: tuple[int, ...] = ()
     group_slowdown: bool = False
     """The whole group's communication is slow against its own clean history (no outlier rank)."""
+    localization: Any = None
+    """HSDP: cross-group intersection of slow shard and replica groups (``topology.Localization``)."""
+    incidents_global: list[Incident] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
     source: int | None = None
 
@@ -85,6 +89,9 @@ class ReplayEngine:
         compare_optimizer_slices: bool | None = None,
         rng_providers: Mapping[str, RngProvider] | None = None,
         layer_names: Sequence[str] | None = None,
+        embedding: torch.nn.Module | None = None,
+        output: torch.nn.Module | None = None,
+        boundary_owner: torch.nn.Module | None = None,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -104,6 +111,16 @@ class ReplayEngine:
         self.compare_optimizer_slices = (_peers_hold_equal_shards(optimizer, self.peers, self.rank)
                                          if compare_optimizer_slices is None else compare_optimizer_slices)
         self.rng_providers = dict(rng_providers or {})
+        # Embedding and output (LM head) recipes ride behind the repeated layers, each on its own
+        # cadence; under FSDP2 their parameters belong to an outer FSDP module (boundary_owner).
+        self.n_hidden = len(self.layers)
+        self.extra: dict[str, int] = {}
+        for recipe, module in (("embedding", embedding), ("output", output)):
+            if module is not None:
+                self.extra[recipe] = len(self.layers)
+                self.layers.append(module)
+                self.names.append(recipe)
+        self.owner = boundary_owner
         self.captures = [LayerCapture(layer) for layer in self.layers]
         self.optimizer = optimizer
         self.opt_slice = OptimizerSlice(optimizer, config.optimizer_slice_elems) if optimizer is not None else None
@@ -112,6 +129,9 @@ class ReplayEngine:
         self.history: list[BoundaryResult] = []
         self.comm_baseline: list[float] = []  # group medians of clean rounds, newest last
         self._gather_s: float | None = None
+        self._hsdp_comm: tuple[float, float, Any, Any] | None = None
+        self._last_loc: Any = None
+        self._loc_rounds = 0
         self._slow_group_rounds = 0
         self._handles: list[Any] = []
         if optimizer is not None:
@@ -125,11 +145,16 @@ class ReplayEngine:
         return cadence > 0 and step % cadence == 0
 
     def _layer_index(self) -> int:
-        return self.checks % len(self.layers)
+        return self.checks % self.n_hidden
 
     def _arm(self, step: int) -> None:
-        if self.cfg.enabled and self._due(step, self.cfg.cadence.hidden):
+        if not self.cfg.enabled:
+            return
+        if self._due(step, self.cfg.cadence.hidden):
             self.captures[self._layer_index()].arm()
+        for recipe, idx in self.extra.items():
+            if self._due(step, getattr(self.cfg.cadence, recipe)):
+                self.captures[idx].arm()
 
     def _pre_step(self, *_: Any) -> None:
         if self.cfg.enabled and self.opt_slice is not None and self._due(self.step + 1, self.cfg.cadence.optimizer):
@@ -147,6 +172,12 @@ class ReplayEngine:
         evidence: list[Any] = []
         names: list[str] = []
         compute_s = comm_s = 0.0
+        for recipe, idx in self.extra.items():  # before the hidden layer: its timings are the ones kept
+            if self.cfg.enabled and self._due(self.step, getattr(self.cfg.cadence, recipe)):
+                extra_surfaces, _, result.source = self._replay_layer(idx)
+                for name, value in extra_surfaces:
+                    names.append(name)
+                    evidence.append(value)
         if self.cfg.enabled and self._due(self.step, self.cfg.cadence.hidden):
             idx = self._layer_index()
             layer_surfaces, compute_s, result.source = self._replay_layer(idx)
@@ -167,8 +198,13 @@ class ReplayEngine:
             times, comm = c3_exchange([compute_s, comm_s], group=self.group,
                                       surfaces=["replay.compute_s", "replay.comm_s"], rule=self.rule)
             result.surfaces, result.timing, result.comm_timing = results, times, comm
-            result.stragglers = tuple(sorted(set(self.confirm.update(times)) | set(self.confirm.update(comm))))
+            # Communication time is a property of a synchronizing group, not of one member (paper
+            # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
+            # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
+            result.stragglers = self.confirm.update(times)
             result.group_slowdown = self._group_slowdown(comm)
+            if self._hsdp_comm is not None:
+                result.localization = self._cross_group(*self._hsdp_comm)
             result.incidents = self._verdicts(result)
         self._arm(self.step + 1)
         self.history.append(result)
@@ -215,9 +251,20 @@ class ReplayEngine:
         src = self.peers[self.checks % len(self.peers)]
         leaves, spec, mask, grad_out, rng = self._broadcast_call(idx, src)
         layer, name, capture = self.layers[idx], self.names[idx], self.captures[idx]
-        forward, self._gather_s, release = _materialize(layer)
+        local_shard: list[tuple[str, Any]] = []
+        if _mesh_groups(layer) is not None:
+            # HSDP: replicas hold the same shard, so compare the local shards BEFORE unsharding (a
+            # corrupted shard would otherwise reach its whole shard group through the all-gather).
+            # Pure FSDP has no owner copy to compare a shard against.
+            signed = sign_many([torch.cat([p.to_local().reshape(-1) for p in layer.parameters()])])[0]
+            local_shard = [(f"{name}.local_shard", (signed.signature, signed.nonfinite))]
+        self._hsdp_comm = _time_hsdp_collectives(layer)
+        owner = self.owner if idx >= self.n_hidden else None
+        forward, self._gather_s, release = _materialize(layer, owner)
         try:
-            return self._replay_materialized(forward, layer, name, capture, leaves, spec, mask, grad_out, rng, src)
+            surfaces, compute_s, src = self._replay_materialized(forward, layer, name, capture, leaves, spec, mask,
+                                                                 grad_out, rng, src)
+            return local_shard + surfaces, compute_s, src
         finally:
             if release is not None:
                 release()
@@ -286,6 +333,33 @@ class ReplayEngine:
         _sync(params)
         return time.perf_counter() - start
 
+    def _cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any) -> Any:
+        """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2).
+
+        One world all-gather of every rank's two timings; a group's time is its slowest
+        member's (a synchronizing collective ends with it); statistical C3 across the groups
+        of one dimension marks slow groups. The same verdict in consecutive rounds confirms it.
+        """
+        world = dist.get_world_size()
+        timings: list[Any] = [None] * world
+        dist.all_gather_object(timings, (t_rs, t_ar))
+        shard_groups = _all_groups(shard_pg)
+        repl_groups = _all_groups(repl_pg)
+        observations = []
+        for dim, groups, col in (("shard", shard_groups, 0), ("replica", repl_groups, 1)):
+            group_times = [max(timings[r][col] for r in g) for g in groups]
+            res = self.rule(group_times, peer_ranks=list(range(len(groups))), surface=f"replay.{dim}_comm_s")
+            observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
+        hosts = {r: self.hosts.get(r, "?") for r in range(world)}
+        loc = localize_slow_groups(observations, hosts)
+        key = (loc.scope, loc.ranks, loc.hosts)
+        if loc.scope == "none":
+            self._loc_rounds, self._last_loc = 0, None
+            return None
+        self._loc_rounds = self._loc_rounds + 1 if key == self._last_loc else 1
+        self._last_loc = key
+        return loc
+
     def _group_slowdown(self, comm: C3Result) -> bool:
         """Temporal reference for what spatial consensus cannot see: the whole group slower.
 
@@ -327,13 +401,21 @@ class ReplayEngine:
         if inconclusive:
             incidents.append(self._incident(IncidentKind.SDC, IncidentScope.PEER_GROUP, self.peers, inconclusive,
                                             "replayed surfaces disagree without a strict majority"))
-        for timing in (result.timing, result.comm_timing):
-            new = tuple(r for r in timing.outlier_ranks if self.confirm.count(timing.surface, r) == self.confirm.rounds)
-            if new:
-                what = "compute" if timing is result.timing else "communication"
-                incidents.append(self._incident(
-                    IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
-                    f"replay {what} slower than peers in {self.confirm.rounds} consecutive rounds"))
+        timing = result.timing
+        new = tuple(r for r in timing.outlier_ranks if self.confirm.count(timing.surface, r) == self.confirm.rounds)
+        if new:
+            incidents.append(self._incident(
+                IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
+                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds"))
+        loc = result.localization
+        if loc is not None and self._loc_rounds == self.confirm.rounds:
+            machine = self._incident(IncidentKind.STRAGGLER, IncidentScope(loc.scope), loc.ranks, [result.comm_timing],
+                                     f"communication: {loc.reason}")
+            machine.hosts = list(loc.hosts)
+            machine.evidence["slow_groups"] = [[d, list(g)] for d, g in loc.slow_groups]
+            if self.rank == self._world_reporter(loc):  # one record for the whole job
+                self._emit([machine])
+            result.incidents_global = [machine]
         if result.group_slowdown and self._slow_group_rounds == self.confirm.rounds:
             incidents.append(self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.PEER_GROUP, self.peers, [result.comm_timing],
@@ -343,10 +425,17 @@ class ReplayEngine:
         # name everyone, and any member may report those).
         named = {r for i in incidents if i.scope is IncidentScope.RANK for r in i.ranks}
         reporter_rank = min((r for r in self.peers if r not in named), default=min(self.peers)) if incidents else None
-        if self.reporter is not None and self.rank == reporter_rank:
+        if self.rank == reporter_rank:
+            self._emit(incidents)
+        return incidents
+
+    def _emit(self, incidents: Sequence[Incident]) -> None:
+        if self.reporter is not None:
             for inc in incidents:
                 self.reporter.emit(inc)
-        return incidents
+
+    def _world_reporter(self, loc: Any) -> int:
+        return min((r for r in range(dist.get_world_size()) if r not in loc.ranks), default=0)
 
     def _incident(self, kind: IncidentKind, scope: IncidentScope, ranks: Sequence[int],
                   results: Sequence[C3Result], reason: str) -> Incident:
@@ -380,7 +469,57 @@ def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Seq
     return True
 
 
-def _materialize(layer: torch.nn.Module) -> tuple[Any, float | None, Any]:
+def _mesh_groups(layer: torch.nn.Module) -> tuple[Any, Any] | None:
+    """(shard group, replica group) of an HSDP-managed layer's parameters, else None."""
+    for p in layer.parameters():
+        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+        if mesh is None or mesh.ndim != 2:
+            return None
+        shard = [d for d, pl in enumerate(placements) if pl.is_shard()]
+        repl = [d for d, pl in enumerate(placements) if pl.is_replicate()]
+        if len(shard) == 1 and len(repl) == 1:
+            return mesh.get_group(shard[0]), mesh.get_group(repl[0])
+    return None
+
+
+_GROUPS_OF: dict[Any, list[list[int]]] = {}
+
+
+def _all_groups(pg: Any) -> list[list[int]]:
+    """Every group of the same dimension as ``pg`` (one world all-gather of memberships, then cached)."""
+    if pg not in _GROUPS_OF:
+        mine = sorted(dist.get_process_group_ranks(pg))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        _GROUPS_OF[pg] = [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]
+    return _GROUPS_OF[pg]
+
+
+def _time_hsdp_collectives(layer: torch.nn.Module) -> tuple[float, float, Any, Any] | None:
+    """HSDP: a training-shaped reduce-scatter (shard group) then replica all-reduce, on scratch tensors."""
+    groups = _mesh_groups(layer)
+    if groups is None:
+        return None
+    shard_pg, repl_pg = groups
+    params = list(layer.parameters())
+    n_shards = dist.get_world_size(shard_pg)
+    per_shard = -(-sum(p.numel() for p in params) // n_shards)
+    local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+    full = torch.zeros(per_shard * n_shards, dtype=local.dtype, device=local.device)
+    shard = torch.zeros(per_shard, dtype=local.dtype, device=local.device)
+    dist.barrier()  # every rank starts together: times belong to the collectives
+    start = time.perf_counter()
+    dist.reduce_scatter_tensor(shard, full, group=shard_pg)
+    _sync([local])
+    t_rs = time.perf_counter() - start
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(shard, group=repl_pg)
+    _sync([local])
+    return t_rs, time.perf_counter() - start, shard_pg, repl_pg
+
+
+def _materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[Any, float | None, Any]:
     """``(forward, gather_s, release)`` for replaying ``layer``.
 
     An FSDP2 layer is unsharded through its public ``unshard()`` (timed: the
@@ -393,9 +532,17 @@ def _materialize(layer: torch.nn.Module) -> tuple[Any, float | None, Any]:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
         FSDPModule = ()  # type: ignore[assignment]  # noqa: N806
+    if FSDPModule and owner is not None and isinstance(owner, FSDPModule):
+        # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
+        dist.barrier()
+        start = time.perf_counter()
+        owner.unshard()
+        _sync(list(layer.parameters()))
+        return layer, time.perf_counter() - start, owner.reshard
     if FSDPModule and isinstance(layer, FSDPModule):
         params = list(layer.parameters())
         _sync(params)
+        dist.barrier()  # start together, or one late rank's earlier delay shows up as this gather's time
         start = time.perf_counter()
         layer.unshard()
         _sync(list(layer.parameters()))
