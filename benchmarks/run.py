@@ -173,8 +173,8 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
         tracker.remove_hooks()
         return t[k] / t[1 - k] - 1, t[1 - k]
 
-    for i in range(4):
-        round_(i, True)
+    for i in range(24):  # warm caches, allocator and clocks before anything counts
+        round_(i, i % 2 == 0)
     ab, aa, base = [], [], []
     for i in range(steps):
         r, b = round_(i, True)
@@ -227,8 +227,11 @@ def bench_hang(repeats: int) -> dict:
             fp = fingerprint_call("all_reduce", (t,), {})
             tracker.enter_collective(fp)
         intent_us = (time.perf_counter() - s) / k * 1e6
-        overhead = _step_overhead(80 * max(1, repeats // 3))
-        with_backward = _step_overhead(80 * max(1, repeats // 3), backward=True)
+        # Three measurements, reported by their median and range: on this shared machine the first
+        # minute of a process reads consistently higher than later ones.
+        runs = sorted((_step_overhead(60 * max(1, repeats // 3)) for _ in range(3)), key=lambda r: r["overhead_ratio"])
+        overhead = {**runs[1], "overhead_range": [runs[0]["overhead_ratio"], runs[2]["overhead_ratio"]]}
+        with_backward = _step_overhead(60 * max(1, repeats // 3), backward=True)
         return {"collective_intent_us": round(intent_us, 3), **overhead,
                 "with_backward_marks": {k: with_backward[k] for k in ("overhead_ratio", "noise_ratio",
                                                                       "publishes_per_step")}}
@@ -410,8 +413,9 @@ def markdown(results: dict) -> str:
         f"/ {hang['tracker_mark_us']} us | <= {hang['goal_publish_us']} us |",
         f"| collective intent: fingerprint + publish | {hang['collective_intent_us']} us | - |",
         f"| all hang-path hooks on a {hang['step_ms']:.0f} ms training step ({hang['publishes_per_step']} publishes): "
-        f"measured A/B median (+- its noise, from A/A) / accounted | {hang['overhead_ratio'] * 100:+.2f} % "
-        f"(+-{hang['noise_ratio'] * 100:.2f} %) / {hang['accounted_ratio'] * 100:.3f} % "
+        f"measured A/B, median of 3 runs (range) / accounted | {hang['overhead_ratio'] * 100:+.2f} % "
+        f"({hang['overhead_range'][0] * 100:+.2f} .. {hang['overhead_range'][1] * 100:+.2f} %) "
+        f"/ {hang['accounted_ratio'] * 100:.3f} % "
         f"| <= {hang['goal_ratio'] * 100:.1f} % |",
     ]
     wb = hang["with_backward_marks"]
