@@ -38,11 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from integrations_tests.models import batches, build  # noqa: E402
+from integrations_tests.models import batches, install_block_faults, start_rank  # noqa: E402
 from scout_core.config import ReplayCadence, ReplayConfig  # noqa: E402
 from scout_core.consensus import StatisticalRule  # noqa: E402
-from scout_core.inject import Fault, Injector, Schedule  # noqa: E402
-from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent  # noqa: E402
+from scout_core.inject import Fault, Schedule  # noqa: E402
+from scout_core.launcher import RankContext, launch, prepare_parent  # noqa: E402
 from scout_core.replay.engine import ReplayEngine  # noqa: E402
 from scout_core.report import JsonlSink, Reporter, read_incidents  # noqa: E402
 
@@ -69,26 +69,9 @@ def _faults(injections: list[dict[str, Any]]) -> list[Fault]:
 
 
 def _job(ctx: RankContext) -> int:
-    init_gloo(ctx, timeout_s=600)
-    a = ctx.args
-    injector = Injector(a["faults"], seed=a["seed"])
-    par = build(a["layout"], seed=a["seed"])
-    opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+    a, injector, par, opt = start_rank(ctx, timeout_s=600)
     state = {"step": 0}
-    for i, block in enumerate(par.inner.layers):
-        def out_fault(_m: Any, _a: Any, out: torch.Tensor, i: int = i) -> None:
-            with torch.no_grad():
-                injector.corrupt(f"layers.{i}.output", out, rank=ctx.rank, step=state["step"])
-
-        def grad_fault(_m: Any, grad_input: Any, _g: Any, i: int = i) -> Any:
-            if grad_input[0] is None:
-                return None
-            g = grad_input[0].clone()
-            injector.corrupt(f"layers.{i}.grad", g, rank=ctx.rank, step=state["step"])
-            return (g,)
-
-        block.fc.register_forward_hook(out_fault)
-        block.fc.register_full_backward_hook(grad_fault)
+    install_block_faults(par, injector, ctx.rank, state)
     group = par.mesh.get_group("dp_replicate") if a["layout"] == "hsdp" else None
     cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=0))
     # Timing thresholds as in the cells: 16 ranks share 2 CPU cores here, so scheduler stalls of tens

@@ -76,6 +76,37 @@ def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4) -> Parallel:
     return Parallel(model, model, layout, mesh)
 
 
+def start_rank(ctx: Any, *, timeout_s: float = 300.0) -> tuple[dict[str, Any], Any, Parallel, torch.optim.Optimizer]:
+    """The common start of a training cell's rank: gloo, the injector, the wrapped model, AdamW."""
+    from scout_core.inject import Injector
+    from scout_core.launcher import init_gloo
+
+    init_gloo(ctx, timeout_s=timeout_s)
+    a = ctx.args
+    injector = Injector(a["faults"], seed=a["seed"])
+    par = build(a["layout"], seed=a["seed"])
+    return a, injector, par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+
+
+def install_block_faults(par: Parallel, injector: Any, rank: int, state: dict[str, Any]) -> None:
+    """Forward-output and backward faults inside every block (on ``fc``), surfaces ``layers.<i>.output`` /
+    ``layers.<i>.grad``: they act in training and replay alike, however replay calls the block."""
+    for i, block in enumerate(par.inner.layers):
+        def out_fault(_m: Any, _a: Any, out: torch.Tensor, i: int = i) -> None:
+            with torch.no_grad():
+                injector.corrupt(f"layers.{i}.output", out, rank=rank, step=state["step"])
+
+        def grad_fault(_m: Any, grad_input: Any, _g: Any, i: int = i) -> Any:
+            if grad_input[0] is None:
+                return None
+            g = grad_input[0].clone()
+            injector.corrupt(f"layers.{i}.grad", g, rank=rank, step=state["step"])
+            return (g,)
+
+        block.fc.register_forward_hook(out_fault)
+        block.fc.register_full_backward_hook(grad_fault)
+
+
 def batches(rank: int, steps: int, *, batch: int = 8, dim_in: int = 16, dim_out: int = 8, seed: int = 0):
     """Deterministic per-rank data: different ranks see different samples, as in data parallelism."""
     gen = torch.Generator().manual_seed(seed * 100_003 + rank)

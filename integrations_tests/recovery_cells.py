@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import scout_core
-from integrations_tests.models import batches, build
+from integrations_tests.models import batches, build, start_rank
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.checkpoint.certify import BoundaryEvidence, Certifier, FailureKind, decide_retrieval
 from scout_core.checkpoint.coordinator import (
@@ -120,23 +120,13 @@ class _Check:
         finally:
             self.in_check = False
         (sdc,) = c3_exchange([sign_many([out])[0].signature], surfaces=["layers.1.output"])
-        timing = self.rule(_gather(self.elapsed), surface="layers.1.compute")
+        (timing,) = c3_exchange([self.elapsed], surfaces=["layers.1.compute"], rule=self.rule)
         confirmed = self.confirm.update(timing)
         return {"sdc": sdc, "timing": timing, "straggler": confirmed}
 
 
-def _gather(value: float) -> list[float]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def _phase_a(ctx: RankContext) -> dict[str, Any]:
-    init_gloo(ctx, timeout_s=600)
-    a = ctx.args
-    injector = Injector(a["faults"], seed=a["seed"])
-    par = build(a["layout"], seed=a["seed"])
-    opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+    a, injector, par, opt = start_rank(ctx, timeout_s=600)
     extra = {"tokens": 0}
     hosts = _hosts(ctx.world_size)
     reporter = Reporter([JsonlSink(a["incidents"])], run_id=a["run_id"], rank=ctx.rank)

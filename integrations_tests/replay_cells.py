@@ -16,12 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from integrations_tests.models import batches, build
+from integrations_tests.models import batches, install_block_faults, start_rank
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import ReplayCadence, ReplayConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.launcher import RankContext, launch
 from scout_core.replay.engine import ReplayEngine
 from scout_core.report import JsonlSink, Reporter, read_incidents
 from scout_core.signature import sign_many
@@ -32,18 +32,7 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
     whichever way replay calls the block (FSDP2 replay bypasses the block's own hooks)."""
     inner = par.inner
     fc = inner.layers[1].fc
-
-    def out_fault(_m: Any, _a: Any, out: torch.Tensor) -> None:
-        with torch.no_grad():
-            injector.corrupt("layers.1.output", out, rank=rank, step=state["step"])
-
-    def grad_fault(_m: Any, grad_input: Any, _grad_output: Any) -> Any:
-        g = grad_input[0]
-        if g is None:
-            return None
-        g = g.clone()
-        injector.corrupt("layers.1.grad", g, rank=rank, step=state["step"])
-        return (g,)
+    install_block_faults(par, injector, rank, state)
 
     def weight_fault(*_: Any) -> None:
         # A stuck value in this rank's copy of the weight as its compute reads it: the replica under
@@ -54,8 +43,6 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
     def slow(_m: Any, _a: Any, _out: Any) -> None:
         injector.delay("compute", rank=rank, step=state["step"])
 
-    fc.register_forward_hook(out_fault)
-    fc.register_full_backward_hook(grad_fault)
     fc.register_forward_pre_hook(weight_fault)
     for block in inner.layers:
         block.fc.register_forward_hook(slow)
@@ -82,11 +69,7 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
 
 
 def _replay_rank(ctx: RankContext) -> dict[str, Any]:
-    init_gloo(ctx, timeout_s=300)
-    a = ctx.args
-    injector = Injector(a["faults"], seed=a["seed"])
-    par = build(a["layout"], seed=a["seed"])
-    opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+    a, injector, par, opt = start_rank(ctx)
     state = {"step": 0}
     _install_faults(par, opt, injector, ctx.rank, state)
     reporter = Reporter([JsonlSink(a["jsonl"])], run_id=a["run_id"], rank=ctx.rank) if a["replay"] else None

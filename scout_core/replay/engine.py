@@ -23,6 +23,7 @@ replay restores the RNG streams and computes gradients functionally.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,8 +127,8 @@ class ReplayEngine:
         self.opt_slice = OptimizerSlice(optimizer, config.optimizer_slice_elems) if optimizer is not None else None
         self.step = 0
         self.checks = 0
-        self.history: list[BoundaryResult] = []
-        self.comm_baseline: list[float] = []  # group medians of clean rounds, newest last
+        self.history: deque[BoundaryResult] = deque(maxlen=1024)  # boundaries that did work, newest last
+        self.comm_baseline: deque[float] = deque(maxlen=10)  # group medians of recent clean rounds
         self._gather_s: float | None = None
         self._hsdp_comm: tuple[float, float, Any, Any] | None = None
         self._last_loc: Any = None
@@ -207,7 +208,8 @@ class ReplayEngine:
                 result.localization = self._cross_group(*self._hsdp_comm)
             result.incidents = self._verdicts(result)
         self._arm(self.step + 1)
-        self.history.append(result)
+        if names:  # steps with nothing due keep no record: a long run must not grow memory
+            self.history.append(result)
         return result
 
     # -- layer replay ----------------------------------------------------------------------------
@@ -369,7 +371,7 @@ class ReplayEngine:
         slowdown is confirmed over the same number of consecutive rounds.
         """
         median = float(comm.reference)
-        history = self.comm_baseline[-10:]
+        history = list(self.comm_baseline)
         slow = False
         if len(history) >= 3:
             base = sorted(history)[len(history) // 2]
