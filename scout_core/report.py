@@ -50,6 +50,8 @@ class IncidentKind(enum.StrEnum):
     DATA_STALL = "data_stall"
     CHECKPOINT_STALL = "checkpoint_stall"
     OBSERVER_FAILURE = "observer_failure"
+    DIAGNOSIS_ERROR = "diagnosis_error"
+    """SCOUT's own work failed on this rank; the check was skipped on every peer (not a verdict on the job)."""
 
 
 class IncidentScope(enum.StrEnum):

@@ -1,11 +1,13 @@
 """Capture of a sampled layer's call through public hooks (paper section 9, "Structured replay").
 
 On a due step the capture keeps, for ONE call of the sampled layer (the first
-micro-batch): the flattened ``(args, kwargs)`` pytree with detached views of
-its tensor leaves, the input ``requires_grad`` mask, and the gradient that
-arrives at the layer output during backward. Views are held only until the
-optimizer boundary, where replay consumes them; nothing is cloned on steps
-that are not due, and the hooks return immediately when disarmed.
+micro-batch): the call split by :func:`~scout_core.replay.calls.flatten_call`
+into detached views of its tensor leaves plus a plain spec (``None`` and
+non-tensor arguments, keywords, nested containers, dataclasses), each tensor's
+``requires_grad``, and the gradient that arrives at every output tensor during
+backward. Views are held only until the optimizer boundary, where replay
+consumes them; nothing is cloned on steps that are not due, and the hooks
+return immediately when disarmed.
 """
 
 from __future__ import annotations
@@ -14,26 +16,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from scout_core.replay.calls import flatten_call, tensor_leaves
 
 __all__ = ["Captured", "LayerCapture"]
 
 
 @dataclass
 class Captured:
-    leaves: list[Any]
-    """Flattened ``(args, kwargs)``: detached tensors and plain values."""
+    tensors: list[torch.Tensor]
+    """The call's tensor leaves, detached, in :func:`flatten_call` order."""
     spec: Any
-    """The pytree spec to rebuild ``(args, kwargs)``."""
+    """Plain structure of ``(args, kwargs)`` with slots for the tensors."""
     requires_grad: list[bool]
-    """Per leaf: whether the training call had it requiring grad."""
-    grad_output: torch.Tensor | None = None
-    output_index: list[int] = field(default_factory=list)
-
-
-def first_tensor(value: Any) -> torch.Tensor | None:
-    leaves, _ = tree_flatten(value)
-    return next((v for v in leaves if isinstance(v, torch.Tensor)), None)
+    """Per tensor: whether the training call had it requiring grad."""
+    grad_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Output tensor leaf index -> the gradient that reached it in the training backward."""
 
 
 class LayerCapture:
@@ -44,13 +42,14 @@ class LayerCapture:
         self.armed = False
         self.suspended = False  # while replay itself calls the layer
         self.captured: Captured | None = None
+        self._hooked = False  # output gradient hooks placed for the captured call (first micro-batch only)
         self._handles = [
             layer.register_forward_pre_hook(self._pre, with_kwargs=True),
             layer.register_forward_hook(self._post, with_kwargs=True),
         ]
 
     def arm(self) -> None:
-        self.armed, self.captured = True, None
+        self.armed, self.captured, self._hooked = True, None, False
 
     def take(self) -> Captured | None:
         """Hand over what was captured and disarm."""
@@ -60,28 +59,27 @@ class LayerCapture:
     def _pre(self, _m: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not self.armed or self.suspended or self.captured is not None:
             return
-        leaves, spec = tree_flatten((args, kwargs))
-        self.captured = Captured(
-            leaves=[v.detach() if isinstance(v, torch.Tensor) else v for v in leaves],
-            spec=spec,
-            requires_grad=[bool(isinstance(v, torch.Tensor) and v.requires_grad) for v in leaves],
-        )
+        tensors, spec = flatten_call((tuple(args), dict(kwargs)))
+        self.captured = Captured(tensors=[t.detach() for t in tensors], spec=spec,
+                                 requires_grad=[bool(t.requires_grad) for t in tensors])
 
     def _post(self, _m: torch.nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
-        if not self.armed or self.suspended or self.captured is None or self.captured.grad_output is not None:
-            return
-        out = first_tensor(output)
-        if out is None or not out.requires_grad:
-            return
         captured = self.captured
-
-        def keep(grad: torch.Tensor) -> None:
-            if captured.grad_output is None:
-                captured.grad_output = grad.detach()
-
-        out.register_hook(keep)
+        if not self.armed or self.suspended or captured is None or self._hooked:
+            return
+        self._hooked = True
+        for i, out in enumerate(tensor_leaves(output)):
+            if out.requires_grad:
+                out.register_hook(_keeper(captured, i))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _keeper(captured: Captured, index: int) -> Any:
+    def keep(grad: torch.Tensor) -> None:
+        captured.grad_outputs.setdefault(index, grad.detach())
+
+    return keep

@@ -3,8 +3,9 @@
 On a due step the engine, right after the real optimizer step:
 
 1. picks this check's source peer (rotating, so one faulty source cannot
-   poison every check) and broadcasts the source's captured layer inputs, the
-   incoming output gradient and its RNG states to the peer group;
+   poison every check) and broadcasts the source's captured layer call (any
+   structure of arguments), the gradients that reached its outputs and its
+   RNG states to the peer group;
 2. checks with exact C3 that every peer received identical inputs and RNG;
 3. replays the sampled layer's forward and backward (``torch.autograd.grad``
    on cloned inputs, never touching ``.grad``) under the source's RNG and
@@ -17,7 +18,9 @@ On a due step the engine, right after the real optimizer step:
    statistical C3 and a straggler is confirmed over consecutive rounds.
 
 Every verdict becomes an incident record. Training numerics are untouched:
-replay restores the RNG streams and computes gradients functionally.
+replay restores the RNG streams and computes gradients functionally. Local
+work runs in stages guarded by :class:`~scout_core.replay.guard.DiagnosisGuard`:
+a failure on any peer makes every peer skip the check together.
 """
 
 from __future__ import annotations
@@ -30,13 +33,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_unflatten
 
 from scout_core.config import ReplayConfig
 from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, c3_exchange
-from scout_core.replay.capture import LayerCapture, first_tensor
+from scout_core.groups import ScoutGroups, local_groups
+from scout_core.replay.capture import LayerCapture
+from scout_core.replay.guard import DiagnosisGuard
+from scout_core.replay.layer import (
+    ShippedCall,
+    broadcast_call,
+    call_meta,
+    materialize,
+    receive_buffers,
+    replay_layer,
+    sync,
+)
 from scout_core.replay.optimizer import OptimizerSlice
-from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
+from scout_core.replay.rng import RngProvider
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
 from scout_core.topology import GroupTiming, localize_slow_groups
@@ -58,6 +71,15 @@ class BoundaryResult:
     incidents_global: list[Incident] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
     source: int | None = None
+    recipes: tuple[str, ...] = ()
+    """Recipes that were due at this boundary (``embedding``, ``hidden``, ``output``, ``optimizer``)."""
+    skipped: str = ""
+    """Why due work was skipped on every peer (a diagnosis error, a sampled layer that did not run)."""
+
+    @property
+    def checked(self) -> bool:
+        """Something was due at this boundary (a certification boundary)."""
+        return bool(self.recipes)
 
     @property
     def sdc(self) -> bool:
@@ -69,7 +91,8 @@ class BoundaryResult:
 
     @property
     def missing(self) -> bool:
-        return not self.surfaces
+        """Due work produced no evidence (skipped), so nothing can be certified at this boundary."""
+        return self.checked and (bool(self.skipped) or not self.surfaces)
 
 
 class ReplayEngine:
@@ -82,6 +105,7 @@ class ReplayEngine:
         *,
         config: ReplayConfig,
         group: Any = None,
+        groups: ScoutGroups | None = None,
         rule: StatisticalRule | None = None,
         confirm_rounds: int = 2,
         reporter: Reporter | None = None,
@@ -93,20 +117,23 @@ class ReplayEngine:
         embedding: torch.nn.Module | None = None,
         output: torch.nn.Module | None = None,
         boundary_owner: torch.nn.Module | None = None,
+        hook_optimizer: bool = True,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
         self.layers = list(layers)
         self.names = list(layer_names) if layer_names else [f"layers.{i}" for i in range(len(self.layers))]
         self.cfg = config
-        self.group = group
-        self.peers = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
-            range(dist.get_world_size()))
+        self.groups = groups if groups is not None else local_groups(group)
+        self.group = self.groups.peer
+        self.ctrl = self.groups.peer_control
+        self.peers = self.groups.peer_ranks
         self.rank = dist.get_rank()
         self.rule = rule or StatisticalRule()
         self.confirm = Confirmation(rounds=confirm_rounds)
         self.reporter = reporter
         self.hosts = dict(hosts or {})
+        self.guard = DiagnosisGuard(self.ctrl, rank=self.rank, reporter=reporter, hosts=self.hosts)
         self.compare_param_state = compare_param_state
         # Pure FSDP owns each update uniquely: only the self-check is comparable across peers.
         self.compare_optimizer_slices = (_peers_hold_equal_shards(optimizer, self.peers, self.rank)
@@ -127,6 +154,10 @@ class ReplayEngine:
         self.opt_slice = OptimizerSlice(optimizer, config.optimizer_slice_elems) if optimizer is not None else None
         self.step = 0
         self.checks = 0
+        self.replaying = False
+        """True while replay runs the sampled layer (model hooks may use it to stay out of the way)."""
+        self.last_calls: dict[str, ShippedCall] = {}
+        """The newest replayed call per recipe (identical on every peer): the emergency sweep's inputs."""
         self.history: deque[BoundaryResult] = deque(maxlen=1024)  # boundaries that did work, newest last
         self.comm_baseline: deque[float] = deque(maxlen=10)  # group medians of recent clean rounds
         self._gather_s: float | None = None
@@ -134,8 +165,10 @@ class ReplayEngine:
         self._last_loc: Any = None
         self._loc_rounds = 0
         self._slow_group_rounds = 0
+        self._opt_due = False
+        self._opt_error: BaseException | None = None
         self._handles: list[Any] = []
-        if optimizer is not None:
+        if optimizer is not None and hook_optimizer:
             self._handles.append(optimizer.register_step_pre_hook(self._pre_step))
             self._handles.append(optimizer.register_step_post_hook(self._post_step))
         self._arm(1)
@@ -143,14 +176,12 @@ class ReplayEngine:
     # -- scheduling ------------------------------------------------------------------------------
 
     def _due(self, step: int, cadence: int) -> bool:
-        return cadence > 0 and step % cadence == 0
+        return self.cfg.enabled and cadence > 0 and step % cadence == 0
 
     def _layer_index(self) -> int:
         return self.checks % self.n_hidden
 
     def _arm(self, step: int) -> None:
-        if not self.cfg.enabled:
-            return
         if self._due(step, self.cfg.cadence.hidden):
             self.captures[self._layer_index()].arm()
         for recipe, idx in self.extra.items():
@@ -158,8 +189,13 @@ class ReplayEngine:
                 self.captures[idx].arm()
 
     def _pre_step(self, *_: Any) -> None:
-        if self.cfg.enabled and self.opt_slice is not None and self._due(self.step + 1, self.cfg.cadence.optimizer):
+        self._opt_due = self.opt_slice is not None and self._due(self.step + 1, self.cfg.cadence.optimizer)
+        if not self._opt_due:
+            return
+        try:
             self.opt_slice.before_step()
+        except Exception as exc:  # noqa: BLE001 - reported at the boundary, where every peer agrees to skip
+            self.opt_slice.pending, self._opt_error = None, exc
 
     def _post_step(self, *_: Any) -> None:
         self.boundary()
@@ -169,158 +205,122 @@ class ReplayEngine:
     def boundary(self) -> BoundaryResult:
         """Run whatever is due for the step that just finished (called by the step post-hook)."""
         self.step += 1
-        result = BoundaryResult(self.step)
-        evidence: list[Any] = []
-        names: list[str] = []
-        compute_s = comm_s = 0.0
-        for recipe, idx in self.extra.items():  # before the hidden layer: its timings are the ones kept
-            if self.cfg.enabled and self._due(self.step, getattr(self.cfg.cadence, recipe)):
-                extra_surfaces, _, result.source = self._replay_layer(idx)
-                for name, value in extra_surfaces:
-                    names.append(name)
-                    evidence.append(value)
-        if self.cfg.enabled and self._due(self.step, self.cfg.cadence.hidden):
-            idx = self._layer_index()
-            layer_surfaces, compute_s, result.source = self._replay_layer(idx)
-            # FSDP2: the timed parameter all-gather; otherwise a training-shaped scratch all-reduce.
-            comm_s = self._gather_s if self._gather_s is not None else self._replay_comm(idx)
-            for name, value in layer_surfaces:
-                names.append(name)
-                evidence.append(value)
-            self.checks += 1
-        if self.opt_slice is not None and self.opt_slice.pending:
-            for name, value in self.opt_slice.after_step():
-                if not self.compare_optimizer_slices and name != "optimizer.self_check":
-                    continue
-                names.append(name)
-                evidence.append(value)
-        if names:
-            results = c3_exchange(evidence, group=self.group, surfaces=names)
-            times, comm = c3_exchange([compute_s, comm_s], group=self.group,
-                                      surfaces=["replay.compute_s", "replay.comm_s"], rule=self.rule)
-            result.surfaces, result.timing, result.comm_timing = results, times, comm
-            # Communication time is a property of a synchronizing group, not of one member (paper
-            # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
-            # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
-            result.stragglers = self.confirm.update(times)
-            result.group_slowdown = self._group_slowdown(comm)
-            if self._hsdp_comm is not None:
-                result.localization = self._cross_group(*self._hsdp_comm)
-            result.incidents = self._verdicts(result)
-        self._arm(self.step + 1)
-        if names:  # steps with nothing due keep no record: a long run must not grow memory
-            self.history.append(result)
+        step = self.step
+        result = BoundaryResult(step)
+        due = [(r, i) for r, i in self.extra.items() if self._due(step, getattr(self.cfg.cadence, r))]
+        if self._due(step, self.cfg.cadence.hidden):
+            due.append(("hidden", self._layer_index()))
+            self.checks += 1  # every peer rotates together, whatever happens to this check
+        opt_due, self._opt_due = self._opt_due, False
+        result.recipes = tuple(r for r, _ in due) + (("optimizer",) if opt_due else ())
+        if result.recipes:
+            try:
+                self._check(result, due, opt_due)
+            finally:
+                if self.opt_slice is not None:
+                    self.opt_slice.pending = None
+                self.guard.reset()
+            self.history.append(result)  # steps with nothing due keep no record: a long run must not grow
+        self._arm(step + 1)
         return result
 
-    # -- layer replay ----------------------------------------------------------------------------
+    def _check(self, result: BoundaryResult, due: list[tuple[str, int]], opt_due: bool) -> None:
+        guard, step = self.guard, result.step
+        src = self.peers[(self.checks - (1 if any(r == "hidden" for r, _ in due) else 0)) % len(self.peers)]
+        result.source = src
+        if self._opt_error is not None:
+            guard.failed, guard.failed_where, self._opt_error = self._opt_error, "optimizer slice capture", None
+        captured: dict[int, Any] = {}
+        metas: dict[int, Any] = {}
+        with guard.stage("capture"):
+            for _, idx in due:
+                captured[idx] = self.captures[idx].take()
+                if self.rank == src:
+                    metas[idx] = None if captured[idx] is None else call_meta(captured[idx], self.rng_providers)
+        if not guard.agree(step):
+            result.skipped = "diagnosis error"
+            return
+        box = [metas]
+        dist.broadcast_object_list(box, src=src, group=self.ctrl)
+        metas = box[0]
+        not_run = [self.names[idx] for _, idx in due if metas.get(idx) is None]
+        if not_run:  # conditional layers: a sampled layer that did not run on the source skips on every peer
+            result.skipped = f"sampled layer(s) {', '.join(not_run)} did not run on source rank {src}"
+            due = [(r, idx) for r, idx in due if metas.get(idx) is not None]
+        calls: dict[int, ShippedCall] = {}
+        with guard.stage("receive buffers"):
+            for _, idx in due:
+                calls[idx] = receive_buffers(metas[idx], captured.get(idx), _device_of(self.layers[idx]),
+                                             self.rank == src)
+        if not guard.agree(step):
+            result.skipped = "diagnosis error"
+            return
+        for _, idx in due:
+            broadcast_call(calls[idx], src, self.group)
+        evidence: list[tuple[str, Any]] = []
+        compute_s = comm_s = 0.0
+        for recipe, idx in due:
+            surfaces, t_compute, gather_s = self._replay_recipe(idx, calls[idx])
+            evidence += surfaces
+            if recipe == "hidden":  # the hidden layer's timings are the ones compared
+                compute_s = t_compute
+                comm_s = gather_s if gather_s is not None else self._replay_comm(idx)
+            self.last_calls[recipe] = calls[idx]
+        if opt_due and self.opt_slice is not None:
+            with guard.stage("optimizer replay"):
+                for name, value in self.opt_slice.after_step():
+                    if self.compare_optimizer_slices or name == "optimizer.self_check":
+                        evidence.append((name, value))
+        if not guard.agree(step):
+            result.skipped = "diagnosis error"
+            return
+        if not evidence:
+            return
+        result.surfaces = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
+        if not any(r == "hidden" for r, _ in due):
+            return  # timing evidence comes from the hidden-layer recipe only; no round without it
+        times, comm = c3_exchange([compute_s, comm_s], group=self.ctrl,
+                                  surfaces=["replay.compute_s", "replay.comm_s"], rule=self.rule)
+        result.timing, result.comm_timing = times, comm
+        # Communication time is a property of a synchronizing group, not of one member (paper
+        # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
+        # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
+        result.stragglers = self.confirm.update(times)
+        result.group_slowdown = self._group_slowdown(comm)
+        if self._hsdp_comm is not None:
+            result.localization = self._cross_group(*self._hsdp_comm)
+        result.incidents = self._verdicts(result)
 
-    def _broadcast_call(self, idx: int, src: int) -> tuple[list[Any], Any, list[bool], torch.Tensor | None,
-                                                          dict[str, torch.Tensor]]:
-        captured = self.captures[idx].take()
-        if self.rank == src and captured is None:
-            raise RuntimeError(f"step {self.step}: layer {self.names[idx]} was not called on the source rank; "
-                               "replay needs the sampled layer to run every due step")
-        meta: list[Any] = [None]
-        if self.rank == src:
-            tensors = [v for v in captured.leaves if isinstance(v, torch.Tensor)]
-            rng = capture_rng(self.rng_providers)
-            meta[0] = {
-                "spec": captured.spec,
-                "plain": [None if isinstance(v, torch.Tensor) else v for v in captured.leaves],
-                "tensors": [(tuple(t.shape), t.dtype) for t in tensors],
-                "mask": captured.requires_grad,
-                "grad": None if captured.grad_output is None else (tuple(captured.grad_output.shape),
-                                                                  captured.grad_output.dtype),
-                "rng": {k: v for k, v in rng.items()},
-            }
-        dist.broadcast_object_list(meta, src=src, group=self.group)
-        m = meta[0]
-        device = next(iter(self.layers[idx].parameters())).device
-        if self.rank == src:
-            tensors = [v.contiguous() for v in captured.leaves if isinstance(v, torch.Tensor)]
-            grad = captured.grad_output.contiguous() if captured.grad_output is not None else None
-        else:
-            tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in m["tensors"]]
-            grad = torch.empty(m["grad"][0], dtype=m["grad"][1], device=device) if m["grad"] else None
-        for t in tensors + ([grad] if grad is not None else []):
-            dist.broadcast(t, src=src, group=self.group)
-        it = iter(tensors)
-        leaves = [next(it) if v is None else v for v in m["plain"]]
-        return leaves, m["spec"], m["mask"], grad, m["rng"]
-
-    def _replay_layer(self, idx: int) -> tuple[list[tuple[str, Any]], float, int]:
-        """Broadcast the source's call, materialize the layer, replay it; reshard even on error."""
-        src = self.peers[self.checks % len(self.peers)]
-        leaves, spec, mask, grad_out, rng = self._broadcast_call(idx, src)
-        layer, name, capture = self.layers[idx], self.names[idx], self.captures[idx]
-        local_shard: list[tuple[str, Any]] = []
-        if _mesh_groups(layer) is not None:
+    def _replay_recipe(self, idx: int, call: ShippedCall) -> tuple[list[tuple[str, Any]], float, float | None]:
+        """Materialize the layer (collectives run on every peer, whatever failed locally), replay it, reshard."""
+        layer, name = self.layers[idx], self.names[idx]
+        surfaces: list[tuple[str, Any]] = []
+        groups = _mesh_groups(layer)
+        if groups is not None:
             # HSDP: replicas hold the same shard, so compare the local shards BEFORE unsharding (a
             # corrupted shard would otherwise reach its whole shard group through the all-gather).
             # Pure FSDP has no owner copy to compare a shard against.
-            signed = sign_many([torch.cat([p.to_local().reshape(-1) for p in layer.parameters()])])[0]
-            local_shard = [(f"{name}.local_shard", (signed.signature, signed.nonfinite))]
-        self._hsdp_comm = _time_hsdp_collectives(layer)
+            with self.guard.stage("local shard signature"):
+                signed = sign_many([torch.cat([p.to_local().reshape(-1) for p in layer.parameters()])])[0]
+                surfaces.append((f"{name}.local_shard", (signed.signature, signed.nonfinite)))
+            self._hsdp_comm = _time_hsdp_collectives(layer)
         owner = self.owner if idx >= self.n_hidden else None
-        forward, self._gather_s, release = _materialize(layer, owner)
+        forward, gather_s, release = materialize(layer, owner)
+        compute_s = 0.0
         try:
-            surfaces, compute_s, src = self._replay_materialized(forward, layer, name, capture, leaves, spec, mask,
-                                                                 grad_out, rng, src)
-            return local_shard + surfaces, compute_s, src
+            with self.guard.stage(f"replay of {name}"):
+                self.captures[idx].suspended, self.replaying = True, True
+                try:
+                    replayed, compute_s = replay_layer(
+                        forward, layer, name, call, variants=self.cfg.input_variants, providers=self.rng_providers,
+                        deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state)
+                finally:
+                    self.captures[idx].suspended, self.replaying = False, False
+                surfaces += replayed
         finally:
             if release is not None:
                 release()
-
-    def _replay_materialized(self, forward: Any, layer: torch.nn.Module, name: str, capture: LayerCapture,
-                             leaves: list[Any], spec: Any, mask: list[bool], grad_out: torch.Tensor | None,
-                             rng: dict[str, torch.Tensor], src: int) -> tuple[list[tuple[str, Any]], float, int]:
-        received = [v for v in leaves if isinstance(v, torch.Tensor)] + ([grad_out] if grad_out is not None else [])
-        surfaces: list[tuple[str, Any]] = [
-            ("replay.inputs", (tuple(s.signature for s in sign_many(received)), rng_fingerprint(rng)))]
-        params = [p for p in layer.parameters() if p.requires_grad]
-        to_sign: list[tuple[str, torch.Tensor]] = []
-        compute_s = 0.0
-        capture.suspended = True
-        try:
-            for v in self.cfg.input_variants:
-                with replay_rng_scope(rng, self.rng_providers, deterministic=self.cfg.deterministic):
-                    inputs = []
-                    for leaf, needs_grad in zip(leaves, mask, strict=True):
-                        if isinstance(leaf, torch.Tensor):
-                            x = leaf.detach().clone()
-                            if v != 1.0 and x.is_floating_point():
-                                x.mul_(v)
-                            inputs.append(x.requires_grad_(needs_grad and x.is_floating_point()))
-                        else:
-                            inputs.append(leaf)
-                    args, kwargs = tree_unflatten(inputs, spec)
-                    _sync(params)
-                    start = time.perf_counter()
-                    out = first_tensor(forward(*args, **kwargs))
-                    wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] + params
-                    grads: Sequence[torch.Tensor | None] = ()
-                    if out is not None and out.requires_grad and wrt:
-                        g = grad_out if grad_out is not None and grad_out.shape == out.shape else torch.ones_like(out)
-                        grads = torch.autograd.grad(out, wrt, grad_outputs=g, allow_unused=True)
-                    _sync(params)
-                    compute_s += time.perf_counter() - start
-                tag = f"{name}.x{v:g}"
-                n_in = len(wrt) - len(params)
-                if out is not None:
-                    to_sign.append((f"{tag}.output", out.detach()))
-                in_grads = [g.reshape(-1) for g in grads[:n_in] if g is not None]
-                if in_grads:
-                    to_sign.append((f"{tag}.grad_input", torch.cat(in_grads)))
-                p_grads = [g.reshape(-1) for g in grads[n_in:] if g is not None]
-                if p_grads:
-                    to_sign.append((f"{tag}.grad_param", torch.cat(p_grads)))
-        finally:
-            capture.suspended = False
-        if self.compare_param_state:
-            to_sign.append((f"{name}.param_state", torch.cat([p.detach().reshape(-1) for p in params])))
-        signed = sign_many([t for _, t in to_sign])
-        surfaces += [(n, (s.signature, s.nonfinite)) for (n, _), s in zip(to_sign, signed, strict=True)]
-        return surfaces, compute_s, src
+        return surfaces, compute_s, gather_s
 
     def _replay_comm(self, idx: int) -> float:
         """Time a training-shaped all-reduce (the sampled layer's gradient size) on a scratch tensor."""
@@ -329,10 +329,10 @@ class ReplayEngine:
         scratch = torch.zeros(numel, dtype=params[0].dtype if params else torch.float32,
                               device=params[0].device if params else "cpu")
         dist.barrier(group=self.group)  # start together: the time is the collective's, not arrival skew
-        _sync(params)
+        sync(params)
         start = time.perf_counter()
         dist.all_reduce(scratch, group=self.group)
-        _sync(params)
+        sync(params)
         return time.perf_counter() - start
 
     def _cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any) -> Any:
@@ -344,9 +344,9 @@ class ReplayEngine:
         """
         world = dist.get_world_size()
         timings: list[Any] = [None] * world
-        dist.all_gather_object(timings, (t_rs, t_ar))
-        shard_groups = _all_groups(shard_pg)
-        repl_groups = _all_groups(repl_pg)
+        dist.all_gather_object(timings, (t_rs, t_ar), group=self.groups.world_control)
+        shard_groups = _all_groups(shard_pg, self.groups.world_control)
+        repl_groups = _all_groups(repl_pg, self.groups.world_control)
         observations = []
         for dim, groups, col in (("shard", shard_groups, 0), ("replica", repl_groups, 1)):
             group_times = [max(timings[r][col] for r in g) for g in groups]
@@ -453,6 +453,14 @@ class ReplayEngine:
             c.remove()
 
 
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
 def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:
     """False when some peer holds a different shard of a parameter (its sharding dim spans peers)."""
     if optimizer is None:
@@ -487,12 +495,12 @@ def _mesh_groups(layer: torch.nn.Module) -> tuple[Any, Any] | None:
 _GROUPS_OF: dict[Any, list[list[int]]] = {}
 
 
-def _all_groups(pg: Any) -> list[list[int]]:
+def _all_groups(pg: Any, control: Any) -> list[list[int]]:
     """Every group of the same dimension as ``pg`` (one world all-gather of memberships, then cached)."""
     if pg not in _GROUPS_OF:
         mine = sorted(dist.get_process_group_ranks(pg))
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=control)
         _GROUPS_OF[pg] = [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]
     return _GROUPS_OF[pg]
 
@@ -512,48 +520,10 @@ def _time_hsdp_collectives(layer: torch.nn.Module) -> tuple[float, float, Any, A
     dist.barrier()  # every rank starts together: times belong to the collectives
     start = time.perf_counter()
     dist.reduce_scatter_tensor(shard, full, group=shard_pg)
-    _sync([local])
+    sync([local])
     t_rs = time.perf_counter() - start
     dist.barrier()
     start = time.perf_counter()
     dist.all_reduce(shard, group=repl_pg)
-    _sync([local])
+    sync([local])
     return t_rs, time.perf_counter() - start, shard_pg, repl_pg
-
-
-def _materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[Any, float | None, Any]:
-    """``(forward, gather_s, release)`` for replaying ``layer``.
-
-    An FSDP2 layer is unsharded through its public ``unshard()`` (timed: the
-    parameter all-gather is the layer's communication) and its ORIGINAL class's
-    ``forward`` is called directly, so FSDP's own hooks, and with them its
-    reduce-scatter into the live sharded gradients, never run for the replay.
-    ``release`` reshards. Other layers are called as they are.
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()  # type: ignore[assignment]  # noqa: N806
-    if FSDPModule and owner is not None and isinstance(owner, FSDPModule):
-        # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
-        dist.barrier()
-        start = time.perf_counter()
-        owner.unshard()
-        _sync(list(layer.parameters()))
-        return layer, time.perf_counter() - start, owner.reshard
-    if FSDPModule and isinstance(layer, FSDPModule):
-        params = list(layer.parameters())
-        _sync(params)
-        dist.barrier()  # start together, or one late rank's earlier delay shows up as this gather's time
-        start = time.perf_counter()
-        layer.unshard()
-        _sync(list(layer.parameters()))
-        gather_s = time.perf_counter() - start
-        cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
-        return cls.forward.__get__(layer), gather_s, layer.reshard
-    return layer, None, None
-
-
-def _sync(params: Sequence[torch.Tensor]) -> None:
-    if params and params[0].is_cuda:
-        torch.cuda.synchronize(params[0].device)

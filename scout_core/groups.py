@@ -1,0 +1,54 @@
+"""SCOUT's own process groups, created once at ``enable()`` on every rank.
+
+A job's default group may be NCCL only; SCOUT's control traffic (flags,
+object all-gathers of evidence, metadata) needs host tensors, so it gets its
+own gloo groups. Replay's data (captured activations, broadcast from a source
+peer) stays on the device, so it travels on a peer group of the job's own
+backend. Every group here is SCOUT's: its collectives never interleave with
+the training job's on one communicator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["ScoutGroups", "build_groups", "local_groups"]
+
+
+@dataclass(frozen=True)
+class ScoutGroups:
+    """The groups one rank uses; ``None`` means the default (WORLD) group."""
+
+    peer_ranks: tuple[int, ...]
+    """Global ranks of this rank's equivalent peers (itself included), ascending."""
+    peer: Any
+    """The peers on the job's backend (device tensors)."""
+    peer_control: Any
+    """The peers on gloo (host tensors and objects)."""
+    world_control: Any
+    """Every rank on gloo (job-wide agreement, cross-group timing)."""
+
+
+def build_groups(peer_groups: Sequence[Sequence[int]]) -> ScoutGroups:
+    """Create SCOUT's groups; a collective call: every rank passes the same ``peer_groups``."""
+    rank = dist.get_rank()
+    mine = next(tuple(sorted(g)) for g in peer_groups if rank in g)
+    world_control = dist.new_group(backend="gloo")
+    if len(peer_groups) == 1:  # one group spanning every rank: reuse WORLD for data, the gloo world for control
+        return ScoutGroups(mine, None, world_control, world_control)
+    enum = [sorted(int(r) for r in g) for g in peer_groups]
+    peer, _ = dist.new_subgroups_by_enumeration(enum)
+    peer_control, _ = dist.new_subgroups_by_enumeration(enum, backend="gloo")
+    return ScoutGroups(mine, peer, peer_control, world_control)
+
+
+def local_groups(group: Any = None) -> ScoutGroups:
+    """Groups for a component built without ``enable()`` on a gloo job: ``group`` serves data and control."""
+    if dist.get_backend(group) != "gloo":
+        raise ValueError("on a non-gloo backend pass ScoutGroups from build_groups() (SCOUT needs host groups)")
+    peers = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    return ScoutGroups(peers, group, group, None)

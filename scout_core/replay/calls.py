@@ -1,0 +1,110 @@
+"""Module calls as data: flatten any ``(args, kwargs)`` or output into tensors plus a plain spec.
+
+Model code from popular libraries calls its blocks with ``None`` placeholders,
+keyword-only tensors, tuples of tensors passed as keywords (rotary
+``(cos, sin)``), nested containers, and returns tuples, dicts or dataclasses
+(``ModelOutput``-like) of which only some leaves are tensors. Replay has to
+ship such a call from a source rank to its peers and rebuild it exactly, so a
+call is split into
+
+* ``tensors``: the tensor leaves in a fixed depth-first order, and
+* ``spec``: a nested structure of plain Python values with :class:`Slot`
+  markers where tensors were. The spec pickles (it travels through an object
+  broadcast), and because tensor positions are explicit markers, a ``None``
+  argument can never be confused with a tensor.
+
+Dataclasses are rebuilt without calling ``__init__`` (``init=False`` fields and
+``__post_init__`` side effects stay as they were); named tuples and dict
+subclasses (``OrderedDict``) keep their type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Slot", "flatten_call", "rebuild", "tensor_leaves"]
+
+
+class Slot(NamedTuple):
+    """Marks where the ``index``-th tensor leaf goes."""
+
+    index: int
+
+
+_SEQ = "seq"
+_MAP = "map"
+_DC = "dataclass"
+_NT = "namedtuple"
+_VAL = "value"
+
+
+def _flatten(value: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        return Slot(len(out) - 1)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [(f.name, _flatten(getattr(value, f.name), out)) for f in dataclasses.fields(value)]
+        return (_DC, type(value), fields)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return (_NT, type(value), [_flatten(v, out) for v in value])
+    if isinstance(value, (list, tuple)):
+        return (_SEQ, type(value), [_flatten(v, out) for v in value])
+    if isinstance(value, dict):
+        return (_MAP, type(value), [(k, _flatten(v, out)) for k, v in value.items()])
+    return (_VAL, value)
+
+
+def flatten_call(value: Any) -> tuple[list[torch.Tensor], Any]:
+    """``(tensors, spec)`` of any nested value; :func:`rebuild` inverts it."""
+    tensors: list[torch.Tensor] = []
+    spec = _flatten(value, tensors)
+    return tensors, spec
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``value`` (tuples, lists, dicts, dataclasses, named tuples), depth first."""
+    return flatten_call(value)[0]
+
+
+def rebuild(spec: Any, tensors: list[Any], leaf: Callable[[Any], Any] | None = None) -> Any:
+    """Put ``tensors`` (or ``leaf(tensor)`` of each) back into the structure ``spec`` describes."""
+    if isinstance(spec, Slot):
+        t = tensors[spec.index]
+        return leaf(t) if leaf is not None else t
+    tag = spec[0]
+    if tag == _VAL:
+        return spec[1]
+    if tag == _SEQ:
+        kind, items = spec[1], [rebuild(s, tensors, leaf) for s in spec[2]]
+        return kind(items) if kind in (list, tuple) else _make_seq(kind, items)
+    if tag == _NT:
+        return spec[1](*[rebuild(s, tensors, leaf) for s in spec[2]])
+    if tag == _MAP:
+        kind, items = spec[1], [(k, rebuild(s, tensors, leaf)) for k, s in spec[2]]
+        return dict(items) if kind is dict else _make_map(kind, items)
+    if tag == _DC:
+        obj = object.__new__(spec[1])
+        for name, s in spec[2]:
+            object.__setattr__(obj, name, rebuild(s, tensors, leaf))  # frozen dataclasses too
+        return obj
+    raise ValueError(f"not a call spec: {spec!r}")
+
+
+def _make_seq(kind: type, items: list[Any]) -> Any:
+    try:
+        return kind(items)
+    except TypeError:  # a sequence type whose constructor takes something else: fall back to its base
+        return tuple(items) if issubclass(kind, tuple) else list(items)
+
+
+def _make_map(kind: type, items: list[tuple[Any, Any]]) -> Any:
+    try:
+        obj = kind()
+        obj.update(items)
+        return obj
+    except TypeError:
+        return dict(items)

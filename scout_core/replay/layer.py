@@ -1,0 +1,175 @@
+"""Replaying one sampled layer: ship the source's call, materialize the layer, run it, sign it.
+
+These are the layer-level pieces of :class:`~scout_core.replay.engine.ReplayEngine`:
+
+* :func:`call_meta` / :func:`receive_buffers` / :func:`broadcast_call` move the
+  source's captured call (any structure, see :mod:`~scout_core.replay.calls`)
+  and its output gradients to every peer;
+* :func:`materialize` makes an FSDP2 layer whole for the replay without
+  running FSDP's hooks (so its reduce-scatter never touches live gradients);
+* :func:`replay_layer` runs forward and ``torch.autograd.grad`` once per input
+  variant under the source's RNG and returns the signed surfaces.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scout_core.replay.calls import rebuild, tensor_leaves
+from scout_core.replay.capture import Captured
+from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
+from scout_core.signature import sign_many
+
+__all__ = ["ShippedCall", "broadcast_call", "call_meta", "materialize", "receive_buffers", "replay_layer"]
+
+
+@dataclass
+class ShippedCall:
+    """The source's call as every peer holds it after the broadcast."""
+
+    tensors: list[torch.Tensor]
+    spec: Any
+    requires_grad: list[bool]
+    grad_outputs: dict[int, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+
+
+def call_meta(captured: Captured, providers: Mapping[str, RngProvider]) -> dict[str, Any]:
+    """What the source announces before the tensors: structure, shapes, dtypes, RNG (small, picklable)."""
+    return {
+        "spec": captured.spec,
+        "tensors": [(tuple(t.shape), t.dtype) for t in captured.tensors],
+        "mask": list(captured.requires_grad),
+        "grads": {i: (tuple(g.shape), g.dtype) for i, g in sorted(captured.grad_outputs.items())},
+        "rng": dict(capture_rng(providers)),
+    }
+
+
+def receive_buffers(meta: dict[str, Any], captured: Captured | None, device: torch.device,
+                    is_source: bool) -> ShippedCall:
+    """The source's own (contiguous) tensors on the source; empty buffers of the announced shapes elsewhere."""
+    if is_source:
+        assert captured is not None
+        tensors = [t.contiguous() for t in captured.tensors]
+        grads = {i: captured.grad_outputs[i].contiguous() for i in meta["grads"]}
+    else:
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta["tensors"]]
+        grads = {i: torch.empty(shape, dtype=dtype, device=device) for i, (shape, dtype) in meta["grads"].items()}
+    return ShippedCall(tensors, meta["spec"], meta["mask"], grads, meta["rng"])
+
+
+def broadcast_call(call: ShippedCall, src: int, group: Any) -> None:
+    for t in [*call.tensors, *call.grad_outputs.values()]:
+        dist.broadcast(t, src=src, group=group)
+
+
+def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[Any, float | None, Any]:
+    """``(forward, gather_s, release)`` for replaying ``layer``.
+
+    An FSDP2 layer is unsharded through its public ``unshard()`` (timed: the
+    parameter all-gather is the layer's communication) and its ORIGINAL class's
+    ``forward`` is called directly, so FSDP's own hooks, and with them its
+    reduce-scatter into the live sharded gradients, never run for the replay.
+    ``release`` reshards. Other layers are called as they are.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        FSDPModule = ()  # type: ignore[assignment]  # noqa: N806
+    if FSDPModule and owner is not None and isinstance(owner, FSDPModule):
+        # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
+        dist.barrier()
+        start = time.perf_counter()
+        owner.unshard()
+        sync(list(layer.parameters()))
+        return layer, time.perf_counter() - start, owner.reshard
+    if FSDPModule and isinstance(layer, FSDPModule):
+        params = list(layer.parameters())
+        sync(params)
+        dist.barrier()  # start together, or one late rank's earlier delay shows up as this gather's time
+        start = time.perf_counter()
+        layer.unshard()
+        sync(list(layer.parameters()))
+        gather_s = time.perf_counter() - start
+        cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
+        return cls.forward.__get__(layer), gather_s, layer.reshard
+    return layer, None, None
+
+
+def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedCall, *,
+                 variants: Sequence[float], providers: Mapping[str, RngProvider], deterministic: bool,
+                 compare_param_state: bool) -> tuple[list[tuple[str, Any]], float]:
+    """Forward and backward of ``layer`` on the shipped call, per input variant; signed surfaces and compute time.
+
+    Gradients are computed functionally (``torch.autograd.grad`` on clones), never
+    into ``.grad``; each output tensor that needs a gradient gets the one the source
+    saw in training (a ones tensor where none arrived, identically on every peer).
+    """
+    received = [*call.tensors, *call.grad_outputs.values()]
+    surfaces: list[tuple[str, Any]] = [
+        ("replay.inputs", (tuple(s.signature for s in sign_many(received)), rng_fingerprint(call.rng)))]
+    params = [p for p in layer.parameters() if p.requires_grad]
+    to_sign: list[tuple[str, list[torch.Tensor]]] = []
+    compute_s = 0.0
+    for v in variants:
+        with replay_rng_scope(call.rng, providers, deterministic=deterministic):
+            inputs = []
+            for t, needs_grad in zip(call.tensors, call.requires_grad, strict=True):
+                x = t.detach().clone()
+                if v != 1.0 and x.is_floating_point():
+                    x.mul_(v)
+                inputs.append(x.requires_grad_(needs_grad and x.is_floating_point()))
+            args, kwargs = rebuild(call.spec, inputs)
+            sync(params)
+            start = time.perf_counter()
+            outs = tensor_leaves(forward(*args, **kwargs))
+            wrt = [x for x in inputs if x.requires_grad] + params
+            live = [(i, o) for i, o in enumerate(outs) if o.requires_grad]
+            grads: Sequence[torch.Tensor | None] = ()
+            if live and wrt:
+                grad_outs = [_grad_for(call.grad_outputs.get(i), o) for i, o in live]
+                grads = torch.autograd.grad([o for _, o in live], wrt, grad_outputs=grad_outs, allow_unused=True)
+            sync(params)
+            compute_s += time.perf_counter() - start
+        tag = f"{name}.x{v:g}"
+        n_in = len(wrt) - len(params)
+        if outs:
+            to_sign.append((f"{tag}.output", [o.detach() for o in outs]))
+        in_grads = [g for g in grads[:n_in] if g is not None]
+        if in_grads:
+            to_sign.append((f"{tag}.grad_input", in_grads))
+        p_grads = [g for g in grads[n_in:] if g is not None]
+        if p_grads:
+            to_sign.append((f"{tag}.grad_param", p_grads))
+    if compare_param_state:
+        state = [p.detach() for p in params] + [b for b in layer.buffers() if b.is_floating_point()]
+        to_sign.append((f"{name}.param_state", state))
+    return surfaces + _signed(to_sign), compute_s
+
+
+def _grad_for(saved: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    if saved is not None and saved.shape == out.shape and saved.dtype == out.dtype:
+        return saved
+    return torch.ones_like(out)
+
+
+def _signed(groups: list[tuple[str, list[torch.Tensor]]]) -> list[tuple[str, Any]]:
+    """One signature per tensor, all in one transfer; a surface's evidence is the tuple of its tensors'."""
+    flat = [t for _, ts in groups for t in ts]
+    signed = iter(sign_many(flat))
+    out = []
+    for name, ts in groups:
+        sigs = [next(signed) for _ in ts]
+        out.append((name, (tuple(s.signature for s in sigs), sum(s.nonfinite for s in sigs))))
+    return out
+
+
+def sync(params: Sequence[torch.Tensor]) -> None:
+    if params and params[0].is_cuda:
+        torch.cuda.synchronize(params[0].device)
