@@ -8,13 +8,16 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "enable", "ScoutHandle"]
+__all__ = ["__version__", "enable", "enable_with", "FrameworkAdapter", "ScoutHandle", "ScoutStop"]
+
+_LAZY = {"enable": "scout_core.runtime", "enable_with": "scout_core.runtime", "ScoutHandle": "scout_core.handle",
+         "FrameworkAdapter": "scout_core.adapter", "ScoutStop": "scout_core.actions"}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import scout_core` stays cheap (the CLI and the report reader need no torch).
-    if name in ("enable", "ScoutHandle"):
-        from scout_core import runtime
+    if name in _LAZY:
+        import importlib
 
-        return getattr(runtime, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'scout_core' has no attribute {name!r}")

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 __all__ = [
+    "ActionsConfig",
     "CheckpointConfig",
     "ConfigError",
     "ConsensusConfig",
@@ -65,8 +66,11 @@ class ConsensusConfig:
 class TopologyConfig:
     """How global ranks map to logical coordinates."""
 
+    shape: dict[str, int] = field(default_factory=dict)
+    """Parallel degrees by axis (``d s t p c e``), e.g. ``{d: 4, t: 2}``, for jobs that pass neither a
+    DeviceMesh nor peer groups to ``enable()``; empty = pure data parallel (every rank a replica)."""
     order: list[str] = field(default_factory=lambda: ["d", "s", "t", "p", "c", "e"])
-    """Placement order of the axes, slowest-varying first (row-major)."""
+    """Placement order of the axes in ``shape``, slowest-varying first (row-major)."""
 
 
 @dataclass(kw_only=True)
@@ -128,13 +132,32 @@ class CheckpointConfig:
     enabled: bool = False
     """Capture in-memory snapshots at replay boundaries."""
     directory: str = "checkpoints"
-    """Durable store root (per-rank shards plus status sidecars)."""
+    """Durable store root (per-rank shards plus status sidecars) and the retrieval decisions
+    (``decisions.jsonl``); a filesystem every rank of the job reaches."""
+    memory_dir: str = ""
+    """RAM-backed directory for in-memory snapshots and peer replicas; empty = ``/dev/shm`` (the temp
+    dir where there is none). Too little space there falls back to ``<directory>/memory``, with a warning."""
     recipes_per_cycle: int = _range(1, ge=1)
     """K, the number of recipes in one certification cycle (1 for dense models)."""
     replicate_to_peer: bool = True
     """Copy each rank's snapshot to a partner on another machine."""
     keep_generations: int = _range(3, ge=2)
     """Durable generations kept on disk (verified and candidate need two)."""
+
+
+@dataclass(kw_only=True)
+class ActionsConfig:
+    """What happens on a verdict: configured, not coded."""
+
+    on_verdict: str = "log"
+    """``log``: record and keep training. ``stop``: once the record and the retrieval decision are durable,
+    every trainer exits with ``exit_code`` (on a hang the observer terminates its trainer) so the launcher
+    restarts the job, which resumes from the certified checkpoint."""
+    exit_code: int = _range(75, ge=1, le=255)
+    """Exit status of trainers stopped by a verdict (75, EX_TEMPFAIL: restart)."""
+    exclude_hosts_path: str = ""
+    """JSON file of machines to exclude on restart (rewritten on each rank- or machine-scoped verdict);
+    empty = ``<checkpoint.directory>/exclude_hosts.json``."""
 
 
 @dataclass(kw_only=True)
@@ -160,9 +183,11 @@ class ScoutConfig:
     observer: ObserverConfig = field(default_factory=ObserverConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    actions: ActionsConfig = field(default_factory=ActionsConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
+_ACTIONS = ("log", "stop")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -191,6 +216,11 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
     order = list(cfg.topology.order)
     if sorted(order) != sorted("dstpce"):
         raise ConfigError(f"topology.order: {order} must be a permutation of [d, s, t, p, c, e]")
+    unknown = sorted(set(cfg.topology.shape) - set("dstpce"))
+    if unknown or any(v < 1 for v in cfg.topology.shape.values()):
+        raise ConfigError(f"topology.shape: {dict(cfg.topology.shape)}; allowed: axes d s t p c e with sizes >= 1")
+    if cfg.actions.on_verdict not in _ACTIONS:
+        raise ConfigError(f"actions.on_verdict: {cfg.actions.on_verdict!r}; allowed: {', '.join(_ACTIONS)}")
     if cfg.report.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"report.log_level: {cfg.report.log_level!r}; allowed: {', '.join(_LOG_LEVELS)}")
     if not cfg.replay.input_variants or any(not (math.isfinite(v) and v > 0) for v in cfg.replay.input_variants):
@@ -284,7 +314,8 @@ def markdown_reference() -> str:
         lines += rows(section.default_factory, f"{section.name}.")  # type: ignore[arg-type]
         lines.append("")
     lines += [
-        "Cross-field rules: `topology.order` is a permutation of `d s t p c e`; `report.log_level` is one of",
+        "Cross-field rules: `topology.order` is a permutation of `d s t p c e` and `topology.shape` uses those",
+        "axes with sizes >= 1; `actions.on_verdict` is `log` or `stop`; `report.log_level` is one of",
         "DEBUG, INFO, WARNING, ERROR, CRITICAL; `replay.input_variants` is a non-empty list of positive scales.",
     ]
     return "\n".join(lines) + "\n"

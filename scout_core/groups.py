@@ -31,19 +31,22 @@ class ScoutGroups:
     """The peers on gloo (host tensors and objects)."""
     world_control: Any
     """Every rank on gloo (job-wide agreement, cross-group timing)."""
+    all_peers: tuple[tuple[int, ...], ...] = ()
+    """Every peer group of the job (the hang observer classifies within each)."""
 
 
 def build_groups(peer_groups: Sequence[Sequence[int]]) -> ScoutGroups:
     """Create SCOUT's groups; a collective call: every rank passes the same ``peer_groups``."""
     rank = dist.get_rank()
     mine = next(tuple(sorted(g)) for g in peer_groups if rank in g)
+    everyone = tuple(tuple(sorted(int(r) for r in g)) for g in peer_groups)
     world_control = dist.new_group(backend="gloo")
     if len(peer_groups) == 1:  # one group spanning every rank: reuse WORLD for data, the gloo world for control
-        return ScoutGroups(mine, None, world_control, world_control)
-    enum = [sorted(int(r) for r in g) for g in peer_groups]
+        return ScoutGroups(mine, None, world_control, world_control, everyone)
+    enum = [list(g) for g in everyone]
     peer, _ = dist.new_subgroups_by_enumeration(enum)
     peer_control, _ = dist.new_subgroups_by_enumeration(enum, backend="gloo")
-    return ScoutGroups(mine, peer, peer_control, world_control)
+    return ScoutGroups(mine, peer, peer_control, world_control, everyone)
 
 
 def local_groups(group: Any = None) -> ScoutGroups:
@@ -51,4 +54,4 @@ def local_groups(group: Any = None) -> ScoutGroups:
     if dist.get_backend(group) != "gloo":
         raise ValueError("on a non-gloo backend pass ScoutGroups from build_groups() (SCOUT needs host groups)")
     peers = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
-    return ScoutGroups(peers, group, group, None)
+    return ScoutGroups(peers, group, group, None, (peers,))

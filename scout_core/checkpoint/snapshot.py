@@ -66,6 +66,9 @@ class SnapshotEngine:
         self._cuda_event: Any = None
         self._result: dict[str, Any] | None = None
         self._error: BaseException | None = None
+        # The copy thread, the coordinator's persistence thread and the training thread's pre-step hook
+        # all wait for a copy; one lock orders the join and the hand-over of its result.
+        self._lock = threading.RLock()
         self._hooks = [opt.register_step_pre_hook(lambda *_: self._wait_blocking()) for opt in self.optimizers]
 
     # -- capture ------------------------------------------------------------------------------
@@ -132,15 +135,16 @@ class SnapshotEngine:
         self._cuda_event.record(stream)
 
     def _wait(self) -> None:
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-        if self._cuda_event is not None:
-            self._cuda_event.synchronize()
-            self._cuda_event = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError("snapshot copy failed") from err
+        with self._lock:
+            if self._pending is not None:
+                self._pending.join()
+                self._pending = None
+            if self._cuda_event is not None:
+                self._cuda_event.synchronize()
+                self._cuda_event = None
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise RuntimeError("snapshot copy failed") from err
 
     def _wait_blocking(self) -> None:
         """Before the next optimizer step: the copy must have read the tensors it overwrites."""
@@ -156,10 +160,23 @@ class SnapshotEngine:
 
     def result(self) -> dict[str, Any]:
         """The last captured snapshot (waits for its copy)."""
-        self._wait()
-        if self._result is None:
-            raise RuntimeError("no snapshot captured yet")
-        return self._result
+        with self._lock:
+            self._wait()
+            if self._result is None:
+                raise RuntimeError("no snapshot captured yet (or already released)")
+            return self._result
+
+    def release(self) -> None:
+        """Drop the host copy once it is persisted: a rank holds one copy of its state in RAM, not two."""
+        with self._lock:
+            self._result = None
+
+    def state_bytes(self) -> int:
+        """Bytes of this rank's model and optimizer state (what one snapshot copies)."""
+        models, optims = self._sources()
+        tensors = [t for m in models for t in m.values()] + [
+            v for o in optims for st in o["state"].values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- restore ------------------------------------------------------------------------------
 

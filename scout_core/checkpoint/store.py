@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DurableStore", "agree_on_generation", "ROLES"]
+__all__ = ["DurableStore", "ROLES", "agree_on_generation", "atomic_save", "atomic_write"]
 
 ROLES = ("candidate", "verified")
 _GEN_RE = re.compile(r"^gen-(\d{9})$")
@@ -46,7 +46,44 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+class _HashingFile:
+    """A write-only file object that hashes what passes through (torch.save streams into it)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.sha, self.bytes = fd, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.bytes += len(view)
+        while view:
+            view = view[os.write(self.fd, view):]
+        return self.bytes
+
+    def flush(self) -> None:
+        pass
+
+
+def atomic_save(path: str, obj: Any) -> tuple[str, int]:
+    """``torch.save`` straight into a temporary file, fsync, rename, fsync the directory.
+
+    Streams: no second in-memory copy of the serialized state. Returns (sha256, bytes).
+    """
+    directory = os.path.dirname(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        out = _HashingFile(fd)
+        torch.save(obj, out)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+    return out.sha.hexdigest(), out.bytes
+
+
+def atomic_write(path: str, data: bytes) -> None:
     directory = os.path.dirname(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -91,14 +128,11 @@ class DurableStore:
         directory = self._gen_dir(generation)
         os.makedirs(directory, exist_ok=True)
         _fsync_dir(self.root)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = buf.getvalue()
         shard, sidecar = self._paths(generation)
-        _atomic_write(shard, data)
+        sha, size = atomic_save(shard, state)
         meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,
-                "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "time_unix": time.time()}
-        _atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())
+                "sha256": sha, "bytes": size, "time_unix": time.time()}
+        atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())
         return shard
 
     def set_role(self, generation: int, role: str) -> None:
@@ -109,7 +143,7 @@ class DurableStore:
         if meta is None:
             raise FileNotFoundError(f"rank {self.rank} holds no committed shard of generation {generation}")
         meta["role"] = role
-        _atomic_write(self._paths(generation)[1], json.dumps(meta, sort_keys=True).encode())
+        atomic_write(self._paths(generation)[1], json.dumps(meta, sort_keys=True).encode())
 
     def prune(self, keep: set[int]) -> None:
         """Remove this rank's files of every generation not in ``keep`` (and empty generation dirs)."""

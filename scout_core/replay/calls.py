@@ -108,3 +108,30 @@ def _make_map(kind: type, items: list[tuple[Any, Any]]) -> Any:
         return obj
     except TypeError:
         return dict(items)
+
+
+# -- persistence (the emergency sweep replays the newest calls after a restart) -------------------
+
+class _SpecUnpickler(__import__("pickle").Unpickler):
+    """Resolves only classes of modules this process already imported: a spec names model classes,
+    never code to import."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import sys
+
+        if module not in sys.modules:
+            raise __import__("pickle").UnpicklingError(f"call spec names {module}.{name}, which is not imported")
+        return super().find_class(module, name)
+
+
+def spec_to_tensor(spec: Any) -> torch.Tensor:
+    """A spec as bytes in a uint8 tensor (storable with ``weights_only`` loading)."""
+    import pickle
+
+    return torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
+
+
+def spec_from_tensor(data: torch.Tensor) -> Any:
+    import io
+
+    return _SpecUnpickler(io.BytesIO(data.numpy().tobytes())).load()

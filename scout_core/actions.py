@@ -1,0 +1,110 @@
+"""What happens on a verdict (``actions.*``): log, or stop for a restart; hosts to exclude.
+
+Verdicts are taken by peer groups, but acting on one is a job-wide matter: a
+trainer that exits alone leaves its peers blocked. So at every checked
+boundary the runtime combines the verdict flags job-wide (one collective it
+already pays for certification), gathers the named ranks and machines only
+when there is something to act on, and then every trainer does the same thing:
+
+* ``log``: nothing more; training goes on.
+* ``stop``: once the incident record and the retrieval decision are durable
+  (written and fsync'ed), every trainer raises :class:`ScoutStop`, a
+  ``SystemExit`` with ``actions.exit_code``, so a launcher (``torchrun
+  --max-restarts``, a scheduler requeue) restarts the job; the restarted job
+  calls ``handle.resume()`` and loads the chosen checkpoint.
+
+Hangs are judged by the out-of-band observers while the trainers are blocked;
+with ``stop`` each observer terminates its own trainer (SIGTERM) after the
+record is written.
+
+The hosts file (``actions.exclude_hosts_path``) is one JSON object::
+
+    {"hosts": ["node7"], "ranks": [9], "verdicts": [{"kind": "sdc", "scope": "rank", "step": 40, ...}]}
+
+merged across verdicts of one job and written atomically, so a launcher can
+read it at any time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from scout_core.config import ScoutConfig
+from scout_core.report import Incident, IncidentKind, IncidentScope
+
+__all__ = ["ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions", "verdict_summary"]
+
+_ACTIONABLE_KINDS = {IncidentKind.SDC, IncidentKind.STRAGGLER, IncidentKind.HANG, IncidentKind.DATA_STALL,
+                     IncidentKind.CHECKPOINT_STALL}
+
+
+class ScoutStop(SystemExit):
+    """Raised on every trainer when ``actions.on_verdict`` is ``stop`` (its ``code`` is the exit status)."""
+
+
+def exclude_hosts_path(cfg: ScoutConfig) -> str:
+    return cfg.actions.exclude_hosts_path or os.path.join(cfg.checkpoint.directory, "exclude_hosts.json")
+
+
+def actionable(incidents: Iterable[Incident]) -> list[Incident]:
+    """Verdicts about the job (not SCOUT's own errors or observer health)."""
+    return [i for i in incidents if i.kind in _ACTIONABLE_KINDS]
+
+
+def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Merge rank- and machine-scoped verdicts into the hosts file; fsync'ed, atomic. Returns its content.
+
+    Group- and job-scoped verdicts name no culprit machine, so they exclude nothing
+    (they are still listed under ``verdicts`` for the operator).
+    """
+    from scout_core.checkpoint.store import atomic_write
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            current = json.load(fh)
+    except (FileNotFoundError, json.JSONDecodeError):
+        current = {"hosts": [], "ranks": [], "verdicts": []}
+    seen = {_key(v) for v in current["verdicts"]}
+    for v in verdicts:
+        if _key(v) in seen:
+            continue
+        seen.add(_key(v))
+        current["verdicts"].append(v)
+        if v["scope"] in (IncidentScope.RANK.value, IncidentScope.MACHINE.value):
+            current["hosts"] = sorted(set(current["hosts"]) | {h for h in v["hosts"] if h and h != "?"})
+            current["ranks"] = sorted(set(current["ranks"]) | set(v["ranks"]))
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    atomic_write(path, json.dumps(current, indent=1, sort_keys=True).encode())
+    return current
+
+
+def _key(v: dict[str, Any]) -> tuple[Any, ...]:
+    return (v["kind"], v["scope"], tuple(v["ranks"]), v.get("step"), v.get("surface", ""))
+
+
+def verdict_summary(inc: Incident) -> dict[str, Any]:
+    return {"kind": inc.kind.value, "scope": inc.scope.value, "ranks": list(inc.ranks), "hosts": list(inc.hosts),
+            "step": inc.step, "surface": inc.surface[:200], "reason": inc.reason}
+
+
+def hang_action(cfg: ScoutConfig, user_callback: Callable[[Incident], None] | None,
+                trainer_pid: int) -> Callable[[Incident], None]:
+    """The observer-side action for hang verdicts (runs in the observer process, once per verdict)."""
+    path = exclude_hosts_path(cfg)
+    stop = cfg.actions.on_verdict == "stop"
+
+    def act(inc: Incident) -> None:
+        if user_callback is not None:
+            user_callback(inc)
+        if inc.kind not in _ACTIONABLE_KINDS:
+            return
+        record_exclusions(path, [verdict_summary(inc)])  # every observer may write: merged, deduplicated
+        if stop:
+            os.kill(trainer_pid, signal.SIGTERM)
+
+    return act

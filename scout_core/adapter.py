@@ -1,0 +1,211 @@
+"""What a framework hands the core: the one interface every plugin implements.
+
+:class:`FrameworkAdapter` carries the objects SCOUT attaches to: model chunks
+(pipeline stages), the inner torch optimizers that actually step (their step
+hooks are the replay and snapshot boundary), the peer layout (a DeviceMesh or
+explicit peer groups), the repeated layers plus embedding and output modules
+that replay samples, extra RNG streams to align during replay, and caller
+state (LR scheduler, data-loader position, gradient scaler) that a bitwise
+resume must restore.
+
+:func:`torch_adapter` is the plain-PyTorch adapter (DDP, FSDP2, HSDP): it
+unwraps ``DistributedDataParallel``, finds the inner optimizers inside common
+wrappers, discovers repeated blocks (children of ``nn.ModuleList``s) and the
+embedding and output modules by the names popular model libraries use. A
+framework plugin builds its own adapter from its framework's objects and calls
+:func:`scout_core.runtime.enable_with`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from scout_core.replay.rng import RngProvider
+
+__all__ = ["FrameworkAdapter", "find_inner_optimizers", "stateful_state", "torch_adapter"]
+
+EMBEDDING_NAMES = ("embed_tokens", "tok_embeddings", "wte", "word_embeddings", "embedding", "embed", "embeddings")
+"""Attribute names of the token embedding in popular model libraries (HF, TorchTitan, Megatron)."""
+OUTPUT_NAMES = ("lm_head", "output_layer", "output", "head")
+"""Attribute names of the language-model output layer."""
+
+
+@dataclass(kw_only=True)
+class FrameworkAdapter:
+    """Everything SCOUT needs from a training framework."""
+
+    chunks: list[nn.Module]
+    """Model chunks (one per virtual pipeline stage), as the framework wraps them."""
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    """Inner torch optimizers, in the order they step; the boundary is the LAST one's step."""
+    mesh: Any = None
+    """A DeviceMesh with named dimensions (peer groups derive from it), or None."""
+    peer_groups: list[list[int]] | None = None
+    """Explicit equivalent-peer groups (a partition of the ranks), or None."""
+    layers: list[nn.Module] | None = None
+    """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
+    layer_names: list[str] | None = None
+    embedding: nn.Module | None = None
+    output: nn.Module | None = None
+    boundary_owner: nn.Module | None = None
+    """The FSDP2 module that owns embedding and output parameters (unsharded for their replay)."""
+    rng_providers: dict[str, RngProvider] = field(default_factory=dict)
+    """Extra RNG streams (e.g. a tensor-parallel RNG tracker): get and set a state tensor."""
+    get_state: Callable[[], dict[str, Any]] | None = None
+    """Caller state for snapshots (LR scheduler, data position, scaler)."""
+    set_state: Callable[[dict[str, Any]], None] | None = None
+    name: str = "torch"
+    """Which adapter built this (shown in records and errors)."""
+
+    def __post_init__(self) -> None:
+        if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
+            raise TypeError("model must be an nn.Module or a list of nn.Module chunks")
+        if not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
+            raise TypeError("optimizers must be torch.optim.Optimizer instances (use find_inner_optimizers)")
+        if (self.get_state is None) != (self.set_state is None):
+            raise ValueError("give both get_state and set_state, or neither")
+
+    def repeated_layers(self) -> list[nn.Module]:
+        if self.layers is not None:
+            return list(self.layers)
+        return discover_layers(self.chunks)[0]
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The user's model inside DDP (FSDP2 keeps the model's own class)."""
+    while isinstance(module, nn.parallel.DistributedDataParallel):
+        module = module.module
+    return module
+
+
+def discover_layers(chunks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[str]]:
+    """Repeated blocks (children of every ``nn.ModuleList``, outermost lists only) and their names.
+
+    Nested lists (MoE experts inside a block) are not separate layers: the block
+    that contains them is.
+    """
+    layers, names = [], []
+    for ci, chunk in enumerate(chunks):
+        inner = _unwrap(chunk)
+        found = []
+        taken: set[int] = set()
+        for name, m in inner.named_modules():
+            if isinstance(m, nn.ModuleList) and not any(name.startswith(p) for p in _prefixes(found)):
+                for child_name, child in m.named_children():
+                    if id(child) not in taken:
+                        taken.add(id(child))
+                        found.append((f"{name}.{child_name}", child))
+        prefix = f"chunk{ci}." if ci else ""
+        if not found:
+            found = [("", inner)]
+        layers += [m for _, m in found]
+        names += [f"{prefix}{n}" if n else f"{prefix}model" for n, _ in found]
+    return layers, names
+
+
+def _prefixes(found: list[tuple[str, nn.Module]]) -> list[str]:
+    return [n + "." for n, _ in found]
+
+
+def _named_child(module: nn.Module, names: Sequence[str]) -> nn.Module | None:
+    """The first direct child with one of ``names`` that is a single layer (not a container of blocks)."""
+    for n in names:
+        child = getattr(module, n, None)
+        if isinstance(child, nn.Module) and not isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return child
+    return None
+
+
+def _bodies(module: nn.Module) -> list[nn.Module]:
+    return [module] + [getattr(module, n) for n in ("model", "transformer") if isinstance(getattr(module, n, None),
+                                                                                       nn.Module)]
+
+
+def find_inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer``: itself, or those a wrapper holds.
+
+    Understands lists, and wrappers that keep their inner optimizers in
+    ``optimizer`` / ``optimizers`` / ``chained_optimizers`` (Megatron, DeepSpeed,
+    TorchTitan containers). Raises when nothing inside is a torch optimizer.
+    """
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, (list, tuple)):
+        return [o for item in optimizer for o in find_inner_optimizers(item)]
+    for attr in ("chained_optimizers", "optimizers", "optimizer"):
+        inner = getattr(optimizer, attr, None)
+        if inner is not None and inner is not optimizer:
+            try:
+                return find_inner_optimizers(inner)
+            except TypeError:
+                continue
+    raise TypeError(f"no torch.optim.Optimizer found inside {type(optimizer).__name__}")
+
+
+def stateful_state(objects: Mapping[str, Any]) -> tuple[Callable[[], dict[str, Any]],
+                                                          Callable[[dict[str, Any]], None]]:
+    """(get, set) over objects with ``state_dict``/``load_state_dict`` (LR scheduler, GradScaler, a
+    stateful data loader), or plain ``(get, set)`` pairs of callables."""
+    for name, obj in objects.items():
+        ok = (isinstance(obj, tuple) and len(obj) == 2 and all(map(callable, obj))) or (
+            hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))
+        if not ok:
+            raise TypeError(f"state[{name!r}] needs state_dict()/load_state_dict() or a (get, set) pair")
+
+    def get() -> dict[str, Any]:
+        return {n: (o[0]() if isinstance(o, tuple) else o.state_dict()) for n, o in objects.items()}
+
+    def set_(saved: dict[str, Any]) -> None:
+        for n, o in objects.items():
+            if n in saved:
+                o[1](saved[n]) if isinstance(o, tuple) else o.load_state_dict(saved[n])
+
+    return get, set_
+
+
+def torch_adapter(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: Any = None,
+    *,
+    mesh: Any = None,
+    peer_groups: Sequence[Sequence[int]] | None = None,
+    layers: Iterable[nn.Module] | None = None,
+    embedding: nn.Module | None = None,
+    output: nn.Module | None = None,
+    rng_providers: Mapping[str, RngProvider] | None = None,
+    state: Mapping[str, Any] | None = None,
+) -> FrameworkAdapter:
+    """The plain-PyTorch adapter: a module (DDP, FSDP2, HSDP or bare) or a list of chunks."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    inner = [_unwrap(c) for c in chunks]
+    found_layers, names = discover_layers(chunks)
+    if layers is not None:
+        found_layers, names = list(layers), None
+    if embedding is None:  # HF keeps the body under .model / .transformer
+        embedding = next((e for m in _bodies(inner[0]) if (e := _named_child(m, EMBEDDING_NAMES))), None)
+    if output is None:
+        output = _named_child(inner[-1], OUTPUT_NAMES)
+    owner = None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(chunks[0], FSDPModule):
+            owner = chunks[0]
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        pass
+    get_state = set_state = None
+    if state:
+        get_state, set_state = stateful_state(state)
+    return FrameworkAdapter(
+        chunks=chunks, optimizers=find_inner_optimizers(optimizer), mesh=mesh,
+        peer_groups=[list(map(int, g)) for g in peer_groups] if peer_groups is not None else None,
+        layers=found_layers, layer_names=names, embedding=embedding, output=output, boundary_owner=owner,
+        rng_providers=dict(rng_providers or {}), get_state=get_state, set_state=set_state,
+    )

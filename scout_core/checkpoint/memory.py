@@ -1,0 +1,169 @@
+"""In-memory snapshot slots: RAM-backed files, one folder per machine, that outlive the trainer.
+
+Layout (``ROOT`` is ``checkpoint.memory_dir``, default ``/dev/shm/scout-<job>``)::
+
+    ROOT/<host>/own-r00003-s000000040.pt       rank 3's newest snapshot (step 40)
+    ROOT/<host>/replica-r00011-s000000040.pt   rank 11's snapshot, kept here by its partner
+
+The step is in the name, so a restarted job takes inventory without reading a
+byte. A slot is written to a temporary name and renamed (a reader never sees a
+partial slot), then the older slot of the same owner is removed: at rest a rank
+holds one own slot plus one replica slot per rank it partners.
+
+Before the first capture :meth:`MemorySlots.ensure_space` checks the free space
+of the RAM-backed filesystem (containers often mount a 64 MB ``/dev/shm``); if
+it cannot hold the slots, snapshots fall back to ``<checkpoint.directory>/memory``
+on disk, with a warning, rather than failing mid-run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from scout_core.checkpoint.store import atomic_save, atomic_write
+
+__all__ = ["MemorySlots", "default_memory_root", "partners"]
+
+_log = logging.getLogger("scout")
+_SLOT = re.compile(r"^(own|replica)-r(\d{5})-s(\d{9})\.pt$")
+HEADROOM = 1.10
+"""Free space asked for beyond the slots' size (serialization overhead, a transient second slot)."""
+
+
+def default_memory_root(directory: str, memory_dir: str = "") -> str:
+    """Where a job's slots live: stable across restarts of the same job (keyed by its durable directory)."""
+    base = memory_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    job = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:12]
+    return os.path.join(base, f"scout-{job}")
+
+
+def partners(hosts: Mapping[int, str]) -> dict[int, int]:
+    """rank -> the rank that keeps its replica: same local index on the next machine.
+
+    Works for any world size and uneven machines (indices wrap). On a single
+    machine the partner is the next rank, which covers process loss only.
+    """
+    by_host: dict[str, list[int]] = {}
+    for r in sorted(hosts):
+        by_host.setdefault(hosts[r], []).append(r)
+    names = sorted(by_host)
+    out = {}
+    if len(names) == 1:
+        ranks = by_host[names[0]]
+        return {r: ranks[(i + 1) % len(ranks)] for i, r in enumerate(ranks)} if len(ranks) > 1 else {}
+    for h, name in enumerate(names):
+        nxt = by_host[names[(h + 1) % len(names)]]
+        for i, r in enumerate(by_host[name]):
+            out[r] = nxt[i % len(nxt)]
+    return out
+
+
+class MemorySlots:
+    """One rank's slots on its machine."""
+
+    def __init__(self, root: str, *, rank: int, hosts: Mapping[int, str], fallback: str) -> None:
+        self.rank = rank
+        self.hosts = dict(hosts)
+        self.host = _safe(hosts[rank])
+        self.root = root
+        self.fallback = fallback
+        self.fell_back = ""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+
+    @property
+    def dir(self) -> str:
+        return os.path.join(self.root, self.host)
+
+    # -- space ---------------------------------------------------------------------------------
+
+    def ensure_space(self, state_bytes: int, copies: int) -> None:
+        """Fall back to disk (and say so) when the RAM-backed filesystem cannot hold ``copies`` slots."""
+        need = int(state_bytes * copies * HEADROOM)
+        st = os.statvfs(self.dir)
+        free = st.f_bavail * st.f_frsize + self._held_bytes()
+        if need <= free:
+            return
+        self.fell_back = (f"{self.dir} has {free / 2**20:.1f} MiB free, the in-memory snapshots need "
+                          f"{need / 2**20:.1f} MiB ({copies} x {state_bytes / 2**20:.1f} MiB state); using "
+                          f"{self.fallback} on disk instead (mount a larger /dev/shm or set checkpoint.memory_dir)")
+        _log.warning("rank %d: %s", self.rank, self.fell_back)
+        self.root = self.fallback
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+
+    def _held_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.dir, n)) for n in os.listdir(self.dir) if _SLOT.match(n))
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def _path(self, kind: str, owner: int, step: int) -> str:
+        return os.path.join(self.dir, f"{kind}-r{owner:05d}-s{step:09d}.pt")
+
+    def write_own(self, snap: dict[str, Any]) -> str:
+        path = self._path("own", self.rank, int(snap["step"]))
+        atomic_save(path, snap)
+        self._drop_older("own", self.rank, path)
+        return path
+
+    def write_replica(self, owner: int, step: int, data: torch.Tensor) -> str:
+        """Keep ``owner``'s serialized slot of ``step`` (raw bytes as received)."""
+        path = self._path("replica", owner, step)
+        atomic_write(path, memoryview(data.numpy()))
+        self._drop_older("replica", owner, path)
+        return path
+
+    def _drop_older(self, kind: str, owner: int, keep: str) -> None:
+        for name, (k, o, _) in self.slots().items():
+            if k == kind and o == owner and os.path.join(self.dir, name) != keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.dir, name))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def slots(self) -> dict[str, tuple[str, int, int]]:
+        """File name -> (kind, owner, step) of every complete slot on this machine."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for n in names:
+            m = _SLOT.match(n)
+            if m:
+                out[n] = (m.group(1), int(m.group(2)), int(m.group(3)))
+        return out
+
+    def inventory(self) -> dict[str, Any]:
+        """What this rank can offer: its own step and the replicas it keeps {owner: step}."""
+        own = [s for k, o, s in self.slots().values() if k == "own" and o == self.rank]
+        replicas = {o: s for k, o, s in self.slots().values() if k == "replica"}
+        return {"own": max(own) if own else None, "replicas": replicas}
+
+    def path_of(self, kind: str, owner: int, step: int) -> str:
+        return self._path(kind, owner, step)
+
+    def load(self, kind: str, owner: int, step: int) -> dict[str, Any]:
+        return torch.load(self._path(kind, owner, step), weights_only=True)
+
+    def raw(self, kind: str, owner: int, step: int) -> torch.Tensor:
+        path = self._path(kind, owner, step)
+        return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+
+    def remove_all(self) -> None:
+        """Delete this machine's folder of the job (all ranks of the machine share it)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)
+
+
+def _safe(host: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", host) or "host"

@@ -1,0 +1,350 @@
+"""The handle ``enable()`` returns: every part SCOUT installed on this rank, and how to undo it.
+
+One readable orchestration class. At each optimizer step (the LAST inner
+optimizer's post-hook) :meth:`ScoutHandle.on_step` runs the replay boundary,
+turns its result into certification evidence, combines the evidence job-wide,
+lets the coordinator capture and persist what the certifier asks for, and acts
+on verdicts (``actions.*``). :meth:`ScoutHandle.resume` is the restart path;
+:meth:`ScoutHandle.close` removes every hook, thread, process, shared-memory
+record and process group it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, hang_action, record_exclusions, verdict_summary
+from scout_core.adapter import FrameworkAdapter
+from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
+from scout_core.checkpoint.coordinator import CheckpointCoordinator, combine_evidence
+from scout_core.checkpoint.memory import MemorySlots, default_memory_root
+from scout_core.checkpoint.resume import Restarter, ResumeResult
+from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
+from scout_core.checkpoint.store import DurableStore
+from scout_core.config import ScoutConfig
+from scout_core.consensus import StatisticalRule
+from scout_core.groups import ScoutGroups
+from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
+from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer
+from scout_core.progress.record import create_record
+from scout_core.replay.engine import BoundaryResult, ReplayEngine
+from scout_core.replay.guard import DiagnosisGuard
+from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
+
+__all__ = ["ScoutHandle"]
+
+_log = logging.getLogger("scout")
+
+
+class ScoutHandle:
+    """What :func:`scout_core.enable` returns; :meth:`close` undoes everything it installed."""
+
+    _open: ClassVar[ScoutHandle | None] = None
+    _claim_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, *, config: ScoutConfig, adapter: FrameworkAdapter, rank: int, world_size: int, run_id: str,
+                 groups: ScoutGroups, hosts: dict[int, str], devices: dict[int, str], reporter: Reporter) -> None:
+        self.config = config
+        self.adapter = adapter
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id
+        self.groups = groups
+        self.peer_groups_ranks = groups.peer_ranks
+        self.hosts = hosts
+        self.devices = devices
+        self.reporter = reporter
+        self.guard = DiagnosisGuard(groups.world_control, rank=rank, reporter=reporter, hosts=hosts)
+        self.tracker: ProgressTracker | None = None
+        self.observer_pid: int | None = None
+        self.observer_startup_s: float | None = None
+        self.ddp_buckets_visible: bool | None = None
+        self.replay: ReplayEngine | None = None
+        self.snapshots: SnapshotEngine | None = None
+        self.checkpoint: CheckpointCoordinator | None = None
+        self.last_result: BoundaryResult | None = None
+        self.last_decision: Any = None
+        self.stopped = False
+        self._hooks: list[Any] = []
+        self._observer_reported = False
+        self._closed = False
+        ScoutHandle._open = self
+
+    # -- one SCOUT per process -----------------------------------------------------------------------
+
+    @classmethod
+    def claim(cls) -> None:
+        with cls._claim_lock:
+            if cls._open is not None and not cls._open._closed:
+                raise RuntimeError("SCOUT is already enabled on this rank; call close() on the existing handle "
+                                   "before enable() again")
+            cls._open = _CLAIMED
+
+    @classmethod
+    def release_claim(cls) -> None:
+        with cls._claim_lock:
+            if cls._open is _CLAIMED:
+                cls._open = None
+
+    # -- building the parts (called by enable_with, in this order) -----------------------------------
+
+    def start_observer(self, store_host: str, store_port: int, on_incident: Callable[[Incident], None] | None) -> None:
+        cfg = self.config
+        tracker = self.tracker = ProgressTracker(create_record(self.run_id, self.rank))
+        start = time.monotonic()
+        pid, ready_fd = start_observer(ObserverSpec(
+            run_id=self.run_id, rank=self.rank, world_size=self.world_size, record_path=tracker.record.path,
+            store_host=store_host, store_port=store_port, peer_groups=[list(g) for g in self.groups.all_peers],
+            hosts=self.hosts, devices=self.devices, silence_threshold_s=cfg.observer.silence_threshold_s,
+            gather_timeout_s=cfg.observer.gather_timeout_s, startup_timeout_s=cfg.observer.startup_timeout_s,
+            jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
+            on_incident=hang_action(cfg, on_incident, os.getpid()),
+        ))
+        self.observer_pid = pid
+        try:
+            ready, _, _ = select.select([ready_fd], [], [], cfg.observer.startup_timeout_s)
+            ok = bool(ready) and os.read(ready_fd, 1) == b"R"
+        finally:
+            os.close(ready_fd)
+        if not ok:
+            self.check_observer()
+            raise RuntimeError(f"rank {self.rank}: the SCOUT observer did not start within "
+                               f"{cfg.observer.startup_timeout_s}s (control store {store_host}:{store_port})")
+        self.observer_startup_s = time.monotonic() - start
+        tracker.install_module_hooks(self.adapter.repeated_layers(), backward=cfg.observer.layer_backward_marks)
+        tracker.install_optimizer_hooks(self.adapter.optimizers)
+        ddp = [c for c in self.adapter.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)]
+        if ddp:
+            self.ddp_buckets_visible = all(tracker.install_ddp_comm_hook(m) for m in ddp)
+        install_collective_hooks(tracker)
+
+    def start_replay(self) -> None:
+        cfg, a = self.config, self.adapter
+        if not cfg.replay.enabled:
+            return
+        layers = a.repeated_layers()
+        names = a.layer_names if a.layers is not None and a.layer_names else None
+        self.replay = ReplayEngine(
+            layers, a.optimizers[0] if a.optimizers else None, config=cfg.replay, groups=self.groups,
+            rule=StatisticalRule.from_config(cfg.consensus), confirm_rounds=cfg.consensus.confirm_rounds,
+            reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
+            embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False)
+
+    def start_checkpointing(self) -> None:
+        cfg, a = self.config, self.adapter
+        if not cfg.checkpoint.enabled:
+            return
+        directory = cfg.checkpoint.directory
+        self.snapshots = SnapshotEngine(a.chunks, a.optimizers, get_extra=self._snapshot_extra,
+                                        set_extra=self._restore_extra, rng_providers=a.rng_providers)
+        memory = MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=self.rank,
+                             hosts=self.hosts, fallback=os.path.join(directory, "memory"))
+        k = cfg.checkpoint.recipes_per_cycle
+        self.checkpoint = CheckpointCoordinator(
+            self.snapshots, DurableStore(directory, self.rank, self.world_size),
+            Certifier(recipes_per_cycle=k, static=k == 1), memory=memory, control_group=self.groups.world_control,
+            replicate=cfg.checkpoint.replicate_to_peer, decisions_path=os.path.join(directory, "decisions.jsonl"),
+            keep_generations=cfg.checkpoint.keep_generations,
+            on_error=lambda exc, where: self.guard.report(self._step(), "checkpoint", exc, where))
+
+    def install_step_hooks(self) -> None:
+        opts = self.adapter.optimizers
+        if not opts:
+            return
+        if self.replay is not None:
+            self._hooks.append(opts[0].register_step_pre_hook(self.replay._pre_step))
+        self._hooks.append(opts[-1].register_step_post_hook(lambda *_: self.on_step()))
+
+    # -- snapshot contents ------------------------------------------------------------------------------
+
+    def _snapshot_extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {"caller": self.adapter.get_state() if self.adapter.get_state else {}}
+        if self.replay is not None:
+            extra["scout"] = self.replay.sweep_state()
+        return extra
+
+    def _restore_extra(self, extra: dict[str, Any]) -> None:
+        if self.adapter.set_state is not None:
+            self.adapter.set_state(extra.get("caller", {}))
+
+    def _step(self) -> int:
+        if self.replay is not None:
+            return self.replay.step
+        return self.tracker.step if self.tracker is not None else 0
+
+    # -- every optimizer step ------------------------------------------------------------------------
+
+    def on_step(self) -> BoundaryResult | None:
+        """The boundary after each optimizer step (called by the hook; call it yourself if you have no
+        optimizer to hook). Replay, certification, actions. Never raises into training except
+        :class:`~scout_core.actions.ScoutStop` when ``actions.on_verdict`` is ``stop``."""
+        if self.observer_pid is not None:
+            self.check_observer()
+        if self.replay is None:
+            return None
+        due = self.replay.due_next()
+        try:
+            result = self.last_result = self.replay.boundary()
+        except Exception as exc:  # noqa: BLE001 - a failure outside the guarded stages: still no crash
+            self.guard.report(self.replay.step, "replay", exc, "replay boundary")
+            result = BoundaryResult(self.replay.step, recipes=due, skipped="diagnosis error")
+        if not result.checked:
+            return result
+        verdicts = actionable(result.incidents + result.incidents_global)
+        local = BoundaryEvidence(sdc=result.sdc, inconclusive=result.inconclusive, missing=result.missing,
+                                 straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
+        if self.checkpoint is not None:
+            action, job = self.checkpoint.on_boundary(result.step, local)
+        else:
+            job, action = combine_evidence(local, self.groups.world_control), None
+        if job.sdc or job.inconclusive or job.straggler:
+            self._act(result, verdicts, job, action)
+        return result
+
+    def _act(self, result: BoundaryResult, verdicts: list[Incident], job: BoundaryEvidence,
+             action: Action | None) -> None:
+        """A verdict somewhere in the job: decision, hosts to exclude, and maybe stop. Same on every rank."""
+        everyone: list[Any] = [None] * self.world_size
+        mine = [verdict_summary(i) for i in verdicts] if self.rank == min(self.groups.peer_ranks) else []
+        dist.all_gather_object(everyone, mine, group=self.groups.world_control)
+        summaries = list({(v["kind"], v["scope"], tuple(v["ranks"]), v["step"]): v
+                          for vs in everyone for v in vs}.values())
+        failure = FailureKind.SDC if (job.sdc or job.inconclusive) else FailureKind.STRAGGLER
+        try:
+            if self.checkpoint is not None:
+                self.last_decision = self.checkpoint.decide(failure, incident=summaries[0] if summaries else None)
+            if self.rank == 0:
+                record_exclusions(exclude_hosts_path(self.config), summaries)
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            self.guard.report(result.step, "actions", exc, "verdict actions")
+        if self.config.actions.on_verdict == "stop":
+            dist.barrier(group=self.groups.world_control)  # rank 0's records are durable before anyone exits
+            self.stopped = True
+            raise ScoutStop(self.config.actions.exit_code)
+
+    # -- restart -------------------------------------------------------------------------------------
+
+    def resume(self, failure: str | None = None) -> ResumeResult:
+        """Restore the checkpoint the retrieval policy chooses (see :mod:`scout_core.checkpoint.resume`).
+
+        Call once, on every rank, right after ``enable()``. Returns ``ResumeResult(step=None)`` on a
+        fresh start. ``failure`` forces the failure kind when no decision was recorded.
+        """
+        if self.checkpoint is None:
+            raise RuntimeError("resume() needs checkpoint.enabled: true")
+        a = self.adapter
+        restarter = Restarter(
+            self.checkpoint, control_group=self.groups.world_control, engine=self.replay,
+            restore=lambda snap: restore_state(a.chunks, a.optimizers, snap, set_extra=self._restore_extra,
+                                               rng_providers=a.rng_providers),
+            after_restore=self._after_restore)
+        return restarter.resume(failure)
+
+    def _after_restore(self, snap: dict[str, Any], trust: dict[str, Any]) -> None:
+        if self.replay is not None:
+            self.replay.load_sweep_state(snap["extra"].get("scout", {"step": snap["step"], "checks": 0}))
+        cert = self.checkpoint.certifier
+        cert.latest, cert.verified, cert.candidate, cert.q = trust["latest"], trust["verified"], None, 0
+        if self.tracker is not None:
+            self.tracker.step = int(snap["step"])
+
+    # -- training-loop boundaries -------------------------------------------------------------------
+
+    def wrap_dataloader(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        return self.tracker.wrap_dataloader(iterable) if self.tracker else iterable
+
+    def checkpoint_io(self, kind: str = "write") -> contextlib.AbstractContextManager[None]:
+        return self.tracker.checkpoint_io(kind) if self.tracker else contextlib.nullcontext()
+
+    # -- observer health -----------------------------------------------------------------------------
+
+    def check_observer(self) -> bool:
+        """True while the observer runs; reports its death once (observer_failure)."""
+        if self.observer_pid is None or self._observer_reported:
+            return not self._observer_reported
+        try:
+            done, status = os.waitpid(self.observer_pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = self.observer_pid, 0
+        if not done:
+            return True
+        self._observer_reported = True
+        code = os.waitstatus_to_exitcode(status)
+        if code != OBSERVER_REPORTED_EXIT:  # that code means the observer reported itself
+            self.reporter.emit(Incident(
+                kind=IncidentKind.OBSERVER_FAILURE, scope=IncidentScope.RANK, ranks=[self.rank],
+                hosts=[self.hosts[self.rank]], devices=[self.devices[self.rank]],
+                step=self.tracker.step if self.tracker else None,
+                reason=f"observer of rank {self.rank} (pid {self.observer_pid}) exited with {code}; "
+                       "hangs on this rank can no longer be localized",
+                evidence={"observer_pid": self.observer_pid, "exit": code},
+            ))
+        return False
+
+    # -- teardown ------------------------------------------------------------------------------------
+
+    def close(self, *, discard_snapshots: bool = False) -> None:
+        """Remove every hook, thread, process, record and group SCOUT created; idempotent.
+
+        In-memory snapshots are kept (they exist to survive the trainer: a restart resumes from them)
+        unless ``discard_snapshots`` (e.g. after the last step of a finished job).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            if self.checkpoint is not None:
+                with contextlib.suppress(Exception):
+                    self.checkpoint.flush()
+                if discard_snapshots:
+                    self.checkpoint.memory.remove_all()
+            if self.snapshots is not None:
+                with contextlib.suppress(Exception):
+                    self.snapshots.close()
+            if self.replay is not None:
+                self.replay.close()
+            if self.tracker is not None:
+                self.tracker.remove_hooks()
+                uninstall_collective_hooks(self.tracker)
+            if self.observer_pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.observer_pid, 15)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.observer_pid, 0)
+            if self.tracker is not None:
+                self.tracker.record.unlink()
+                self.tracker.record.close()
+            for g in {self.groups.world_control, self.groups.peer, self.groups.peer_control,
+                      getattr(self.checkpoint, "repl_group", None)} - {None}:
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(g)
+        finally:
+            with ScoutHandle._claim_lock:
+                if ScoutHandle._open is self:
+                    ScoutHandle._open = None
+
+    def __enter__(self) -> ScoutHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _Claimed:
+    _closed = False
+
+
+_CLAIMED: Any = _Claimed()
