@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -92,19 +91,15 @@ def verdict_summary(inc: Incident) -> dict[str, Any]:
             "step": inc.step, "surface": inc.surface[:200], "reason": inc.reason}
 
 
-def hang_action(cfg: ScoutConfig, user_callback: Callable[[Incident], None] | None,
-                trainer_pid: int) -> Callable[[Incident], None]:
-    """The observer-side action for hang verdicts (runs in the observer process, once per verdict)."""
+def hang_action(cfg: ScoutConfig, user_callback: Callable[[Incident], None] | None) -> Callable[[Incident], None]:
+    """The observer-side action for hang verdicts (runs in the observer process, once per verdict).
+    Stopping the trainer is the observer's own step after it (``ObserverSpec.stop_on_verdict``)."""
     path = exclude_hosts_path(cfg)
-    stop = cfg.actions.on_verdict == "stop"
 
     def act(inc: Incident) -> None:
         if user_callback is not None:
             user_callback(inc)
-        if inc.kind not in _ACTIONABLE_KINDS:
-            return
-        record_exclusions(path, [verdict_summary(inc)])  # every observer may write: merged, deduplicated
-        if stop:
-            os.kill(trainer_pid, signal.SIGTERM)
+        if inc.kind in _ACTIONABLE_KINDS:
+            record_exclusions(path, [verdict_summary(inc)])  # every observer may write: merged, deduplicated
 
     return act

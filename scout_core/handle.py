@@ -108,7 +108,7 @@ class ScoutHandle:
             hosts=self.hosts, devices=self.devices, silence_threshold_s=cfg.observer.silence_threshold_s,
             gather_timeout_s=cfg.observer.gather_timeout_s, startup_timeout_s=cfg.observer.startup_timeout_s,
             jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
-            on_incident=hang_action(cfg, on_incident, os.getpid()),
+            on_incident=hang_action(cfg, on_incident), stop_on_verdict=cfg.actions.on_verdict == "stop",
         ))
         self.observer_pid = pid
         try:
@@ -192,12 +192,10 @@ class ScoutHandle:
             self.check_observer()
         if self.replay is None:
             return None
-        due = self.replay.due_next()
-        try:
-            result = self.last_result = self.replay.boundary()
-        except Exception as exc:  # noqa: BLE001 - a failure outside the guarded stages: still no crash
-            self.guard.report(self.replay.step, "replay", exc, "replay boundary")
-            result = BoundaryResult(self.replay.step, recipes=due, skipped="diagnosis error")
+        # SCOUT's local work is guarded stage by stage inside the boundary; what is left are collectives,
+        # and a collective that fails means the job's communication failed: that propagates, as the
+        # training job's own next collective would.
+        result = self.last_result = self.replay.boundary()
         if not result.checked:
             return result
         verdicts = actionable(result.incidents + result.incidents_global)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Fault", "FaultKind", "Injection", "Injector", "Schedule"]
+__all__ = ["Fault", "FaultKind", "InjectedFault", "Injection", "Injector", "Schedule"]
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -41,6 +41,11 @@ class FaultKind(enum.StrEnum):
     MISMATCH = "mismatch"  # the rank calls a collective with different shape, dtype or op
     HOLD = "hold"  # the rank enters a collective that never completes (transport stall)
     KILL = "kill"  # the rank's machine dies here (SIGKILL, no cleanup)
+    RAISE = "raise"  # a software fault: the code at this point raises InjectedFault
+
+
+class InjectedFault(RuntimeError):
+    """Raised by :meth:`Injector.fail` where a ``raise`` fault is scheduled."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +234,12 @@ class Injector:
         for fault in self._matching(surface, rank, step, (FaultKind.KILL,)):
             self._record(fault, step)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def fail(self, surface: str, *, rank: int, step: int) -> None:
+        """Raise :class:`InjectedFault` here if a raise fault matches."""
+        for fault in self._matching(surface, rank, step, (FaultKind.RAISE,)):
+            self._record(fault, step)
+            raise InjectedFault(f"injected failure at {surface} on rank {rank}, step {step}")
 
     def armed(self, surface: str, kind: FaultKind | str, *, rank: int, step: int) -> bool:
         """Whether a fault of ``kind`` would fire at this point (for multi-part injections)."""

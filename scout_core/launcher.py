@@ -121,7 +121,10 @@ def _worker(fn: Callable[[RankContext], Any], ctx: RankContext, conn: Connection
     try:
         value = fn(ctx)
         payload = pickle.dumps((True, value, None))
-    except BaseException:  # report everything, including SystemExit from the worker
+    except SystemExit as exc:  # a worker that exits on purpose keeps its exit status, as a real process would
+        payload = pickle.dumps((False, None, f"SystemExit({exc.code})"))
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # report everything else
         payload = pickle.dumps((False, None, traceback.format_exc()))
         code = 1
     try:
@@ -220,9 +223,10 @@ def launch(
                    else "killed after a peer failed")
             outcomes[rank].error = outcomes[rank].error or why
             conn.close()
-        if not all(o.ok for o in outcomes):
-            for pid in pids.values():
-                _kill_group(pid)
+        # Ranks that never reported are killed; the others are exiting on their own and are reaped
+        # (killed only if they do not finish within _reap's grace), so their exit status is real.
+        for rank in readers.values():
+            _kill_group(pids[rank])
         for rank, pid in pids.items():
             _reap(pid, outcomes[rank])
     return LaunchResult(outcomes, timed_out, time.monotonic() - start, stopped)

@@ -8,7 +8,8 @@ import os
 import torch
 
 from scout_core.checkpoint.certify import BoundaryEvidence, Certifier
-from scout_core.checkpoint.coordinator import CheckpointCoordinator, load_latest, memory_dir_for, partners
+from scout_core.checkpoint.coordinator import CheckpointCoordinator
+from scout_core.checkpoint.memory import MemorySlots, partners
 from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
 from scout_core.checkpoint.store import DurableStore, agree_on_generation
 from scout_core.launcher import RankContext, init_gloo, launch
@@ -36,8 +37,9 @@ def _job(ctx: RankContext):
     opt = torch.optim.AdamW(net.parameters(), lr=0.1)
     hosts = {r: "hostA" if r < 2 else "hostB" for r in range(ctx.world_size)}
     store = DurableStore(a["root"], ctx.rank, ctx.world_size)
+    memory = MemorySlots(a["memory"], rank=ctx.rank, hosts=hosts, fallback=a["root"] + "/memory")
     coord = CheckpointCoordinator(SnapshotEngine([net], [opt]), store, Certifier(recipes_per_cycle=2),
-                                  run_id=a["run"], hosts=hosts, decisions_path=a["decisions"])
+                                  memory=memory, decisions_path=a["decisions"])
     sigs, actions = {}, []
     for step in range(1, 6):
         net(torch.randn(3, 6)).sum().backward()
@@ -45,34 +47,28 @@ def _job(ctx: RankContext):
         opt.zero_grad()
         sigs[step] = _sig(net)
         local = BoundaryEvidence(sdc=(step == 5 and ctx.rank == 1))
-        actions.append(coord.on_boundary(step, local).value)
+        actions.append(coord.on_boundary(step, local)[0].value)
     coord.flush()
     decision = coord.decide("sdc", incident={"ranks": [1]})
     gen = agree_on_generation(store, "verified")
     fresh = torch.nn.Linear(6, 6)
     restore_state([fresh], [torch.optim.AdamW(fresh.parameters(), lr=0.1)], store.load(gen))
-    latest = load_latest(a["run"], ctx.rank)
+    latest = memory.load("own", ctx.rank, memory.inventory()["own"])
     disagree = None
     try:  # a rank that believes it is at a cycle boundary while the others do not
         coord.certifier.q = 1 if ctx.rank == 3 else 0
         coord.on_boundary(6, BoundaryEvidence())
     except RuntimeError as exc:
         disagree = str(exc)
-    replicas = sorted(f for f in os.listdir(memory_dir_for(a["run"])) if "replica" in f)
+    replicas = sorted(n for n, (kind, _, _) in memory.slots().items() if kind == "replica")
     return {"actions": actions, "decision": (decision.source, decision.generation), "gen": gen,
             "restored_ok": _sig(fresh) == sigs[gen], "latest_step": latest["step"], "disagree": disagree,
             "roles": store.local_generations(), "replicas": replicas}
 
 
 def test_coordinator_end_to_end(tmp_path):
-    run = f"coordtest{os.getpid()}"
-    args = {"root": str(tmp_path / "store"), "run": run, "decisions": str(tmp_path / "decisions.jsonl")}
-    try:
-        result = launch(_job, 4, timeout_s=120, args=args)
-    finally:
-        import shutil
-
-        shutil.rmtree(memory_dir_for(run), ignore_errors=True)
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"), "decisions": str(tmp_path / "decisions.jsonl")}
+    result = launch(_job, 4, timeout_s=120, args=args)
     assert result.ok, result.failures()
     for v in result.values():
         assert v["actions"] == ["capture", "capture_and_persist", "capture", "capture_and_persist", "recover"]
@@ -80,6 +76,10 @@ def test_coordinator_end_to_end(tmp_path):
         assert v["latest_step"] == 4
         assert "disagree" in v["disagree"]
         assert v["roles"] == {2: "verified", 4: "candidate"}
-    assert len(result.values()[0]["replicas"]) >= 4  # every rank's snapshot has a replica
+    # Per machine: one own slot per rank and the replicas of the other machine's ranks; no older copies.
+    assert result.values()[0]["replicas"] == ["replica-r00002-s000000004.pt", "replica-r00003-s000000004.pt"]
+    for host in ("hostA", "hostB"):
+        names = sorted(os.listdir(tmp_path / "shm" / host))
+        assert len([n for n in names if n.startswith("own-")]) == 2 and len(names) == 4, names
     records = [json.loads(line) for line in open(args["decisions"])]
     assert len(records) == 1 and records[0]["source"] == "verified" and "SDC" in records[0]["reason"]

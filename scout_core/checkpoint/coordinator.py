@@ -35,6 +35,7 @@ from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, F
 from scout_core.checkpoint.memory import MemorySlots, partners
 from scout_core.checkpoint.snapshot import SnapshotEngine
 from scout_core.checkpoint.store import DurableStore
+from scout_core.progress.hooks import unobserved
 
 __all__ = ["CheckpointCoordinator", "combine_evidence", "partners", "record_decision"]
 
@@ -131,6 +132,10 @@ class CheckpointCoordinator:
             return None
 
     def _background(self, step: int, captured: bool, persist_role: str | None, promoted: int | None) -> None:
+        with unobserved():  # SCOUT's own traffic: not the trainer's progress
+            self._persist(step, captured, persist_role, promoted)
+
+    def _persist(self, step: int, captured: bool, persist_role: str | None, promoted: int | None) -> None:
         path = None
         try:
             if captured:

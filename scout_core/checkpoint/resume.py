@@ -133,7 +133,7 @@ class Restarter:
         if self.after_restore is not None:
             self.after_restore(snap, {"latest": gen, "verified": verified if verified is not None else None})
         result = ResumeResult(step=gen, source=source, reason=reason, from_memory=from_memory,
-                              fetched=self.rank in fetch, decision=decision)
+                              fetched=from_memory and self.rank in fetch, decision=decision)
         if path and self.rank == 0:
             record_decision(path, {"source": source, "generation": gen, "reason": reason,
                                    "from_memory": from_memory, "fetched_for": sorted(fetch) if from_memory else []},

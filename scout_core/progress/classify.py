@@ -19,7 +19,10 @@ the verdict is group-scoped for device and fabric diagnosis. Ranks whose
 observers did not answer are *lost* and are named as such.
 
 Peer groups in which every member agrees while another group names a culprit
-are victims and produce no verdict of their own.
+are victims and produce no verdict of their own. So are ranks that are behind
+their peers only because they wait inside a collective (on another group, e.g.
+an HSDP shard group) while a rank elsewhere is named for not reaching one: they
+wait for that rank.
 """
 
 from __future__ import annotations
@@ -155,6 +158,16 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
                         f"every peer waits at the same point {where}: runtime or transport stall", facts)]
 
 
+def _waits_behind(v: HangVerdict, evidence: Mapping[int, Evidence]) -> bool:
+    """Every rank of ``v`` sits inside a collective BEHIND its group's majority: it waits for someone."""
+    if v.hang_class is not HangClass.PROTOCOL_MISMATCH:
+        return False
+    majority = v.evidence.get("progress_c3", {}).get("reference")
+    if majority is None:
+        return False
+    return all(evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in v.ranks)
+
+
 def classify(
     evidence: Mapping[int, Evidence],
     peer_groups: Sequence[Sequence[int]],
@@ -173,7 +186,9 @@ def classify(
     culprits = [v for vs in per_group for v in vs
                 if v.hang_class not in (HangClass.EQUAL_PROGRESS_STALL, HangClass.INCONCLUSIVE)]
     if culprits:
-        return verdicts + culprits  # groups that merely wait are victims of the named ranks
+        roots = [v for v in culprits if not _waits_behind(v, evidence)]
+        # groups that merely wait are victims of the named ranks, and so are ranks that wait behind
+        return verdicts + (roots or culprits)
     if lost:
         return verdicts  # survivors waiting on a lost peer are victims too
     inconclusive = [v for vs in per_group for v in vs if v.hang_class is HangClass.INCONCLUSIVE]

@@ -35,8 +35,27 @@ import torch.distributed as dist
 
 from scout_core.progress.fingerprint import SUPPORTED_OPS, CollectiveFingerprint, fingerprint_bucket, fingerprint_call
 from scout_core.progress.record import Phase, ProgressRecord
+from scout_core.replay.calls import tensor_leaves
 
-__all__ = ["ProgressTracker", "install_collective_hooks", "uninstall_collective_hooks", "repeated_layers"]
+__all__ = ["ProgressTracker", "install_collective_hooks", "uninstall_collective_hooks", "repeated_layers", "unobserved"]
+
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Collectives issued by this thread inside the block are not published as progress.
+
+    For SCOUT's own background traffic (snapshot replication on its own group): it
+    is no part of the training protocol, and a stalled partner must not make this
+    rank's trainer look stuck in a collective.
+    """
+    previous = getattr(_THREAD, "quiet", False)
+    _THREAD.quiet = True
+    try:
+        yield
+    finally:
+        _THREAD.quiet = previous
 
 
 class ProgressTracker:
@@ -142,7 +161,7 @@ class ProgressTracker:
 
         def pre_with_backward(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             self.mark(Phase.FORWARD)
-            first = _first_tensor(args) if args else _first_tensor(kwargs)
+            first = next(iter(tensor_leaves((args, kwargs))), None)
             if first is not None and first.requires_grad:
                 first.register_hook(on_grad)
 
@@ -188,22 +207,6 @@ class ProgressTracker:
         self._handles.clear()
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(value, dict):
-        for v in value.values():
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    return None
-
-
 def repeated_layers(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
     """The repeated blocks of each model chunk: children of its ``nn.ModuleList``s.
 
@@ -228,7 +231,7 @@ _C10D = dist.distributed_c10d
 def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _ACTIVE:
+        if not _ACTIVE or getattr(_THREAD, "quiet", False):
             return original(*args, **kwargs)
         tracker = _ACTIVE[-1]
         local = tracker._local

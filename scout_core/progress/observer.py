@@ -69,6 +69,12 @@ class ObserverSpec:
     trainer_pid: int = field(default_factory=os.getpid)
     poll_s: float = 0.05
     """Store polling interval while gathering (only during a stall)."""
+    stop_on_verdict: bool = False
+    """``actions.on_verdict: stop``: after a hang verdict every observer terminates its trainer."""
+
+
+class _Stopped(Exception):
+    """The observer stopped its trainer on a verdict: a deliberate end, not a failure."""
 
 
 def start_observer(spec: ObserverSpec) -> tuple[int, int]:
@@ -115,6 +121,8 @@ class _Observer:
             os.close(self.ready_fd)
             self._loop()
             return 0
+        except _Stopped:
+            return OBSERVER_REPORTED_EXIT
         except SystemExit:
             return 0
         except BaseException:
@@ -198,7 +206,26 @@ class _Observer:
                     spec.on_incident(inc)
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
+        if spec.stop_on_verdict and incidents:
+            self._stop_trainer(episode, len(present))
         return True
+
+    def _stop_trainer(self, episode: int, n_present: int) -> None:
+        """Terminate our trainer once every observer of this episode has its verdict.
+
+        Each observer counts itself in, then waits (bounded) for the others, so rank 0's
+        observer, which serves the store, never leaves while a peer still reads from it.
+        """
+        spec = self.spec
+        key = self._key("stopping", episode)
+        with contextlib.suppress(Exception):  # the store may go once everyone counted in
+            self.store.add(key, 1)
+            deadline = time.monotonic() + spec.gather_timeout_s
+            while time.monotonic() < deadline and int(self.store.add(key, 0)) < n_present:
+                time.sleep(spec.poll_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(spec.trainer_pid, signal.SIGTERM)
+        raise _Stopped
 
     def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int) -> Incident:
         spec = self.spec

@@ -1,0 +1,128 @@
+"""An ordinary torchrun training script with SCOUT switched on by ``--scout``.
+
+It shows how a user integrates SCOUT: the training loop is unchanged, and the
+only additions are ``scout_core.enable(...)`` after the optimizer exists and
+``handle.close()`` at the end. ``--fault-rank``/``--fault-from-step`` model a
+faulty device (one flipped mantissa bit in a block's output on one rank), and
+each rank's final parameter and RNG digests let a test compare runs.
+
+    torchrun --standalone --nproc-per-node 4 integrations_tests/torchrun_train.py \\
+        --model gpt2 --layout ddp --steps 12 --out DIR [--scout] [--fault-rank R --fault-from-step S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if __package__ in (None, ""):  # run as a file by torchrun: make ``integrations_tests`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from integrations_tests.zoo import ZOO, blocks, build_zoo_model, zoo_batches  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=ZOO, default="gpt2")
+    p.add_argument("--layout", choices=("ddp", "fsdp2"), default="ddp")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--scout", action="store_true")
+    p.add_argument("--fault-rank", type=int, default=None)
+    p.add_argument("--fault-from-step", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def wrap(model: nn.Module, layout: str) -> tuple[nn.Module, Any]:
+    """DDP, or FSDP2 with each block sharded on its own and then the root, over a 1-D ``dp_shard`` mesh."""
+    if layout == "ddp":
+        return nn.parallel.DistributedDataParallel(model), None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, mesh
+
+
+def install_fault(block: nn.Module, state: dict[str, int], from_step: int) -> None:
+    """From ``from_step`` on, flip bit 22 (top mantissa bit) of element 0 of the block's first output.
+
+    The block returns a tuple, as HF blocks do, so the hook finds the hidden states inside it.
+    """
+    def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+        if state["step"] < from_step:
+            return
+        hidden = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            hidden.view(torch.int32).view(-1)[0] ^= 1 << 22
+
+    block.register_forward_hook(hook)
+
+
+def digest(t: torch.Tensor) -> str:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return hashlib.sha256(local.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    inner = build_zoo_model(args.model, args.seed)
+    state = {"step": 0}
+    if args.fault_rank == rank:
+        install_fault(blocks(inner)[1], state, args.fault_from_step)
+    model, mesh = wrap(inner, args.layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    handle = None
+    if args.scout:
+        import scout_core
+        from scout_core.config import load
+
+        cfg = load(None, [
+            "replay.cadence.embedding=2", "replay.cadence.hidden=1", "replay.cadence.output=2",
+            "replay.cadence.optimizer=2", "observer.silence_threshold_s=30",
+            f"report.jsonl_path={args.out}/incidents.jsonl", "report.log_level=ERROR",
+            f"report.run_id=torchrun-{os.getpid()}",
+        ])
+        handle = scout_core.enable(model, optimizer, config=cfg, mesh=mesh)
+
+    model.train()  # dropout on: replays must reproduce the RNG draws too
+    loss = torch.tensor(float("nan"))
+    for step, (input_ids, labels) in enumerate(zoo_batches(rank, args.steps, seed=args.seed)):
+        state["step"] = step
+        loss = model(input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    if handle is not None:
+        handle.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "params": [digest(p) for _, p in model.named_parameters()],
+        "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+        "loss": loss.item(),
+    }
+    (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
