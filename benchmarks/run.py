@@ -15,9 +15,11 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -115,7 +117,6 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
     (A/A) give the noise floor the A/B figure has to be read against. Hooks are
     installed and removed outside the timed region.
     """
-    import tempfile
 
     import torch.distributed as dist
 
@@ -198,7 +199,6 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
 
 def bench_hang(repeats: int) -> dict:
     """Publish cost, hook overhead, and observer latency / startup on a 16-rank job."""
-    import tempfile
 
     from scout_core.launcher import RankContext, init_gloo, launch
     from scout_core.progress.fingerprint import fingerprint_call
@@ -272,7 +272,6 @@ def _hang_latency() -> dict:
 
 def bench_checkpoint(repeats: int) -> dict:
     """Training-thread blocking of background snapshots as a ratio of step time; restore times."""
-    import tempfile
 
     from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
     from scout_core.checkpoint.store import DurableStore
@@ -321,6 +320,74 @@ def bench_checkpoint(repeats: int) -> dict:
             "blocking_ratio_at_cadence_20": round(blocking_cadence, 6), "goal_ratio": 0.01,
             "restore_from_memory_s": round(t_mem, 4), "persist_write_s": round(t_write, 4),
             "restore_from_disk_s": round(t_disk, 4)}
+
+
+def _snapshot_rank(ctx: Any) -> dict:
+    """One rank of the snapshot A/B: the product path (enable) with certified snapshots on or off."""
+    import scout_core
+    from scout_core.config import load
+    from scout_core.launcher import init_gloo
+
+    init_gloo(ctx)
+    a = ctx.args
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU()) for _ in range(8)]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randn(64, 512)
+    overrides = ["observer.enabled=false", "report.log_level=ERROR", "replay.cadence.embedding=0",
+                 "replay.cadence.output=0", f"checkpoint.enabled={a['snapshots']}",
+                 f"checkpoint.directory={a['dir']}", f"checkpoint.memory_dir={a['dir']}/shm"]
+    handle = scout_core.enable(model, opt, config=load(None, overrides))
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # params + AdamW moments
+    times, peak_rss, shm = [], 0, 0
+    base_rss = _rss_bytes()
+    for _ in range(a["steps"]):
+        start = time.perf_counter()
+        model(data).square().mean().backward()
+        opt.step()  # replay (cadence 20) and, in B, certification, capture and background persistence
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        peak_rss = max(peak_rss, _rss_bytes() - base_rss)
+    if handle.checkpoint is not None:
+        handle.checkpoint.flush()
+        shm = sum(os.path.getsize(os.path.join(handle.checkpoint.memory.dir, n))
+                  for n in handle.checkpoint.memory.slots())
+    handle.close(discard_snapshots=True)
+    return {"step_s": sum(times[5:]) / len(times[5:]), "state_bytes": state_bytes, "rss_delta": peak_rss,
+            "shm_bytes": shm}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_snapshot_ab(repeats: int) -> dict:
+    """Step time with certified snapshots (capture, replica exchange, durable write: background included)
+    against the same job without them, both through enable() with replay at the default cadence; plus the
+    host memory snapshots take per rank, as a multiple of the rank's state."""
+    from scout_core.launcher import launch
+
+    steps = 120
+    ratios, rss, shm = [], [], []
+    for _ in range(max(2, repeats // 2)):
+        pair = {}
+        for snapshots in (False, True):  # alternate A and B so drift hits both
+            with tempfile.TemporaryDirectory() as d:
+                res = launch(_snapshot_rank, 2, timeout_s=300,
+                             args={"snapshots": snapshots, "steps": steps, "dir": d})
+                if not res.ok:
+                    raise RuntimeError(res.failures())
+                pair[snapshots] = res.values()[0]
+        ratios.append(pair[True]["step_s"] / pair[False]["step_s"] - 1.0)
+        rss.append(pair[True]["rss_delta"] / pair[True]["state_bytes"])
+        shm.append(pair[True]["shm_bytes"] / pair[True]["state_bytes"])
+    ratios.sort()
+    return {"state_mb": round(pair[True]["state_bytes"] / 2**20, 1), "steps": steps, "cadence": 20,
+            "overhead_median": round(ratios[len(ratios) // 2], 4), "overhead_min": round(ratios[0], 4),
+            "overhead_max": round(ratios[-1], 4), "goal_overhead": 0.01,
+            "rss_peak_over_state": round(max(rss), 2), "shm_at_rest_over_state": round(max(shm), 2)}
 
 
 def bench_replay(repeats: int) -> dict:
@@ -437,6 +504,16 @@ def markdown(results: dict) -> str:
         f"| {ck['restore_from_memory_s'] * 1e3:.0f} ms / {ck['restore_from_disk_s'] * 1e3:.0f} ms | - |",
         f"| persist one shard (write, fsync, rename, sidecar) | {ck['persist_write_s'] * 1e3:.0f} ms | - |",
     ]
+    ab = results["snapshot_ab"]
+    met = "met" if ab["overhead_median"] <= ab["goal_overhead"] else "**missed**"
+    lines += [
+        f"| certified snapshots through `enable()`, step time B/A - 1 ({ab['state_mb']} MB of state per rank, "
+        f"2 ranks, capture + replica + durable write at cadence {ab['cadence']}, background included): median "
+        f"(min..max) | {ab['overhead_median'] * 100:.2f} % ({ab['overhead_min'] * 100:.2f} .. "
+        f"{ab['overhead_max'] * 100:.2f} %) | <= {ab['goal_overhead'] * 100:.0f} % ({met}) |",
+        f"| snapshot host memory per rank / its state: peak process RSS growth / RAM-backed slots at rest "
+        f"| {ab['rss_peak_over_state']:.2f}x / {ab['shm_at_rest_over_state']:.2f}x | - |",
+    ]
     rp = results["replay"]
     lines.append(
         f"| replay, amortized over a training step (N={rp['layers']} layers, V={rp['variants']} variants, "
@@ -480,6 +557,7 @@ def main() -> None:
         "consensus": bench_consensus(args.repeats),
         "hang": bench_hang(args.repeats),
         "checkpoint": bench_checkpoint(args.repeats),
+        "snapshot_ab": bench_snapshot_ab(args.repeats),
         "replay": bench_replay(args.repeats),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -123,7 +123,9 @@ def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
            for i in incidents]
     want = [{**e, "ranks": sorted(e["ranks"])} for e in expect]
     if sorted(got, key=repr) != sorted(want, key=repr):
-        problems.append(f"reported {got}, expected {want}")
+        seen = "; ".join(f"{i.reason} [coordinates {i.evidence.get('coordinates')}, pending "
+                         f"{i.evidence.get('pending')}, stall {i.evidence.get('stall_s')} s]" for i in incidents)
+        problems.append(f"reported {got}, expected {want}; evidence: {seen}")
     if expect:
         calls = [f for f in os.listdir(workdir) if f.startswith("callback-r")]
         if len(calls) < world_size - sum(len(e["ranks"]) for e in expect if e.get("class") == "lost"):

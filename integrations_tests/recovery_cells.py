@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 import scout_core
 from integrations_tests.models import batches, build, install_block_faults, start_rank
-from scout_core.actions import ScoutStop
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.checkpoint.coordinator import read_records
 from scout_core.checkpoint.memory import default_memory_root

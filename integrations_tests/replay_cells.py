@@ -1,7 +1,9 @@
-"""In-situ replay cells (DDP so far): real faults in a real 16-rank job, localized by replay.
+"""In-situ replay cells: real faults in a real 16-rank job (DDP, FSDP2, HSDP), localized by replay.
 
-Each rank trains the tiny model with a ReplayEngine on its optimizer (cadence 1,
-variants {0.1x, x, 10x}); the sampled layer rotates over the three blocks. Faults
+Each rank trains the tiny model with SCOUT switched on by ``scout_core.enable``
+alone (replay cadence 1 for every recipe, variants {0.1x, x, 10x}, the shipped
+consensus defaults unless a cell says otherwise); the sampled layer rotates
+over the three blocks. Faults
 are injected through hooks on the model, so they hit training and replay alike,
 as a defective unit would. The cell compares the incident records with
 ``params.expect``: every named rank, the kinds, and the surfaces that must appear.
@@ -16,14 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import scout_core
 from integrations_tests.models import batches, install_block_faults, start_rank
 from scout_core.cells import CellReport, CellSpec, fault_dicts
-from scout_core.config import ReplayCadence, ReplayConfig
-from scout_core.consensus import StatisticalRule
+from scout_core.config import load
 from scout_core.inject import Injector
 from scout_core.launcher import RankContext, launch
-from scout_core.replay.engine import ReplayEngine
-from scout_core.report import JsonlSink, Reporter, read_incidents
+from scout_core.report import read_incidents
+from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
 
 
@@ -69,20 +71,16 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
 
 
 def _replay_rank(ctx: RankContext) -> dict[str, Any]:
+    os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
     a, injector, par, opt = start_rank(ctx)
-    state = {"step": 0}
+    state: dict[str, Any] = {"step": 0}
     _install_faults(par, opt, injector, ctx.rank, state)
-    reporter = Reporter([JsonlSink(a["jsonl"])], run_id=a["run_id"], rank=ctx.rank) if a["replay"] else None
-    engine = None
-    if a["replay"]:
-        cfg = ReplayConfig(cadence=ReplayCadence(embedding=1, hidden=1, output=1, optimizer=1),
-                           optimizer_slice_elems=256)
-        group = par.mesh.get_group("dp_replicate") if a["layout"] == "hsdp" else None
-        engine = ReplayEngine(list(par.inner.layers), opt, config=cfg, reporter=reporter, group=group,
-                              rule=StatisticalRule(**a["rule"]), embedding=par.inner.embed, output=par.inner.head,
-                              boundary_owner=par.model if a["layout"] != "ddp" else None,
-                              hosts={r: f"node{r // 8}" for r in range(ctx.world_size)})
-        state["engine"] = engine
+    cfg = load(None, ["replay.cadence.embedding=1", "replay.cadence.hidden=1", "replay.cadence.output=1",
+                      "replay.cadence.optimizer=1", "replay.optimizer_slice_elems=256", "observer.enabled=false",
+                      f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR",
+                      *[f"consensus.{k}={v}" for k, v in a["rule"].items()]])
+    handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)
+    engine = state["engine"] = handle.replay
     loss_fn = torch.nn.MSELoss()
     # Replicas see different data; under HSDP the shard ranks of one replica see the same batch.
     data_rank = ctx.rank // (ctx.world_size // 4) if a["layout"] == "hsdp" else ctx.rank
@@ -95,8 +93,7 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     final = [s.signature for s in sign_many([p.detach() for p in par.model.parameters()])]
     checks = [(r.step, r.source) for r in engine.history] if engine else []
     compared = sorted({r.surface for res in engine.history for r in res.surfaces}) if engine else []
-    if engine:
-        engine.close()
+    handle.close()
     return {"final": final, "checks": checks, "compared": compared,
             "rng": sign_many([torch.get_rng_state()])[0].signature}
 
@@ -105,8 +102,8 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     p = spec.params
     jsonl = os.path.join(workdir, "incidents.jsonl")
     args = {"faults": list(spec.faults), "seed": spec.seed, "layout": p.get("layout", "ddp"),
-            "steps": int(p.get("steps", 9)), "rule": dict(p.get("rule", {"min_ratio": 2.0, "min_delta": 0.05})),
-            "jsonl": jsonl, "run_id": spec.name, "replay": True}
+            "steps": int(p.get("steps", 9)), "rule": dict(p.get("rule", {})),
+            "jsonl": jsonl, "run_id": spec.name}
     start = time.monotonic()
     result = launch(_replay_rank, world_size, timeout_s=spec.timeout_s, args=args)
     incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []

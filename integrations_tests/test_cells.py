@@ -123,21 +123,20 @@ def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch):
 
 
 def test_recovery_cell_fails_when_the_restore_is_not_bitwise(monkeypatch):
-    import integrations_tests.recovery_cells as rc
+    from scout_core import handle as handle_mod
 
-    real = rc.restore_state
+    real = handle_mod.restore_state
 
     def forgetful(chunks, optimizers, snap, **kwargs):  # restores the model but drops optimizer state
         real(chunks, optimizers, {**snap, "optim": [{"state": {}, "param_groups": o["param_groups"]}
                                                     for o in snap["optim"]]}, **kwargs)
 
-    monkeypatch.setattr(rc, "restore_state", forgetful)
+    monkeypatch.setattr(handle_mod, "restore_state", forgetful)
     (report,) = run_cells([SPECS["ddp-recovery-straggler"]], root=ROOT)
     assert report.verdict == "FAIL" and "not bitwise" in report.details
 
 
 def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
-    import integrations_tests.recovery_cells as rc
     from scout_core.checkpoint import coordinator
     from scout_core.checkpoint.certify import decide_retrieval
 
@@ -145,9 +144,30 @@ def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
         return decide_retrieval(certifier, "straggler")  # always "latest"
 
     monkeypatch.setattr(coordinator, "decide_retrieval", reckless)
-    monkeypatch.setattr(rc, "decide_retrieval", reckless)
     (report,) = run_cells([SPECS["ddp-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected ('verified'" in report.details
+
+
+def test_machine_lost_cell_fails_without_the_peer_replica_fetch(monkeypatch):
+    from scout_core.checkpoint.resume import Restarter
+
+    monkeypatch.setattr(Restarter, "_exchange_replicas", lambda self, gen, fetch: None)
+    (report,) = run_cells([SPECS["recovery-machine-lost"]], root=ROOT)
     assert report.verdict == "FAIL"
+
+
+def test_replay_error_cell_fails_when_a_diagnosis_error_reaches_training(monkeypatch):
+    import contextlib
+
+    from scout_core.replay.guard import DiagnosisGuard
+
+    @contextlib.contextmanager
+    def unguarded(self, where):  # a guard that lets SCOUT's exception escape into the training step
+        yield
+
+    monkeypatch.setattr(DiagnosisGuard, "stage", unguarded)
+    (report,) = run_cells([SPECS["replay-error-isolated"]], root=ROOT)
+    assert report.verdict == "FAIL" and "with SCOUT" in report.details
 
 
 def test_replay_cell_fails_when_blame_shifts(monkeypatch):

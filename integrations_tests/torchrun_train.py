@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=None)
     p.add_argument("--fault-from-step", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scout-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra SCOUT config overrides (e.g. actions.on_verdict=stop)")
     return p.parse_args(argv)
 
 
@@ -58,18 +59,17 @@ def wrap(model: nn.Module, layout: str) -> tuple[nn.Module, Any]:
 
 
 def install_fault(block: nn.Module, state: dict[str, int], from_step: int) -> None:
-    """From ``from_step`` on, flip bit 22 (top mantissa bit) of element 0 of the block's first output.
+    """From ``from_step`` on, flip bit 22 (top mantissa bit) of element 0 of the block's attention output
+    projection, as a defective unit would in every computation of the block (training and replay alike:
+    FSDP2 replay calls the block's forward directly, but its children's hooks still run)."""
+    proj = block.c_proj if hasattr(block, "c_proj") else block.o_proj
 
-    The block returns a tuple, as HF blocks do, so the hook finds the hidden states inside it.
-    """
-    def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-        if state["step"] < from_step:
-            return
-        hidden = output[0] if isinstance(output, tuple) else output
-        with torch.no_grad():
-            hidden.view(torch.int32).view(-1)[0] ^= 1 << 22
+    def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        if state["step"] >= from_step:
+            with torch.no_grad():
+                output.view(torch.int32).view(-1)[0] ^= 1 << 22
 
-    block.register_forward_hook(hook)
+    proj.register_forward_hook(hook)
 
 
 def digest(t: torch.Tensor) -> str:
@@ -95,13 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         import scout_core
         from scout_core.config import load
 
+        # Every feature on: hang observer, replay of every recipe, certified snapshots with peer replicas.
         cfg = load(None, [
             "replay.cadence.embedding=2", "replay.cadence.hidden=1", "replay.cadence.output=2",
             "replay.cadence.optimizer=2", "observer.silence_threshold_s=30",
-            f"report.jsonl_path={args.out}/incidents.jsonl", "report.log_level=ERROR",
-            f"report.run_id=torchrun-{os.getpid()}",
+            "checkpoint.enabled=true", f"checkpoint.directory={args.out}/checkpoints",
+            f"report.jsonl_path={args.out}/incidents.jsonl", "report.log_level=ERROR", *args.scout_set,
         ])
         handle = scout_core.enable(model, optimizer, config=cfg, mesh=mesh)
+        handle.resume()  # a fresh start here; after a crash it restores the certified checkpoint
 
     model.train()  # dropout on: replays must reproduce the RNG draws too
     loss = torch.tensor(float("nan"))
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
 
     if handle is not None:
-        handle.close()
+        handle.close(discard_snapshots=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "params": [digest(p) for _, p in model.named_parameters()],

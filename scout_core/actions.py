@@ -45,8 +45,16 @@ class ScoutStop(SystemExit):
     """Raised on every trainer when ``actions.on_verdict`` is ``stop`` (its ``code`` is the exit status)."""
 
 
-def exclude_hosts_path(cfg: ScoutConfig) -> str:
-    return cfg.actions.exclude_hosts_path or os.path.join(cfg.checkpoint.directory, "exclude_hosts.json")
+def exclude_hosts_path(cfg: ScoutConfig) -> str | None:
+    """Where the hosts file goes: as configured, else beside the checkpoints (when enabled) or the incident
+    records; None when the job keeps neither (the verdict is still logged)."""
+    if cfg.actions.exclude_hosts_path:
+        return cfg.actions.exclude_hosts_path
+    if cfg.checkpoint.enabled:
+        return os.path.join(cfg.checkpoint.directory, "exclude_hosts.json")
+    if cfg.report.jsonl_path:
+        return os.path.join(os.path.dirname(os.path.abspath(cfg.report.jsonl_path)), "exclude_hosts.json")
+    return None
 
 
 def actionable(incidents: Iterable[Incident]) -> list[Incident]:
@@ -99,7 +107,7 @@ def hang_action(cfg: ScoutConfig, user_callback: Callable[[Incident], None] | No
     def act(inc: Incident) -> None:
         if user_callback is not None:
             user_callback(inc)
-        if inc.kind in _ACTIONABLE_KINDS:
+        if inc.kind in _ACTIONABLE_KINDS and path is not None:
             record_exclusions(path, [verdict_summary(inc)])  # every observer may write: merged, deduplicated
 
     return act

@@ -81,6 +81,9 @@ class ObserverConfig:
     """Start one observer process per rank."""
     silence_threshold_s: float = _range(60.0, gt=0)
     """Seconds without visible progress before observers compare records."""
+    first_step_silence_s: float = _range(300.0, gt=0)
+    """Silence tolerated before the first optimizer step completes (lazy initialization, compilation and
+    communicator set-up make it far longer than the others); the larger of this and the threshold applies."""
     gather_timeout_s: float = _range(10.0, gt=0)
     """How long an observer waits for its peers' evidence; peers silent past it are named lost."""
     store_addr: str = ""
@@ -157,7 +160,8 @@ class ActionsConfig:
     """Exit status of trainers stopped by a verdict (75, EX_TEMPFAIL: restart)."""
     exclude_hosts_path: str = ""
     """JSON file of machines to exclude on restart (rewritten on each rank- or machine-scoped verdict);
-    empty = ``<checkpoint.directory>/exclude_hosts.json``."""
+    empty = ``exclude_hosts.json`` in ``checkpoint.directory`` when checkpoints are on, else beside
+    ``report.jsonl_path``, else none."""
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, hang_action, record_exclusions, verdict_summary
+from scout_core.actions import (
+    ScoutStop,
+    actionable,
+    exclude_hosts_path,
+    hang_action,
+    record_exclusions,
+    verdict_summary,
+)
 from scout_core.adapter import FrameworkAdapter
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.coordinator import CheckpointCoordinator, combine_evidence
@@ -106,6 +113,7 @@ class ScoutHandle:
             run_id=self.run_id, rank=self.rank, world_size=self.world_size, record_path=tracker.record.path,
             store_host=store_host, store_port=store_port, peer_groups=[list(g) for g in self.groups.all_peers],
             hosts=self.hosts, devices=self.devices, silence_threshold_s=cfg.observer.silence_threshold_s,
+            first_step_silence_s=cfg.observer.first_step_silence_s,
             gather_timeout_s=cfg.observer.gather_timeout_s, startup_timeout_s=cfg.observer.startup_timeout_s,
             jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
             on_incident=hang_action(cfg, on_incident), stop_on_verdict=cfg.actions.on_verdict == "stop",
@@ -221,8 +229,9 @@ class ScoutHandle:
         try:
             if self.checkpoint is not None:
                 self.last_decision = self.checkpoint.decide(failure, incident=summaries[0] if summaries else None)
-            if self.rank == 0:
-                record_exclusions(exclude_hosts_path(self.config), summaries)
+            path = exclude_hosts_path(self.config)
+            if self.rank == 0 and path is not None:
+                record_exclusions(path, summaries)
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
             self.guard.report(result.step, "actions", exc, "verdict actions")
         if self.config.actions.on_verdict == "stop":

@@ -67,7 +67,8 @@ def _job(ctx: RankContext):
 
 
 def test_coordinator_end_to_end(tmp_path):
-    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"), "decisions": str(tmp_path / "decisions.jsonl")}
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"),
+            "decisions": str(tmp_path / "decisions.jsonl")}
     result = launch(_job, 4, timeout_s=120, args=args)
     assert result.ok, result.failures()
     for v in result.values():

@@ -40,6 +40,9 @@ class BoundaryEvidence:
     inconclusive: bool = False
     missing: bool = False
     straggler: bool = False
+    busy: bool = False
+    """Some rank is still persisting the previous snapshot: this boundary captures nothing (training
+    never waits for a checkpoint write), though SDC evidence still triggers recovery."""
 
 
 class Action(enum.StrEnum):
@@ -82,6 +85,9 @@ class Certifier:
             return Action.RECOVER
         if evidence.missing:
             self.history.append((step, "skip: evidence missing"))
+            return Action.SKIP
+        if evidence.busy:
+            self.history.append((step, "skip: the previous snapshot is still being persisted"))
             return Action.SKIP
         self.latest = step
         if self.static:

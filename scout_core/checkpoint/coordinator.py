@@ -19,6 +19,7 @@ Every retrieval decision is written as a JSON line beside the store.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,13 +47,13 @@ def combine_evidence(local: BoundaryEvidence, group: Any, *, at_cycle_boundary: 
     """Job-wide evidence: one MAX all-reduce of the flags on ``group`` (gloo); raises if ranks disagree
     on whether this check closes a recipe cycle (their certifiers would diverge)."""
     at = bool(at_cycle_boundary)
-    flags = torch.tensor([local.sdc, local.inconclusive, local.missing, local.straggler, at, not at],
+    flags = torch.tensor([local.sdc, local.inconclusive, local.missing, local.straggler, local.busy, at, not at],
                          dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if at_cycle_boundary is not None and flags[4] and flags[5]:
+    if at_cycle_boundary is not None and flags[5] and flags[6]:
         raise RuntimeError(f"ranks disagree whether this check closes a recipe cycle (rank {dist.get_rank()} "
                            f"says {at})")
-    return BoundaryEvidence(*(bool(f) for f in flags[:4].tolist()))
+    return BoundaryEvidence(*(bool(f) for f in flags[:5].tolist()))
 
 
 class CheckpointCoordinator:
@@ -92,8 +93,14 @@ class CheckpointCoordinator:
 
     def on_boundary(self, step: int, local: BoundaryEvidence) -> tuple[Action, BoundaryEvidence]:
         """Combine the evidence job-wide, advance the certifier, capture what it asks for."""
+        local = dataclasses.replace(local, busy=self.busy)
         evidence = combine_evidence(local, self.control, at_cycle_boundary=self.certifier.at_cycle_boundary)
         return self.apply(step, evidence), evidence
+
+    @property
+    def busy(self) -> bool:
+        """The previous capture is still being written or replicated in the background."""
+        return self._bg is not None and self._bg.is_alive()
 
     def apply(self, step: int, evidence: BoundaryEvidence) -> Action:
         """Advance the certifier (identically on every rank) and start what it asks for.

@@ -60,6 +60,7 @@ class ObserverSpec:
     hosts: dict[int, str]
     devices: dict[int, str]
     silence_threshold_s: float
+    first_step_silence_s: float = 300.0
     gather_timeout_s: float
     startup_timeout_s: float
     jsonl_path: str | None
@@ -152,12 +153,14 @@ class _Observer:
 
     def _loop(self) -> None:
         assert self.record is not None
-        threshold = self.spec.silence_threshold_s
         diagnosed_seq = -1
         while True:
             if not pid_alive(self.spec.trainer_pid):
                 return
             snap = self.record.read()
+            threshold = self.spec.silence_threshold_s
+            if snap.step == 0:  # lazy init, compilation and communicator set-up make the first step long
+                threshold = max(threshold, self.spec.first_step_silence_s)
             silent = time.monotonic() - snap.t_publish
             if silent < threshold:
                 # Sleep until this publish would be threshold-old; cap it so a dead

@@ -57,6 +57,9 @@ from scout_core.topology import GroupTiming, localize_slow_groups
 
 __all__ = ["BoundaryResult", "ReplayEngine"]
 
+BASELINE_ROUNDS = 5
+"""Clean communication rounds a group needs before its own history can call it slow."""
+
 
 @dataclass
 class BoundaryResult:
@@ -424,16 +427,22 @@ class ReplayEngine:
         """Temporal reference for what spatial consensus cannot see: the whole group slower.
 
         A collective spanning every peer makes every peer wait for a slow member, so
-        no peer is an outlier. The group's median is compared with the median of its
-        own clean rounds (same ratio and absolute floors as the spatial rule) and a
-        slowdown is confirmed over the same number of consecutive rounds.
+        no peer is an outlier. The group's median is compared with the distribution of
+        its own clean rounds by the same robust rule as the spatial one (median plus
+        kappa robust sigmas of the history, with the ratio and absolute floors): a
+        noisy history widens the threshold instead of producing verdicts. It needs
+        ``BASELINE_ROUNDS`` clean rounds first and is confirmed over the same number
+        of consecutive rounds as stragglers.
         """
         median = float(comm.reference)
-        history = list(self.comm_baseline)
+        history = sorted(self.comm_baseline)
         slow = False
-        if len(history) >= 3:
-            base = sorted(history)[len(history) // 2]
-            slow = median > max(base * self.rule.min_ratio, base + self.rule.min_delta)
+        if len(history) >= BASELINE_ROUNDS:
+            base = history[len(history) // 2]
+            deviations = sorted(abs(h - base) for h in history)
+            scale = max(deviations[len(deviations) // 2] * 1.4826, self.rule.mad_floor_fraction * base)
+            threshold = max(base + self.rule.kappa * scale, base * self.rule.min_ratio, base + self.rule.min_delta)
+            slow = median > threshold
         if slow:
             self._slow_group_rounds += 1
         else:

@@ -1,0 +1,263 @@
+"""The composition root over real gloo ranks: one enable(), every key read, clean close, actions, skips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from scout_core import config as config_module
+from scout_core.launcher import RankContext, launch
+
+
+def _leaf_keys(klass: type, prefix: str = "") -> set[str]:
+    out = set()
+    for f in dataclasses.fields(klass):
+        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if factory is not None and dataclasses.is_dataclass(factory):
+            out |= _leaf_keys(factory, f"{prefix}{f.name}.")
+        else:
+            out.add(f"{prefix}{f.name}")
+    return out
+
+
+def _section_of() -> dict[type, str]:
+    out = {}
+
+    def walk(klass: type, prefix: str) -> None:
+        out[klass] = prefix
+        for f in dataclasses.fields(klass):
+            factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if factory is not None and dataclasses.is_dataclass(factory):
+                walk(factory, f"{prefix}{f.name}.")
+
+    walk(config_module.ScoutConfig, "")
+    return out
+
+
+def _record_reads() -> set[str]:
+    """Record config attribute reads made OUTSIDE scout_core.config (validation reads everything)."""
+    reads: set[str] = set()
+    sections = _section_of()
+    for klass, prefix in sections.items():
+        names = {f.name for f in dataclasses.fields(klass)}
+
+        def getattribute(self, name, _prefix=prefix, _names=names, _orig=object.__getattribute__):
+            if name in _names and sys._getframe(1).f_globals.get("__name__") != config_module.__name__:
+                reads.add(_prefix + name)
+            return _orig(self, name)
+
+        klass.__getattribute__ = getattribute
+    return reads
+
+
+def _children() -> set[int]:
+    pid = os.getpid()
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return {int(p) for p in fh.read().split()}
+
+
+def _own_shm() -> list[str]:
+    """This process's files in /dev/shm (other ranks of the test share the directory)."""
+    return sorted(n for n in os.listdir("/dev/shm") if f"-p{os.getpid()}" in n)
+
+
+def _model_hooks(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    n = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks) for m in model.modules())
+    return n + len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+
+
+def _train(model, opt, steps, rank):
+    from integrations_tests.models import batches
+
+    for x, y in batches(rank, steps):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _lifecycle(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import start_rank
+    from scout_core.config import load
+
+    a, _, par, opt = start_rank(ctx)
+    reads = _record_reads()
+    d = a["dir"]
+    cfg = load(None, ["replay.cadence.embedding=1", "replay.cadence.hidden=1", "replay.cadence.output=1",
+                      "replay.cadence.optimizer=1", "observer.silence_threshold_s=30", "checkpoint.enabled=true",
+                      f"checkpoint.directory={d}/ckpt", f"checkpoint.memory_dir={d}/shm",
+                      f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
+    dist.barrier()
+    before = {"hooks": _model_hooks(par.model, opt), "threads": threading.active_count(),
+              "children": len(_children()), "shm": _own_shm(),
+              "groups": len(dist.distributed_c10d._world.pg_map), "all_reduce": dist.all_reduce}
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    during = {"children": len(_children()), "hooks": _model_hooks(par.model, opt)}
+    second = None
+    try:
+        scout_core.enable(par.model, opt, config=cfg)
+    except RuntimeError as exc:
+        second = str(exc)
+    handle.resume()
+    _train(par.model, opt, 3, ctx.rank)
+    handle.close(discard_snapshots=True)
+    handle.close()  # idempotent
+    after = {"hooks": _model_hooks(par.model, opt), "threads": threading.active_count(),
+             "children": len(_children()), "shm": _own_shm(),
+             "groups": len(dist.distributed_c10d._world.pg_map), "all_reduce": dist.all_reduce}
+    again = scout_core.enable(par.model, opt, config=cfg)  # allowed once the first handle is closed
+    again.close(discard_snapshots=True)
+    leftovers = sorted(os.listdir(f"{d}/shm")) if os.path.isdir(f"{d}/shm") else []
+    return {"before": {k: v for k, v in before.items() if k != "all_reduce"},
+            "after": {k: v for k, v in after.items() if k != "all_reduce"},
+            "same_all_reduce": before["all_reduce"] is after["all_reduce"], "during": during, "second": second,
+            "reads": sorted(reads), "leftovers": leftovers}
+
+
+def test_enable_builds_everything_reads_every_key_and_close_removes_everything(tmp_path):
+    result = launch(_lifecycle, 2, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                        "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    for v in result.values():
+        assert v["second"] and "already enabled" in v["second"]
+        assert v["during"]["children"] == v["before"]["children"] + 1  # the observer
+        assert v["during"]["hooks"] > v["before"]["hooks"]
+        assert v["after"] == v["before"], "close() must leave no hook, thread, process, /dev/shm file or group"
+        assert v["same_all_reduce"]
+        assert v["leftovers"] == []
+    unread = _leaf_keys(config_module.ScoutConfig) - set(result.values()[0]["reads"])
+    assert not unread, f"configuration keys that nothing reads: {sorted(unread)}"
+
+
+def _verdict_log(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import install_block_faults, start_rank
+    from scout_core.config import load
+    from scout_core.runtime import HOSTNAME_ENV
+
+    os.environ[HOSTNAME_ENV] = f"host{ctx.rank // 2}"
+    a, injector, par, opt = start_rank(ctx)
+    state = {"step": 0}
+    install_block_faults(par, injector, ctx.rank, state)
+    d = a["dir"]
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
+                      f"checkpoint.directory={d}/ckpt", f"report.jsonl_path={d}/inc.jsonl",
+                      "report.log_level=ERROR", "actions.on_verdict=log"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    steps = 0
+    from integrations_tests.models import batches
+
+    for step, (x, y) in enumerate(batches(ctx.rank, 6), start=1):
+        state["step"] = step
+        torch.nn.functional.mse_loss(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+    decision = handle.last_decision
+    handle.close(discard_snapshots=True)
+    return {"steps": steps, "decision": (decision.source, decision.generation) if decision else None}
+
+
+def test_log_action_keeps_training_and_writes_decision_and_hosts_to_exclude(tmp_path):
+    from scout_core.inject import Fault
+
+    faults = [Fault.from_dict({"surface": "layers.1.output", "rank": 2, "kind": "bitflip", "bit": 22, "from_step": 5})]
+    result = launch(_verdict_log, 4, timeout_s=120, args={"faults": faults, "seed": 0, "layout": "ddp",
+                                                          "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    assert [v["steps"] for v in result.values()] == [6] * 4  # log: training goes on
+    assert {v["decision"] for v in result.values()} == {("verified", 4)}
+    excluded = json.loads((tmp_path / "ckpt" / "exclude_hosts.json").read_text())
+    assert excluded["hosts"] == ["host1"] and excluded["ranks"] == [2]
+    assert [v["kind"] for v in excluded["verdicts"]] == ["sdc"]
+
+
+class _LayerDrop(torch.nn.Module):
+    """A conditional block (layer drop / early exit): skipped entirely at the given steps."""
+
+    def __init__(self, block, skip_steps, state):
+        super().__init__()
+        self.block, self.skip_steps, self.state = block, skip_steps, state
+
+    def forward(self, x):
+        return x if self.state["step"] in self.skip_steps else self.block(x)
+
+
+def _conditional(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import TinyModel, batches
+    from scout_core.config import load
+    from scout_core.launcher import init_gloo
+
+    init_gloo(ctx)
+    torch.manual_seed(0)
+    state = {"step": 0}
+    inner = TinyModel()
+    blocks = list(inner.layers)
+    inner.layers = torch.nn.ModuleList(blocks)
+    sampled = blocks[1]
+    original_forward = inner.forward
+
+    def forward(x):  # block 1 does not run at step 2, when the engine samples it
+        h = inner.embed(x)
+        for i, layer in enumerate(inner.layers):
+            if i == 1 and state["step"] == 2:
+                continue
+            h = layer(h)
+        return inner.head(h)
+
+    inner.forward = forward
+    model = torch.nn.parallel.DistributedDataParallel(inner, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    d = ctx.args["dir"]
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
+                      f"checkpoint.directory={d}/ckpt", f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
+    handle = scout_core.enable(model, opt, config=cfg)
+    for step, (x, y) in enumerate(batches(ctx.rank, 4), start=1):
+        state["step"] = step
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {"history": [(r.step, r.skipped) for r in handle.replay.history],
+           "certifier": [h[1] for h in handle.checkpoint.certifier.history], "sampled": sampled is blocks[1]}
+    inner.forward = original_forward
+    handle.close(discard_snapshots=True)
+    return out
+
+
+def test_sampled_layer_that_did_not_run_skips_the_check_on_every_peer(tmp_path):
+    result = launch(_conditional, 4, timeout_s=120, args={"dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    for v in result.values():
+        skipped = {s: why for s, why in v["history"] if why}
+        assert list(skipped) == [2] and "did not run on source" in skipped[2]
+        assert "skip: evidence missing" in v["certifier"]
+    assert not (tmp_path / "inc.jsonl").exists()  # a skip is not an incident, and not an error
+
+
+def test_small_shm_falls_back_to_disk_and_says_so(tmp_path, monkeypatch, caplog):
+    from scout_core.checkpoint.memory import MemorySlots
+
+    slots = MemorySlots(str(tmp_path / "shm"), rank=0, hosts={0: "h"}, fallback=str(tmp_path / "disk"))
+
+    class Tiny:
+        f_bavail, f_frsize = 16, 4096  # 64 KiB free, like a container's small /dev/shm
+
+    monkeypatch.setattr(os, "statvfs", lambda _p: Tiny())
+    with caplog.at_level("WARNING", logger="scout"):
+        slots.ensure_space(10 * 2**20, copies=2)
+    assert slots.root == str(tmp_path / "disk") and os.path.isdir(slots.dir)
+    assert "using" in slots.fell_back and "MiB" in slots.fell_back
+    assert any("/dev/shm" in r.getMessage() for r in caplog.records)
+    slots2 = MemorySlots(str(tmp_path / "shm2"), rank=0, hosts={0: "h"}, fallback=str(tmp_path / "disk2"))
+    monkeypatch.setattr(os, "statvfs", lambda _p: type("Big", (), {"f_bavail": 2**30, "f_frsize": 4096})())
+    slots2.ensure_space(10 * 2**20, copies=2)
+    assert slots2.fell_back == "" and slots2.root == str(tmp_path / "shm2")
