@@ -77,7 +77,7 @@ def _config(a: dict[str, Any]) -> Any:
     return load(None, [
         "replay.cadence.embedding=1", "replay.cadence.hidden=1", "replay.cadence.output=1",
         "replay.cadence.optimizer=1", "replay.optimizer_slice_elems=256",
-        "observer.silence_threshold_s=2.0", "observer.gather_timeout_s=4.0",
+        "observer.silence_threshold_s=5.0", "observer.gather_timeout_s=5.0",
         "checkpoint.enabled=true", f"checkpoint.directory={a['store']}",
         f"checkpoint.recipes_per_cycle={a['recipes']}", f"checkpoint.replicate_to_peer={a['replicate']}",
         "actions.on_verdict=stop", f"actions.exit_code={STOP_CODE}",
@@ -99,12 +99,6 @@ def _phase_a(ctx: RankContext) -> dict[str, Any]:
     par.inner.layers[1].register_forward_pre_hook(
         lambda *_: injector.freeze("layers.1.forward", rank=ctx.rank, step=state["step"]))
     tokens = _Tokens()
-
-    def reference(*_: Any) -> None:  # registered before SCOUT's hook: the state its snapshot captures
-        with open(os.path.join(a["workdir"], f"ref-r{ctx.rank}-s{state['step']}.json"), "w") as fh:
-            json.dump(state_signatures(par, opt, tokens.state_dict()), fh)
-
-    opt.register_step_post_hook(reference)
     handle = scout_core.enable(par.model, opt, config=_config(a), mesh=par.mesh, state={"tokens": tokens})
     _install_persist_kill(handle, injector, ctx.rank)
 
@@ -118,16 +112,17 @@ def _phase_a(ctx: RankContext) -> dict[str, Any]:
     try:
         for step, (x, y) in enumerate(handle.wrap_dataloader(batches(ctx.rank, a["steps"], seed=a["seed"])), start=1):
             state["step"] = step
-            if step == a["settle_step"]:  # the fault step's previous generation is complete everywhere
-                handle.checkpoint.flush()
             if step == a["kill_step"]:
-                handle.checkpoint.flush()  # generation step-1 is replicated everywhere before the machine dies
-                dist.barrier()
+                dist.barrier()  # generation step-1 is complete everywhere before the machine dies
                 injector.kill("machine", rank=ctx.rank, step=step)
-            tokens.seen += x.shape[0]  # before the step: the snapshot at this boundary includes it
             loss_fn(par.model(x), y).backward()
-            opt.step()  # SCOUT's boundary runs in the step hook; ScoutStop on a verdict
+            opt.step()  # SCOUT's boundary runs in the step hook
             opt.zero_grad()
+            tokens.seen += x.shape[0]  # after the step, like a scheduler: the snapshot still gets it
+            # The state a snapshot of this step must hold; on a verdict ScoutStop comes at the next fetch.
+            with open(os.path.join(a["workdir"], f"ref-r{ctx.rank}-s{step}.json"), "w") as fh:
+                json.dump(state_signatures(par, opt, tokens.state_dict()), fh)
+            handle.flush()  # the step is over: each generation complete before the next (exact expectations)
     finally:
         handle.close()
     return {"steps": a["steps"]}
@@ -185,7 +180,6 @@ def recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         "workdir": workdir, "run_id": spec.name, "failure": p.get("failure_after_crash"),
         "overrides": list(p.get("overrides", [])),
         "kill_step": next((f.schedule.start for f in spec.faults if f.surface == "machine"), None),
-        "settle_step": next((f.schedule.start for f in spec.faults if f.kind.value == "freeze"), None),
     }
     expect = p["expect"]
     problems: list[str] = []

@@ -79,7 +79,9 @@ def replay_error_cell(spec: CellSpec, world_size: int, workdir: str) -> CellRepo
     got = [(i.kind.value, i.scope.value, i.ranks, i.step) for i in incidents]
     want = [("diagnosis_error", "rank", [f.rank for f in spec.faults], fault_step)]
     if got != want:
-        problems.append(f"records {got}, expected exactly {want}")
+        why = "; ".join(f"r{i.ranks} step {i.step} {i.surface}: {i.evidence.get('message', '')[:200]}"
+                        for i in incidents)
+        problems.append(f"records {got}, expected exactly {want} ({why})")
     if with_scout.ok and without.ok:
         differ = [r for r, (a, b) in enumerate(zip(with_scout.values(), without.values())) if a["final"] != b["final"]]
         if differ:

@@ -82,6 +82,10 @@ class ScoutHandle:
         self.last_result: BoundaryResult | None = None
         self.last_decision: Any = None
         self.stopped = False
+        self.stop_on_verdict = config.actions.on_verdict == "stop"
+        self.exit_code = config.actions.exit_code
+        self._stop_code: int | None = None  # a verdict asked to stop: raised at the next settle point
+        self._settle_extra = False  # a capture waits for the caller's end-of-step state
         self._hooks: list[Any] = []
         self._observer_reported = False
         self._closed = False
@@ -124,10 +128,13 @@ class ScoutHandle:
             ok = bool(ready) and os.read(ready_fd, 1) == b"R"
         finally:
             os.close(ready_fd)
-        if not ok:
+        everyone = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.groups.world_control)
+        if not everyone.item():  # every rank raises together: no rank is left waiting in a later collective
             self.check_observer()
-            raise RuntimeError(f"rank {self.rank}: the SCOUT observer did not start within "
-                               f"{cfg.observer.startup_timeout_s}s (control store {store_host}:{store_port})")
+            raise RuntimeError(f"rank {self.rank}: the SCOUT observer {'of another rank ' if ok else ''}did not "
+                               f"start within {cfg.observer.startup_timeout_s}s (control store "
+                               f"{store_host}:{store_port})")
         self.observer_startup_s = time.monotonic() - start
         tracker.install_module_hooks(self.adapter.repeated_layers(), backward=cfg.observer.layer_backward_marks)
         tracker.install_optimizer_hooks(self.adapter.optimizers)
@@ -169,6 +176,7 @@ class ScoutHandle:
         opts = self.adapter.optimizers
         if not opts:
             return
+        self._hooks.append(opts[0].register_step_pre_hook(lambda *_: self.settle()))
         if self.replay is not None:
             self._hooks.append(opts[0].register_step_pre_hook(self.replay._pre_step))
         self._hooks.append(opts[-1].register_step_post_hook(lambda *_: self.on_step()))
@@ -176,10 +184,33 @@ class ScoutHandle:
     # -- snapshot contents ------------------------------------------------------------------------------
 
     def _snapshot_extra(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"caller": self.adapter.get_state() if self.adapter.get_state else {}}
+        """SCOUT's own schedule and saved calls, final at the boundary. The caller's state is added at the
+        next settle point (:meth:`settle`), once the scheduler, scaler and loop counters have stepped."""
+        extra: dict[str, Any] = {"caller": {}}
         if self.replay is not None:
             extra["scout"] = self.replay.sweep_state()
         return extra
+
+    def flush(self) -> None:
+        """The training step is over: complete the snapshot with the caller's state and wait until it is
+        written and replicated (a pending stop is carried out here too)."""
+        self.settle()
+        if self.checkpoint is not None:
+            self.checkpoint.flush()
+
+    def settle(self) -> None:
+        """End of the training step, as seen from the next data fetch or the next optimizer step: the
+        caller's state joins the snapshot taken at the boundary, then a pending stop is carried out."""
+        if self._settle_extra and self.snapshots is not None:
+            self._settle_extra = False
+            state = self.adapter.get_state() if self.adapter.get_state else {}
+            self.snapshots.complete_extra({"caller": state})
+        if self._stop_code is not None and not self.stopped:
+            if self.checkpoint is not None:
+                self.checkpoint.flush()  # the snapshot of this boundary is written and replicated
+            dist.barrier(group=self.groups.world_control)  # rank 0's records are durable before anyone exits
+            self.stopped = True
+            raise ScoutStop(self._stop_code)
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
         if self.adapter.set_state is not None:
@@ -211,6 +242,7 @@ class ScoutHandle:
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
         if self.checkpoint is not None:
             action, job = self.checkpoint.on_boundary(result.step, local)
+            self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
         if job.sdc or job.inconclusive or job.straggler:
@@ -228,16 +260,15 @@ class ScoutHandle:
         failure = FailureKind.SDC if (job.sdc or job.inconclusive) else FailureKind.STRAGGLER
         try:
             if self.checkpoint is not None:
-                self.last_decision = self.checkpoint.decide(failure, incident=summaries[0] if summaries else None)
+                self.last_decision = self.checkpoint.decide(failure, incident=summaries[0] if summaries else None,
+                                                            binding=self.stop_on_verdict)
             path = exclude_hosts_path(self.config)
             if self.rank == 0 and path is not None:
                 record_exclusions(path, summaries)
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
             self.guard.report(result.step, "actions", exc, "verdict actions")
-        if self.config.actions.on_verdict == "stop":
-            dist.barrier(group=self.groups.world_control)  # rank 0's records are durable before anyone exits
-            self.stopped = True
-            raise ScoutStop(self.config.actions.exit_code)
+        if self.stop_on_verdict:
+            self._stop_code = self.exit_code  # at the end of this step (see settle)
 
     # -- restart -------------------------------------------------------------------------------------
 
@@ -248,7 +279,7 @@ class ScoutHandle:
         fresh start. ``failure`` forces the failure kind when no decision was recorded.
         """
         if self.checkpoint is None:
-            raise RuntimeError("resume() needs checkpoint.enabled: true")
+            return ResumeResult(step=None, reason="checkpoint.enabled is false: nothing to resume")
         a = self.adapter
         restarter = Restarter(
             self.checkpoint, control_group=self.groups.world_control, engine=self.replay,
@@ -268,7 +299,20 @@ class ScoutHandle:
     # -- training-loop boundaries -------------------------------------------------------------------
 
     def wrap_dataloader(self, iterable: Iterable[Any]) -> Iterable[Any]:
-        return self.tracker.wrap_dataloader(iterable) if self.tracker else iterable
+        """The loader, marked for the hang path; each fetch is also where a step ends (see :meth:`settle`)."""
+        handle = self
+
+        class _Settling:
+            def __iter__(self) -> Any:
+                for item in inner:
+                    yield item
+                    handle.settle()
+
+            def __len__(self) -> int:
+                return len(iterable)  # type: ignore[arg-type]
+
+        inner = self.tracker.wrap_dataloader(iterable) if self.tracker else iterable
+        return _Settling()
 
     def checkpoint_io(self, kind: str = "write") -> contextlib.AbstractContextManager[None]:
         return self.tracker.checkpoint_io(kind) if self.tracker else contextlib.nullcontext()
@@ -308,6 +352,11 @@ class ScoutHandle:
         """
         if self._closed:
             return
+        pending: ScoutStop | None = None
+        try:
+            self.settle()  # the last step's caller state; a stop decided at the last step is still carried out
+        except ScoutStop as stop:
+            pending = stop
         self._closed = True
         try:
             for h in self._hooks:
@@ -342,6 +391,8 @@ class ScoutHandle:
             with ScoutHandle._claim_lock:
                 if ScoutHandle._open is self:
                     ScoutHandle._open = None
+        if pending is not None:
+            raise pending
 
     def __enter__(self) -> ScoutHandle:
         return self

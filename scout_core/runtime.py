@@ -47,6 +47,7 @@ HOSTNAME_ENV = "SCOUT_HOSTNAME"
 def _resolve_peer_groups(adapter: FrameworkAdapter, topology: TopologyConfig, world: int) -> list[list[int]]:
     if adapter.peer_groups is not None and adapter.mesh is not None:
         raise ValueError("give peer_groups or mesh, not both")
+    order = list(topology.order)
     if adapter.mesh is not None:
         groups = [list(g) for g in peer_groups_from_mesh(adapter.mesh)]
     elif adapter.peer_groups is not None:
@@ -57,7 +58,7 @@ def _resolve_peer_groups(adapter: FrameworkAdapter, topology: TopologyConfig, wo
             total *= n
         if total != world:
             raise ValueError(f"topology.shape {dict(topology.shape)} covers {total} ranks, the job has {world}")
-        groups = [list(g) for g in peer_groups_of_shape(dict(topology.shape), list(topology.order))]
+        groups = [list(g) for g in peer_groups_of_shape(dict(topology.shape), order)]
     else:
         groups = [list(range(world))]  # pure data parallel: every rank is a replica
     flat = sorted(r for g in groups for r in g)

@@ -108,3 +108,21 @@ def test_identical_input_identical_output_regardless_of_order():
     ev[5] = _ev(5, op=30, phase=Phase.FORWARD, pending=False)
     shuffled = dict(reversed(list(ev.items())))
     assert classify(ev, [WORLD]) == classify(shuffled, [WORLD])
+
+
+def test_rank_waiting_behind_inside_a_collective_is_a_victim_of_a_rank_named_elsewhere():
+    # HSDP: rank 5 froze (not in a collective); its shard-group mate 4 waits for it inside an all-gather and
+    # so looks behind its own replica peers. Only rank 5 is the culprit.
+    from scout_core.progress.classify import Evidence, HangClass, classify
+
+    def ev(rank, op, pending):
+        return Evidence(rank=rank, step=3, op_id=op, phase=7 if pending else 1, pending=pending,
+                        fp_hash=7 if pending else 0, fingerprint="all_gather" if pending else "", silent_s=5.0)
+
+    evidence = {0: ev(0, 50, True), 2: ev(2, 50, True), 4: ev(4, 40, True), 6: ev(6, 50, True),
+                1: ev(1, 50, True), 3: ev(3, 50, True), 5: ev(5, 39, False), 7: ev(7, 50, True)}
+    verdicts = classify(evidence, [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert [(v.hang_class, v.ranks) for v in verdicts] == [(HangClass.LAGGING, (5,))]
+    # Without a rank named elsewhere, a rank behind inside a collective is still reported.
+    alone = classify({r: e for r, e in evidence.items() if r in (0, 2, 4, 6)}, [[0, 2, 4, 6]])
+    assert [v.ranks for v in alone] == [(4,)]

@@ -48,6 +48,7 @@ def _job(ctx: RankContext):
         sigs[step] = _sig(net)
         local = BoundaryEvidence(sdc=(step == 5 and ctx.rank == 1))
         actions.append(coord.on_boundary(step, local)[0].value)
+        coord.flush()  # each capture written before the next boundary: no "busy" skip, an exact sequence
     coord.flush()
     decision = coord.decide("sdc", incident={"ranks": [1]})
     gen = agree_on_generation(store, "verified")
@@ -78,7 +79,8 @@ def test_coordinator_end_to_end(tmp_path):
         assert "disagree" in v["disagree"]
         assert v["roles"] == {2: "verified", 4: "candidate"}
     # Per machine: one own slot per rank and the replicas of the other machine's ranks; no older copies.
-    assert result.values()[0]["replicas"] == ["replica-r00002-s000000004.pt", "replica-r00003-s000000004.pt"]
+    assert result.values()[0]["replicas"] == ["replica-r00002-s000000004-w00004.pt",
+                                                  "replica-r00003-s000000004-w00004.pt"]
     for host in ("hostA", "hostB"):
         names = sorted(os.listdir(tmp_path / "shm" / host))
         assert len([n for n in names if n.startswith("own-")]) == 2 and len(names) == 4, names

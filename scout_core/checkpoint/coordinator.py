@@ -209,20 +209,25 @@ class CheckpointCoordinator:
     # -- recovery ------------------------------------------------------------------------------
 
     def decide(self, failure: FailureKind | str, *, sweep: Callable[[], bool] | None = None,
-               incident: dict[str, Any] | None = None) -> Any:
-        """Retrieval decision (identical on every rank); rank 0 writes it as a JSON line."""
-        self._join_background()
+               incident: dict[str, Any] | None = None, binding: bool = True) -> Any:
+        """Retrieval decision (identical on every rank); rank 0 writes it as a JSON line.
+
+        ``binding``: the job stops now and the restart must follow this decision. A decision taken
+        while training goes on (``actions.on_verdict: log``) is kept for the operator only.
+        """
         decision = decide_retrieval(self.certifier, FailureKind(failure), sweep=sweep)
         if self.decisions_path and self.rank == 0:
-            record_decision(self.decisions_path, decision, certifier=self.certifier, incident=incident)
+            record_decision(self.decisions_path, decision, certifier=self.certifier, incident=incident,
+                            binding=binding)
         return decision
 
 
 def record_decision(path: str, decision: Any, *, certifier: Certifier | None = None,
-                    incident: dict[str, Any] | None = None, kind: str = "decision") -> dict[str, Any]:
+                    incident: dict[str, Any] | None = None, kind: str = "decision",
+                    binding: bool = True) -> dict[str, Any]:
     """Append a retrieval decision (or a resume record) as one fsync'ed JSON line."""
     body = asdict(decision) if not isinstance(decision, Mapping) else dict(decision)
-    record = {"record": kind, "time_unix": time.time(), **body, "incident": incident or {}}
+    record = {"record": kind, "time_unix": time.time(), **body, "incident": incident or {}, "binding": binding}
     if certifier is not None:
         record["certifier"] = {"latest": certifier.latest, "candidate": certifier.candidate,
                                "verified": certifier.verified}

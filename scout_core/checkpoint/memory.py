@@ -2,13 +2,14 @@
 
 Layout (``ROOT`` is ``checkpoint.memory_dir``, default ``/dev/shm/scout-<job>``)::
 
-    ROOT/<host>/own-r00003-s000000040.pt       rank 3's newest snapshot (step 40)
-    ROOT/<host>/replica-r00011-s000000040.pt   rank 11's snapshot, kept here by its partner
+    ROOT/<host>/own-r00003-s000000040-w00016.pt       rank 3's newest snapshot (step 40) of a 16-rank job
+    ROOT/<host>/replica-r00011-s000000040-w00016.pt   rank 11's snapshot, kept here by its partner
 
-The step is in the name, so a restarted job takes inventory without reading a
-byte. A slot is written to a temporary name and renamed (a reader never sees a
-partial slot), then the older slot of the same owner is removed: at rest a rank
-holds one own slot plus one replica slot per rank it partners.
+Step and world size are in the name, so a restarted job takes inventory without
+reading a byte, and slots of a job of another size are never offered. A slot is
+written to a temporary name and renamed (a reader never sees a partial slot),
+then the older slot of the same owner is removed: at rest a rank holds one own
+slot plus one replica slot per rank it partners.
 
 Before the first capture :meth:`MemorySlots.ensure_space` checks the free space
 of the RAM-backed filesystem (containers often mount a 64 MB ``/dev/shm``); if
@@ -35,7 +36,7 @@ from scout_core.checkpoint.store import atomic_save, atomic_write
 __all__ = ["MemorySlots", "default_memory_root", "partners"]
 
 _log = logging.getLogger("scout")
-_SLOT = re.compile(r"^(own|replica)-r(\d{5})-s(\d{9})\.pt$")
+_SLOT = re.compile(r"^(own|replica)-r(\d{5})-s(\d{9})-w(\d{5})\.pt$")
 HEADROOM = 1.10
 """Free space asked for beyond the slots' size (serialization overhead, a transient second slot)."""
 
@@ -74,7 +75,9 @@ class MemorySlots:
     def __init__(self, root: str, *, rank: int, hosts: Mapping[int, str], fallback: str) -> None:
         self.rank = rank
         self.hosts = dict(hosts)
+        self.world = len(hosts)
         self.host = _safe(hosts[rank])
+        self.local_ranks = sum(1 for h in hosts.values() if h == hosts[rank])
         self.root = root
         self.fallback = fallback
         self.fell_back = ""
@@ -84,19 +87,37 @@ class MemorySlots:
     def dir(self) -> str:
         return os.path.join(self.root, self.host)
 
+    def _dirs(self) -> list[str]:
+        """Where slots of this machine may be: the RAM-backed folder and the disk fallback (a previous run
+        of the job may have fallen back)."""
+        out = []
+        for root in dict.fromkeys((self.root, self.fallback)):
+            d = os.path.join(root, self.host)
+            if os.path.isdir(d):
+                out.append(d)
+        return out
+
     # -- space ---------------------------------------------------------------------------------
 
     def ensure_space(self, state_bytes: int, copies: int) -> None:
-        """Fall back to disk (and say so) when the RAM-backed filesystem cannot hold ``copies`` slots."""
-        need = int(state_bytes * copies * HEADROOM)
+        """Fall back to disk (and say so) when the RAM-backed filesystem cannot hold the machine's slots.
+
+        Every rank of the machine writes into the same filesystem, so the need is counted for all of them
+        (``copies`` slots each, this rank's state size standing for theirs); slots already held are
+        replaced, so they count as free.
+        """
+        need = int(state_bytes * copies * self.local_ranks * HEADROOM)
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize + self._held_bytes()
         if need <= free:
             return
-        self.fell_back = (f"{self.dir} has {free / 2**20:.1f} MiB free, the in-memory snapshots need "
-                          f"{need / 2**20:.1f} MiB ({copies} x {state_bytes / 2**20:.1f} MiB state); using "
-                          f"{self.fallback} on disk instead (mount a larger /dev/shm or set checkpoint.memory_dir)")
+        self.fell_back = (f"{self.dir} has {free / 2**20:.1f} MiB free, the in-memory snapshots of this machine's "
+                          f"{self.local_ranks} rank(s) need {need / 2**20:.1f} MiB ({copies} x "
+                          f"{state_bytes / 2**20:.1f} MiB state each); using {self.fallback} on disk instead "
+                          "(mount a larger /dev/shm or set checkpoint.memory_dir)")
         _log.warning("rank %d: %s", self.rank, self.fell_back)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.dir)  # nothing of ours is left in the small filesystem
         self.root = self.fallback
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
 
@@ -105,42 +126,51 @@ class MemorySlots:
 
     # -- writing -------------------------------------------------------------------------------
 
+    def _name(self, kind: str, owner: int, step: int) -> str:
+        return f"{kind}-r{owner:05d}-s{step:09d}-w{self.world:05d}.pt"
+
     def _path(self, kind: str, owner: int, step: int) -> str:
-        return os.path.join(self.dir, f"{kind}-r{owner:05d}-s{step:09d}.pt")
+        """Where a slot is (either folder), or where a new one goes."""
+        name = self._name(kind, owner, step)
+        for d in self._dirs():
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+        return os.path.join(self.dir, name)
 
     def write_own(self, snap: dict[str, Any]) -> str:
-        path = self._path("own", self.rank, int(snap["step"]))
+        path = os.path.join(self.dir, self._name("own", self.rank, int(snap["step"])))
         atomic_save(path, snap)
         self._drop_older("own", self.rank, path)
         return path
 
     def write_replica(self, owner: int, step: int, data: torch.Tensor) -> str:
         """Keep ``owner``'s serialized slot of ``step`` (raw bytes as received)."""
-        path = self._path("replica", owner, step)
+        path = os.path.join(self.dir, self._name("replica", owner, step))
         atomic_write(path, memoryview(data.numpy()))
         self._drop_older("replica", owner, path)
         return path
 
     def _drop_older(self, kind: str, owner: int, keep: str) -> None:
-        for name, (k, o, _) in self.slots().items():
-            if k == kind and o == owner and os.path.join(self.dir, name) != keep:
+        for path, (k, o, _) in self._all_slots().items():
+            if k == kind and o == owner and path != keep:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.dir, name))
+                    os.unlink(path)
 
     # -- reading -------------------------------------------------------------------------------
 
+    def _all_slots(self) -> dict[str, tuple[str, int, int]]:
+        """Path -> (kind, owner, step) of every complete slot of a job of this size on this machine."""
+        out = {}
+        for d in self._dirs():
+            for n in os.listdir(d):
+                m = _SLOT.match(n)
+                if m and int(m.group(4)) == self.world:
+                    out[os.path.join(d, n)] = (m.group(1), int(m.group(2)), int(m.group(3)))
+        return out
+
     def slots(self) -> dict[str, tuple[str, int, int]]:
         """File name -> (kind, owner, step) of every complete slot on this machine."""
-        try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for n in names:
-            m = _SLOT.match(n)
-            if m:
-                out[n] = (m.group(1), int(m.group(2)), int(m.group(3)))
-        return out
+        return {os.path.basename(p): v for p, v in self._all_slots().items()}
 
     def inventory(self) -> dict[str, Any]:
         """What this rank can offer: its own step and the replicas it keeps {owner: step}."""
@@ -159,10 +189,11 @@ class MemorySlots:
         return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
 
     def remove_all(self) -> None:
-        """Delete this machine's folder of the job (all ranks of the machine share it)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.root)
+        """Delete this machine's folders of the job (all ranks of the machine share them)."""
+        for d in self._dirs():
+            shutil.rmtree(d, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(d))
 
 
 def _safe(host: str) -> str:

@@ -57,6 +57,14 @@ class ResumeResult:
         return 0 if self.step is None else self.step
 
 
+def _binding(record: dict[str, Any] | None, latest: int | None) -> bool:
+    """A recorded decision binds the restart when the run stopped on it and nothing newer was captured."""
+    if not record or record.get("record", "decision") != "decision" or not record.get("binding", True):
+        return False
+    decided_at = (record.get("certifier") or {}).get("latest")
+    return latest is None or decided_at is None or latest <= decided_at
+
+
 def vote_latest(inventories: list[dict[str, Any]]) -> tuple[int | None, dict[int, int]]:
     """Newest step whose snapshot exists for EVERY rank (own slot or a partner's replica), and for each
     rank without its own copy the rank that holds its replica. Pure."""
@@ -98,11 +106,11 @@ class Restarter:
         coord = self.coord
         path = coord.decisions_path
         last = self._broadcast((read_records(path) or [None])[-1] if path else None)
-        recorded = last if last and last.get("record", "decision") == "decision" else None
         inventories: list[Any] = [None] * self.world
         dist.all_gather_object(inventories, coord.memory.inventory(), group=self.group)
         latest, fetch = vote_latest(inventories)
         verified = agree_on_generation(coord.store, "verified", group=self.group)
+        recorded = last if _binding(last, latest) else None
         if recorded is not None:
             decision = dict(recorded)
         else:
@@ -124,9 +132,11 @@ class Restarter:
         if source == "verified" and gen != verified:
             reason += f"; verified generation {gen} is not intact on every rank: using {verified}"
             gen = verified
-        if gen is None:
-            raise RuntimeError(f"resume: the decision needs a {source} generation and none is held by every rank "
-                               f"({reason})")
+        if gen is None:  # e.g. SDC before anything was certified: nothing SCOUT holds is safe to load
+            reason += f"; no {source} generation is held by every rank: nothing restored"
+            if path and self.rank == 0:
+                record_decision(path, {"source": "none", "generation": None, "reason": reason}, kind="resume")
+            return ResumeResult(step=None, reason=reason, decision=decision)
         from_memory = gen == latest
         snap = self._load(gen, fetch if from_memory else {})
         self.restore(snap)

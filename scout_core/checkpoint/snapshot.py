@@ -16,6 +16,7 @@ passes in between overlap with it. The time the training thread spends in
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +70,8 @@ class SnapshotEngine:
         # The copy thread, the coordinator's persistence thread and the training thread's pre-step hook
         # all wait for a copy; one lock orders the join and the hand-over of its result.
         self._lock = threading.RLock()
+        self._extra: dict[str, Any] = {}
+        self._extra_ready: threading.Event | None = None
         self._hooks = [opt.register_step_pre_hook(lambda *_: self._wait_blocking()) for opt in self.optimizers]
 
     # -- capture ------------------------------------------------------------------------------
@@ -85,8 +88,12 @@ class SnapshotEngine:
             })
         return models, optims
 
-    def capture(self, step: int) -> None:
-        """Start capturing the state as of now (call right after the optimizer step)."""
+    def capture(self, step: int, *, extra_later: bool = False) -> None:
+        """Start capturing the state as of now (call right after the optimizer step).
+
+        ``extra_later``: the caller's state is not final yet (an LR scheduler or gradient scaler steps
+        after the optimizer); :meth:`complete_extra` adds it, and :meth:`result` waits for it.
+        """
         start = time.perf_counter()
         self._wait()  # at most one capture in flight
         rng = {"cpu": torch.get_rng_state()}
@@ -94,7 +101,11 @@ class SnapshotEngine:
             rng["cuda"] = torch.cuda.get_rng_state_all()
         for name, (get, _) in self.rng_providers.items():
             rng[name] = get()
-        extra = self.get_extra() if self.get_extra else {}
+        extra = copy.deepcopy(self.get_extra()) if self.get_extra else {}
+        self._extra = extra
+        self._extra_ready = threading.Event()
+        if not extra_later:
+            self._extra_ready.set()
         models, optims = self._sources()
         header = {"step": step, "rng": rng, "extra": extra}
         tensors = [t for m in models for t in m.values()] + [
@@ -158,8 +169,17 @@ class SnapshotEngine:
             self._wait()
         self.blocking_s += time.perf_counter() - start
 
+    def complete_extra(self, values: dict[str, Any]) -> None:
+        """Add the caller's final state to the capture in flight (a deep copy: training goes on)."""
+        if self._extra_ready is None or self._extra_ready.is_set():
+            return
+        self._extra.update(copy.deepcopy(values))
+        self._extra_ready.set()
+
     def result(self) -> dict[str, Any]:
-        """The last captured snapshot (waits for its copy)."""
+        """The last captured snapshot (waits for its copy and its caller state)."""
+        if self._extra_ready is not None:
+            self._extra_ready.wait()
         with self._lock:
             self._wait()
             if self._result is None:

@@ -68,6 +68,7 @@ class ProgressTracker:
         self._lock = threading.Lock()  # autograd and comm hooks may run on other threads
         self._local = threading.local()
         self._handles: list[Any] = []
+        self.closed = False  # set by remove_hooks(): nothing may publish into a closed record
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -190,7 +191,10 @@ class ProgressTracker:
         def hook(state, bucket):  # noqa: ANN001, ANN202
             buffer = bucket.buffer()
             world = dist.get_world_size(group)
-            with tracker.collective(fingerprint_bucket(buffer, group)):
+            # DDP cannot unregister a comm hook: after close() it stays, averaging as before, silent.
+            published = contextlib.nullcontext() if tracker.closed else tracker.collective(
+                fingerprint_bucket(buffer, group))
+            with published:
                 buffer.div_(world)
                 work = dist.all_reduce(buffer, group=group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
@@ -202,6 +206,7 @@ class ProgressTracker:
         return True
 
     def remove_hooks(self) -> None:
+        self.closed = True
         for h in self._handles:
             h.remove()
         self._handles.clear()

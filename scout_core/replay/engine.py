@@ -25,7 +25,7 @@ a failure on any peer makes every peer skip the check together.
 
 from __future__ import annotations
 
-import time
+import pickle
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,18 +47,15 @@ from scout_core.replay.layer import (
     materialize,
     receive_buffers,
     replay_layer,
-    sync,
 )
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider
+from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
-from scout_core.topology import GroupTiming, localize_slow_groups
 
 __all__ = ["BoundaryResult", "ReplayEngine"]
 
-BASELINE_ROUNDS = 5
-"""Clean communication rounds a group needs before its own history can call it slow."""
 
 
 @dataclass
@@ -137,7 +134,8 @@ class ReplayEngine:
         self.confirm = Confirmation(rounds=confirm_rounds)
         self.reporter = reporter
         self.hosts = dict(hosts or {})
-        self.guard = DiagnosisGuard(self.ctrl, rank=self.rank, reporter=reporter, hosts=self.hosts)
+        # Skips are agreed job-wide: replay has cross-group collectives (HSDP timing, the machine intersection).
+        self.guard = DiagnosisGuard(self.groups.world_control, rank=self.rank, reporter=reporter, hosts=self.hosts)
         self.compare_param_state = compare_param_state
         # Pure FSDP owns each update uniquely: only the self-check is comparable across peers.
         self.compare_optimizer_slices = (_peers_hold_equal_shards(optimizer, self.peers, self.rank)
@@ -163,12 +161,9 @@ class ReplayEngine:
         self.last_calls: dict[str, tuple[ShippedCall, int]] = {}
         """The newest replayed call per recipe (identical on every peer): the emergency sweep's inputs."""
         self.history: deque[BoundaryResult] = deque(maxlen=1024)  # boundaries that did work, newest last
-        self.comm_baseline: deque[float] = deque(maxlen=10)  # group medians of recent clean rounds
-        self._gather_s: float | None = None
+        self.timing = CommTiming(self.rule, confirm_rounds, world_control=self.groups.world_control,
+                                 hosts=self.hosts)
         self._hsdp_comm: tuple[float, float, Any, Any] | None = None
-        self._last_loc: Any = None
-        self._loc_rounds = 0
-        self._slow_group_rounds = 0
         self._opt_due = False
         self._opt_error: BaseException | None = None
         self._handles: list[Any] = []
@@ -214,16 +209,24 @@ class ReplayEngine:
     # -- the boundary ----------------------------------------------------------------------------
 
     def boundary(self) -> BoundaryResult:
-        """Run whatever is due for the step that just finished (called by the step post-hook)."""
+        """Run whatever is due for the step that just finished (called by the step post-hook).
+
+        What is due follows from the configuration alone, so every rank of the job (every peer
+        group, every pipeline stage) agrees on it; a rank without the module of a due recipe (the
+        embedding off the first stage) simply has nothing to replay for it.
+        """
         self.step += 1
         step = self.step
         result = BoundaryResult(step)
-        due = [(r, i) for r, i in self.extra.items() if self._due(step, getattr(self.cfg.cadence, r))]
+        recipes = [r for r in ("embedding", "output") if self._due(step, getattr(self.cfg.cadence, r))]
+        due = [(r, self.extra[r]) for r in recipes if r in self.extra]
         if self._due(step, self.cfg.cadence.hidden):
+            recipes.append("hidden")
             due.append(("hidden", self._layer_index()))
             self.checks += 1  # every peer rotates together, whatever happens to this check
-        opt_due, self._opt_due = self._opt_due, False
-        result.recipes = tuple(r for r, _ in due) + (("optimizer",) if opt_due else ())
+        opt_due = self._due(step, self.cfg.cadence.optimizer)
+        self._opt_due = False
+        result.recipes = tuple(recipes) + (("optimizer",) if opt_due else ())
         if result.recipes:
             try:
                 self._check(result, due, opt_due)
@@ -240,34 +243,39 @@ class ReplayEngine:
         src = self.peers[(self.checks - (1 if any(r == "hidden" for r, _ in due) else 0)) % len(self.peers)]
         result.source = src
         if self._opt_error is not None:
-            guard.failed, guard.failed_where, self._opt_error = self._opt_error, "optimizer slice capture", None
-        captured: dict[int, Any] = {}
-        metas: dict[int, Any] = {}
-        with guard.stage("capture"):
-            for _, idx in due:
-                captured[idx] = self.captures[idx].take()
-                if self.rank == src:
-                    metas[idx] = None if captured[idx] is None else call_meta(captured[idx], self.rng_providers)
+            guard.fail(self._opt_error, "optimizer slice capture")
+            self._opt_error = None
+        captured = guard.run("capture", lambda: {idx: self.captures[idx].take() for _, idx in due}) or {}
+        payload = None
+        if self.rank == src:  # pickled here, so an unpicklable argument is a local failure, not a hang
+            payload = guard.run("call metadata", lambda: pickle.dumps(
+                {idx: None if captured.get(idx) is None else call_meta(captured[idx], self.rng_providers)
+                 for _, idx in due}))
         if not guard.agree(step):
             result.skipped = "diagnosis error"
             return
-        box = [metas]
+        box = [payload]
         dist.broadcast_object_list(box, src=src, group=self.ctrl)
-        metas = box[0]
-        not_run = [self.names[idx] for _, idx in due if metas.get(idx) is None]
-        if not_run:  # conditional layers: a sampled layer that did not run on the source skips on every peer
-            result.skipped = f"sampled layer(s) {', '.join(not_run)} did not run on source rank {src}"
-            due = [(r, idx) for r, idx in due if metas.get(idx) is not None]
+        metas = guard.run("call metadata", lambda: pickle.loads(box[0])) or {}
+        not_run = [self.names[idx] for _, idx in due if metas.get(idx) is None] if guard.ok else []
         calls: dict[int, ShippedCall] = {}
-        with guard.stage("receive buffers"):
+
+        def buffers() -> None:
             for _, idx in due:
-                calls[idx] = receive_buffers(metas[idx], captured.get(idx), _device_of(self.layers[idx]),
-                                             self.rank == src)
-        if not guard.agree(step):
-            result.skipped = "diagnosis error"
+                if metas.get(idx) is not None:
+                    calls[idx] = receive_buffers(metas[idx], captured.get(idx), _device_of(self.layers[idx]),
+                                                 self.rank == src)
+
+        guard.run("receive buffers", buffers)
+        status = guard.agree_status(step, skip=bool(not_run))
+        if status != "ok":
+            # A sampled layer that did not run on a source (conditional layers, MoE) skips the check
+            # everywhere: other peer groups' replays would otherwise meet this group in cross-group timing.
+            result.skipped = "diagnosis error" if status == "error" else (
+                f"sampled layer(s) {', '.join(not_run) or 'of another peer group'} did not run on the source")
             return
         for _, idx in due:
-            broadcast_call(calls[idx], src, self.group)
+            broadcast_call(calls[idx], src, self.group, self.ctrl)
         evidence: list[tuple[str, Any]] = []
         compute_s = comm_s = 0.0
         for recipe, idx in due:
@@ -275,13 +283,13 @@ class ReplayEngine:
             evidence += surfaces
             if recipe == "hidden":  # the hidden layer's timings are the ones compared
                 compute_s = t_compute
-                comm_s = gather_s if gather_s is not None else self._replay_comm(idx)
+                if gather_s is None:
+                    gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group)
+                comm_s = gather_s
             self.last_calls[recipe] = (calls[idx], idx)
         if opt_due and self.opt_slice is not None:
-            with guard.stage("optimizer replay"):
-                for name, value in self.opt_slice.after_step():
-                    if self.compare_optimizer_slices or name == "optimizer.self_check":
-                        evidence.append((name, value))
+            replayed = guard.run("optimizer replay", self.opt_slice.after_step) or []
+            evidence += [(n, v) for n, v in replayed if self.compare_optimizer_slices or n == "optimizer.self_check"]
         if not guard.agree(step):
             result.skipped = "diagnosis error"
             return
@@ -297,41 +305,46 @@ class ReplayEngine:
         # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
         # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
         result.stragglers = self.confirm.update(times)
-        result.group_slowdown = self._group_slowdown(comm)
+        result.group_slowdown = self.timing.group_slowdown(comm)
         if self._hsdp_comm is not None:
-            result.localization = self._cross_group(*self._hsdp_comm)
+            result.localization = self.timing.cross_group(*self._hsdp_comm)
         result.incidents = self._verdicts(result)
 
     def _replay_recipe(self, idx: int, call: ShippedCall) -> tuple[list[tuple[str, Any]], float, float | None]:
-        """Materialize the layer (collectives run on every peer, whatever failed locally), replay it, reshard."""
+        """Materialize the layer (its collectives run whatever failed locally), replay it, reshard."""
         layer, name = self.layers[idx], self.names[idx]
         surfaces: list[tuple[str, Any]] = []
-        groups = _mesh_groups(layer)
-        if groups is not None:
+        if mesh_groups(layer) is not None:
             # HSDP: replicas hold the same shard, so compare the local shards BEFORE unsharding (a
             # corrupted shard would otherwise reach its whole shard group through the all-gather).
             # Pure FSDP has no owner copy to compare a shard against.
-            with self.guard.stage("local shard signature"):
+            def local_shard() -> None:
                 signed = sign_many([torch.cat([p.to_local().reshape(-1) for p in layer.parameters()])])[0]
                 surfaces.append((f"{name}.local_shard", (signed.signature, signed.nonfinite)))
-            self._hsdp_comm = _time_hsdp_collectives(layer)
+
+            self.guard.run("local shard signature", local_shard)
+            if idx < self.n_hidden:  # the hidden recipe's timings are the ones compared across groups
+                self._hsdp_comm = time_hsdp_collectives(layer)
         owner = self.owner if idx >= self.n_hidden else None
         forward, gather_s, release = materialize(layer, owner)
-        compute_s = 0.0
+        timed = [0.0]
+
+        def replay() -> None:
+            self.captures[idx].suspended, self.replaying = True, True
+            try:
+                replayed, timed[0] = replay_layer(
+                    forward, layer, name, call, variants=self.cfg.input_variants, providers=self.rng_providers,
+                    deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state)
+            finally:
+                self.captures[idx].suspended, self.replaying = False, False
+            surfaces.extend(replayed)
+
         try:
-            with self.guard.stage(f"replay of {name}"):
-                self.captures[idx].suspended, self.replaying = True, True
-                try:
-                    replayed, compute_s = replay_layer(
-                        forward, layer, name, call, variants=self.cfg.input_variants, providers=self.rng_providers,
-                        deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state)
-                finally:
-                    self.captures[idx].suspended, self.replaying = False, False
-                surfaces += replayed
+            self.guard.run(f"replay of {name}", replay)
         finally:
             if release is not None:
                 release()
-        return surfaces, compute_s, gather_s
+        return surfaces, timed[0], gather_s
 
     # -- restart: saved calls and the emergency sweep ----------------------------------------------
 
@@ -360,11 +373,14 @@ class ReplayEngine:
                 work.append((self.extra[recipe], call))
         evidence: list[tuple[str, Any]] = []
         for idx, call in work:
-            evidence += self._replay_recipe(idx, call)[0]
+            device = _device_of(self.layers[idx])
+            moved = self.guard.run("sweep inputs", lambda call=call, device=device: _to_device(call, device))
+            if moved is not None:
+                evidence += self._replay_recipe(idx, moved)[0]
         ok = self.guard.agree(self.step, "sweep")
         self.guard.reset()
-        if not ok:
-            return False
+        if not ok or not work:
+            return False  # no evidence is not a clean sweep
         results = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
         bad = [r for r in results if r.status is not C3Status.AGREE]
         if bad:
@@ -374,82 +390,6 @@ class ReplayEngine:
                 inc.reason = "emergency sweep of the latest state: " + inc.reason
             self._report(incidents)
         return not bad
-
-    def _replay_comm(self, idx: int, repeats: int = 3) -> float:
-        """Time a training-shaped all-reduce (the sampled layer's gradient size) on a scratch tensor.
-
-        The fastest of ``repeats`` runs: a slow link or endpoint is slow every time, while a
-        scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and
-        drops the second.
-        """
-        params = [p for p in self.layers[idx].parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in params) or 1
-        scratch = torch.zeros(numel, dtype=params[0].dtype if params else torch.float32,
-                              device=params[0].device if params else "cpu")
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier(group=self.group)  # start together: the time is the collective's, not arrival skew
-            sync(params)
-            start = time.perf_counter()
-            dist.all_reduce(scratch, group=self.group)
-            sync(params)
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    def _cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any) -> Any:
-        """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2).
-
-        One world all-gather of every rank's two timings; a group's time is its slowest
-        member's (a synchronizing collective ends with it); statistical C3 across the groups
-        of one dimension marks slow groups. The same verdict in consecutive rounds confirms it.
-        """
-        world = dist.get_world_size()
-        timings: list[Any] = [None] * world
-        dist.all_gather_object(timings, (t_rs, t_ar), group=self.groups.world_control)
-        shard_groups = _all_groups(shard_pg, self.groups.world_control)
-        repl_groups = _all_groups(repl_pg, self.groups.world_control)
-        observations = []
-        for dim, groups, col in (("shard", shard_groups, 0), ("replica", repl_groups, 1)):
-            group_times = [max(timings[r][col] for r in g) for g in groups]
-            res = self.rule(group_times, peer_ranks=list(range(len(groups))), surface=f"replay.{dim}_comm_s")
-            observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
-        hosts = {r: self.hosts.get(r, "?") for r in range(world)}
-        loc = localize_slow_groups(observations, hosts)
-        key = (loc.scope, loc.ranks, loc.hosts)
-        if loc.scope == "none":
-            self._loc_rounds, self._last_loc = 0, None
-            return None
-        self._loc_rounds = self._loc_rounds + 1 if key == self._last_loc else 1
-        self._last_loc = key
-        return loc
-
-    def _group_slowdown(self, comm: C3Result) -> bool:
-        """Temporal reference for what spatial consensus cannot see: the whole group slower.
-
-        A collective spanning every peer makes every peer wait for a slow member, so
-        no peer is an outlier. The group's median is compared with the distribution of
-        its own clean rounds by the same robust rule as the spatial one (median plus
-        kappa robust sigmas of the history, with the ratio and absolute floors): a
-        noisy history widens the threshold instead of producing verdicts. It needs
-        ``BASELINE_ROUNDS`` clean rounds first and is confirmed over the same number
-        of consecutive rounds as stragglers.
-        """
-        median = float(comm.reference)
-        history = sorted(self.comm_baseline)
-        slow = False
-        if len(history) >= BASELINE_ROUNDS:
-            base = history[len(history) // 2]
-            deviations = sorted(abs(h - base) for h in history)
-            scale = max(deviations[len(deviations) // 2] * 1.4826, self.rule.mad_floor_fraction * base)
-            threshold = max(base + self.rule.kappa * scale, base * self.rule.min_ratio, base + self.rule.min_delta)
-            slow = median > threshold
-        if slow:
-            self._slow_group_rounds += 1
-        else:
-            self._slow_group_rounds = 0
-            if comm.status is C3Status.AGREE:
-                self.comm_baseline.append(median)
-        return self._slow_group_rounds >= self.confirm.rounds
 
     # -- verdicts -----------------------------------------------------------------------------------
 
@@ -463,7 +403,7 @@ class ReplayEngine:
                 IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
                 f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds"))
         loc = result.localization
-        if loc is not None and self._loc_rounds == self.confirm.rounds:
+        if loc is not None and self.timing.loc_rounds == self.confirm.rounds:
             machine = self._incident(IncidentKind.STRAGGLER, IncidentScope(loc.scope), loc.ranks, [result.comm_timing],
                                      f"communication: {loc.reason}")
             machine.hosts = list(loc.hosts)
@@ -471,7 +411,7 @@ class ReplayEngine:
             if self.rank == self._world_reporter(loc):  # one record for the whole job
                 self._emit([machine])
             result.incidents_global = [machine]
-        if result.group_slowdown and self._slow_group_rounds == self.confirm.rounds:
+        if result.group_slowdown and self.timing.slow_group_rounds == self.confirm.rounds:
             incidents.append(self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.PEER_GROUP, self.peers, [result.comm_timing],
                 "the whole group's communication is slow against its own clean history; no member is an "
@@ -529,15 +469,31 @@ class ReplayEngine:
 
 
 def _call_to_dict(call: ShippedCall, idx: int) -> dict[str, Any]:
-    return {"layer": idx, "tensors": [t.detach().cpu() for t in call.tensors], "spec": spec_to_tensor(call.spec),
-            "mask": list(call.requires_grad), "grads": {str(i): g.detach().cpu() for i, g in call.grad_outputs.items()},
+    """A host copy (never a view of a training tensor) of a replayed call, weights-only loadable."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    return {"layer": idx, "tensors": [host(t) for t in call.tensors],
+            "on_host": [t.device.type == "cpu" for t in call.tensors], "spec": spec_to_tensor(call.spec),
+            "mask": list(call.requires_grad), "grads": {str(i): host(g) for i, g in call.grad_outputs.items()},
             "rng": dict(call.rng)}
 
 
 def _call_from_dict(d: Mapping[str, Any]) -> tuple[ShippedCall, int]:
     call = ShippedCall(list(d["tensors"]), spec_from_tensor(d["spec"]), list(d["mask"]),
                        {int(i): g for i, g in d["grads"].items()}, dict(d["rng"]))
+    call.on_host = list(d.get("on_host", [False] * len(call.tensors)))
     return call, int(d["layer"])
+
+
+def _to_device(call: ShippedCall, device: torch.device) -> ShippedCall:
+    """Saved calls are kept on the host; replay needs them where the layer lives (CPU leaves stay)."""
+    def move(t: torch.Tensor, on_host: bool = False) -> torch.Tensor:
+        return t if on_host else t.to(device)
+
+    on_host = call.on_host or [False] * len(call.tensors)
+    return ShippedCall([move(t, h) for t, h in zip(call.tensors, on_host, strict=True)], call.spec,
+                       call.requires_grad, {i: move(g) for i, g in call.grad_outputs.items()}, call.rng)
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -564,53 +520,3 @@ def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Seq
                     if members & others:
                         return False
     return True
-
-
-def _mesh_groups(layer: torch.nn.Module) -> tuple[Any, Any] | None:
-    """(shard group, replica group) of an HSDP-managed layer's parameters, else None."""
-    for p in layer.parameters():
-        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
-        if mesh is None or mesh.ndim != 2:
-            return None
-        shard = [d for d, pl in enumerate(placements) if pl.is_shard()]
-        repl = [d for d, pl in enumerate(placements) if pl.is_replicate()]
-        if len(shard) == 1 and len(repl) == 1:
-            return mesh.get_group(shard[0]), mesh.get_group(repl[0])
-    return None
-
-
-_GROUPS_OF: dict[Any, list[list[int]]] = {}
-
-
-def _all_groups(pg: Any, control: Any) -> list[list[int]]:
-    """Every group of the same dimension as ``pg`` (one world all-gather of memberships, then cached)."""
-    if pg not in _GROUPS_OF:
-        mine = sorted(dist.get_process_group_ranks(pg))
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine, group=control)
-        _GROUPS_OF[pg] = [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]
-    return _GROUPS_OF[pg]
-
-
-def _time_hsdp_collectives(layer: torch.nn.Module) -> tuple[float, float, Any, Any] | None:
-    """HSDP: a training-shaped reduce-scatter (shard group) then replica all-reduce, on scratch tensors."""
-    groups = _mesh_groups(layer)
-    if groups is None:
-        return None
-    shard_pg, repl_pg = groups
-    params = list(layer.parameters())
-    n_shards = dist.get_world_size(shard_pg)
-    per_shard = -(-sum(p.numel() for p in params) // n_shards)
-    local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
-    full = torch.zeros(per_shard * n_shards, dtype=local.dtype, device=local.device)
-    shard = torch.zeros(per_shard, dtype=local.dtype, device=local.device)
-    dist.barrier()  # every rank starts together: times belong to the collectives
-    start = time.perf_counter()
-    dist.reduce_scatter_tensor(shard, full, group=shard_pg)
-    sync([local])
-    t_rs = time.perf_counter() - start
-    dist.barrier()
-    start = time.perf_counter()
-    dist.all_reduce(shard, group=repl_pg)
-    sync([local])
-    return t_rs, time.perf_counter() - start, shard_pg, repl_pg

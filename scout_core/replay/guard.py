@@ -1,36 +1,55 @@
-"""Diagnosis never breaks training: local failures become a skip agreed by every peer.
+"""Diagnosis never breaks training: local failures become a skip agreed by every rank.
 
 Replay interleaves local work (capturing, cloning, replaying a layer, signing)
-with collectives over the peer group. If one rank's local work raised and that
-rank simply returned, its peers would wait forever in the next collective. So
-every stage of local work runs inside :meth:`DiagnosisGuard.stage`, and before
-the next collective the peers agree on one flag (:meth:`DiagnosisGuard.agree`,
-a MIN all-reduce of one int on SCOUT's own gloo control group): if any peer
-failed, every peer skips the rest of that check together. The rank that failed
-writes one ``diagnosis_error`` record with its traceback; training continues.
-Out-of-memory errors are failures like any other (and release the device cache).
+with collectives, some of them across peer groups (HSDP timing, FSDP unshards,
+the cross-group intersection). If one rank's local work raised and that rank
+simply returned, the others would wait forever in the next collective. So every
+piece of local work runs through :meth:`DiagnosisGuard.run`, which catches the
+failure and skips every later piece of the same check on this rank, and before
+the next collective all ranks agree on one flag (:meth:`DiagnosisGuard.agree`,
+a MIN all-reduce of one int on SCOUT's own gloo group spanning the job): if any
+rank failed, every rank skips the rest of that check together. The rank that
+failed writes one ``diagnosis_error`` record with its traceback; training
+continues. Out-of-memory errors are failures like any other; only the formatted
+traceback is kept, so the failed work's tensors are freed at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import traceback
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 
-__all__ = ["DiagnosisGuard"]
+__all__ = ["DiagnosisGuard", "Failure"]
 
 _log = logging.getLogger("scout")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What is kept of an exception inside SCOUT: text only (no frames, so no tensors stay alive)."""
+
+    where: str
+    kind: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException, where: str) -> Failure:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(where, type(exc).__name__, str(exc), tb)
 
 
 class DiagnosisGuard:
-    """Stage-wise failure isolation for one peer group."""
+    """Failure isolation for one check: local work through :meth:`run`, agreement through :meth:`agree`."""
 
     def __init__(self, control_group: Any, *, rank: int, reporter: Reporter | None,
                  hosts: dict[int, str] | None = None) -> None:
@@ -38,48 +57,68 @@ class DiagnosisGuard:
         self.rank = rank
         self.reporter = reporter
         self.hosts = dict(hosts or {})
-        self.failed: BaseException | None = None
-        self.failed_where = ""
+        self.failure: Failure | None = None
         self.errors = 0  # diagnosis_error records written by this rank
 
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
     def reset(self) -> None:
-        self.failed, self.failed_where = None, ""
+        self.failure = None
 
-    @contextlib.contextmanager
-    def stage(self, where: str) -> Iterator[None]:
-        """Run local work; an exception is kept (not raised) until the next :meth:`agree`."""
-        if self.failed is not None:  # an earlier stage of this check failed: do nothing more locally
-            yield
-            return
+    def fail(self, exc: BaseException, where: str) -> None:
+        """Record a failure that happened elsewhere (e.g. in a hook before the boundary)."""
+        if self.failure is None:
+            self.failure = Failure.of(exc, where)
+
+    def run(self, where: str, fn: Callable[[], T]) -> T | None:
+        """``fn()``, unless an earlier piece of this check failed; a failure is kept, not raised."""
+        if self.failure is not None:
+            return None
         try:
-            yield
+            return fn()
         except Exception as exc:  # noqa: BLE001 - any failure of diagnosis must not reach training
-            self.failed, self.failed_where = exc, where
-            if isinstance(exc, torch.OutOfMemoryError) and torch.cuda.is_available():
+            self.failure = Failure.of(exc, where)
+            del exc
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
+            return None
 
-    def agree(self, step: int, surface: str = "replay") -> bool:
-        """True when every peer's local stages succeeded so far. Call on every peer, in the same order."""
-        flag = torch.tensor([0 if self.failed is not None else 1], dtype=torch.int32)
+    def agree(self, step: int | None, surface: str = "replay") -> bool:
+        """True when every rank's local work succeeded so far. Every rank calls it, in the same order."""
+        flag = torch.tensor([0 if self.failure is not None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         ok = bool(flag.item())
-        if not ok and self.failed is not None:
-            self.report(step, surface, self.failed, self.failed_where)
+        if not ok and self.failure is not None and self.failure.kind != "reported":
+            self.report(step, surface, self.failure)
+            self.failure = Failure(self.failure.where, "reported", "", "")  # reported once per check
         return ok
 
-    def report(self, step: int | None, surface: str, exc: BaseException, where: str) -> None:
+    def agree_status(self, step: int | None, *, skip: bool, surface: str = "replay") -> str:
+        """Like :meth:`agree`, also combining a local reason to skip: ``"ok"``, ``"skip"`` or ``"error"``."""
+        code = 0 if self.failure is not None else (1 if skip else 2)
+        flag = torch.tensor([code], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        worst = int(flag.item())
+        if worst == 0 and self.failure is not None and self.failure.kind != "reported":
+            self.report(step, surface, self.failure)
+            self.failure = Failure(self.failure.where, "reported", "", "")
+        return ("error", "skip", "ok")[worst]
+
+    def report(self, step: int | None, surface: str, failure: Failure | BaseException, where: str = "") -> None:
         """One ``diagnosis_error`` record from the rank that failed (its traceback is only here)."""
+        if isinstance(failure, BaseException):
+            failure = Failure.of(failure, where)
         self.errors += 1
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        _log.warning("rank %d: SCOUT %s failed at step %s (%s: %s); every peer skips this check",
-                     self.rank, where, step, type(exc).__name__, exc)
+        _log.warning("rank %d: SCOUT %s failed at step %s (%s: %s); every rank skips this check",
+                     self.rank, failure.where, step, failure.kind, failure.message)
         if self.reporter is None:
             return
         self.reporter.emit(Incident(
             kind=IncidentKind.DIAGNOSIS_ERROR, scope=IncidentScope.RANK, ranks=[self.rank],
-            hosts=[self.hosts.get(self.rank, "?")], step=step, surface=f"{surface}:{where}",
-            reason=f"SCOUT's own {where} raised {type(exc).__name__}: {exc}; the check was skipped on every "
-                   "peer and training continued",
-            evidence={"exception": type(exc).__name__, "message": str(exc), "traceback": tb},
+            hosts=[self.hosts.get(self.rank, "?")], step=step, surface=f"{surface}:{failure.where}",
+            reason=f"SCOUT's own {failure.where} raised {failure.kind}: {failure.message}; the check was skipped "
+                   "on every rank and training continued",
+            evidence={"exception": failure.kind, "message": failure.message, "traceback": failure.traceback},
         ))
-

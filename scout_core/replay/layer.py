@@ -38,13 +38,16 @@ class ShippedCall:
     requires_grad: list[bool]
     grad_outputs: dict[int, torch.Tensor]
     rng: dict[str, torch.Tensor]
+    on_host: list[bool] | None = None
+    """Per tensor, whether it lives on the host (set for saved calls; a live call's tensors say it themselves)."""
 
 
 def call_meta(captured: Captured, providers: Mapping[str, RngProvider]) -> dict[str, Any]:
-    """What the source announces before the tensors: structure, shapes, dtypes, RNG (small, picklable)."""
+    """What the source announces before the tensors: structure, shapes, dtypes, devices (host or the
+    layer's), RNG (small, picklable)."""
     return {
         "spec": captured.spec,
-        "tensors": [(tuple(t.shape), t.dtype) for t in captured.tensors],
+        "tensors": [(tuple(t.shape), t.dtype, t.device.type == "cpu") for t in captured.tensors],
         "mask": list(captured.requires_grad),
         "grads": {i: (tuple(g.shape), g.dtype) for i, g in sorted(captured.grad_outputs.items())},
         "rng": dict(capture_rng(providers)),
@@ -59,14 +62,16 @@ def receive_buffers(meta: dict[str, Any], captured: Captured | None, device: tor
         tensors = [t.contiguous() for t in captured.tensors]
         grads = {i: captured.grad_outputs[i].contiguous() for i in meta["grads"]}
     else:
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta["tensors"]]
+        tensors = [torch.empty(shape, dtype=dtype, device="cpu" if on_host else device)
+                   for shape, dtype, on_host in meta["tensors"]]
         grads = {i: torch.empty(shape, dtype=dtype, device=device) for i, (shape, dtype) in meta["grads"].items()}
     return ShippedCall(tensors, meta["spec"], meta["mask"], grads, meta["rng"])
 
 
-def broadcast_call(call: ShippedCall, src: int, group: Any) -> None:
+def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> None:
+    """Device tensors on the peers' device group, host tensors (a CPU ``max_seqlen``, positions) on gloo."""
     for t in [*call.tensors, *call.grad_outputs.values()]:
-        dist.broadcast(t, src=src, group=group)
+        dist.broadcast(t, src=src, group=host_group if t.device.type == "cpu" else group)
 
 
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[Any, float | None, Any]:
@@ -84,7 +89,7 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) ->
         FSDPModule = ()  # type: ignore[assignment]  # noqa: N806
     if FSDPModule and owner is not None and isinstance(owner, FSDPModule):
         # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
-        dist.barrier()
+        dist.barrier(group=_gather_group(owner))
         start = time.perf_counter()
         owner.unshard()
         sync(list(layer.parameters()))
@@ -92,7 +97,9 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) ->
     if FSDPModule and isinstance(layer, FSDPModule):
         params = list(layer.parameters())
         sync(params)
-        dist.barrier()  # start together, or one late rank's earlier delay shows up as this gather's time
+        # Start together, or one late rank's earlier delay shows up as this gather's time. The barrier is on
+        # the all-gather's own group: other peer groups (pipeline stages) replay other modules meanwhile.
+        dist.barrier(group=_gather_group(layer))
         start = time.perf_counter()
         layer.unshard()
         sync(list(layer.parameters()))
@@ -100,6 +107,18 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) ->
         cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
         return cls.forward.__get__(layer), gather_s, layer.reshard
     return layer, None, None
+
+
+def _gather_group(module: torch.nn.Module) -> Any:
+    """The process group FSDP2 all-gathers ``module``'s parameters over (its mesh's shard dimension)."""
+    for p in module.parameters():
+        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+        if mesh is None:
+            continue
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        return mesh.get_group(next(d for d, pl in enumerate(placements) if pl.is_shard()))
+    return None
 
 
 def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedCall, *,
@@ -118,6 +137,26 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
     params = [p for p in layer.parameters() if p.requires_grad]
     to_sign: list[tuple[str, list[torch.Tensor]]] = []
     times = []
+    # Running statistics (BatchNorm), counters and caches are training state: replay in train mode would
+    # advance them three times, so they are put back exactly as they were.
+    saved_buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+    try:
+        _replay_variants(forward, params, call, variants, providers, deterministic, name, to_sign, times)
+    finally:
+        with torch.no_grad():
+            for b, saved in saved_buffers:
+                b.copy_(saved)
+    if compare_param_state:
+        state = [p.detach() for p in params] + [b for b in layer.buffers() if b.is_floating_point()]
+        to_sign.append((f"{name}.param_state", state))
+    # The variants are the same work at different scales, so the fastest of them is the compute time:
+    # a slow device is slow in every variant, a scheduler hiccup on a loaded host delays one of them.
+    return surfaces + _signed(to_sign), min(times)
+
+
+def _replay_variants(forward: Any, params: list[torch.Tensor], call: ShippedCall, variants: Sequence[float],
+                     providers: Mapping[str, RngProvider], deterministic: bool, name: str,
+                     to_sign: list[tuple[str, list[torch.Tensor]]], times: list[float]) -> None:
     for v in variants:
         with replay_rng_scope(call.rng, providers, deterministic=deterministic):
             inputs = []
@@ -148,12 +187,6 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
         p_grads = [g for g in grads[n_in:] if g is not None]
         if p_grads:
             to_sign.append((f"{tag}.grad_param", p_grads))
-    if compare_param_state:
-        state = [p.detach() for p in params] + [b for b in layer.buffers() if b.is_floating_point()]
-        to_sign.append((f"{name}.param_state", state))
-    # The variants are the same work at different scales, so the fastest of them is the compute time:
-    # a slow device is slow in every variant, a scheduler hiccup on a loaded host delays one of them.
-    return surfaces + _signed(to_sign), min(times)
 
 
 def _grad_for(saved: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

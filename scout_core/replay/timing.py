@@ -1,0 +1,174 @@
+"""Communication timing of replay (paper sections 6.1 and 6.1.2): who is slow, a rank, a group or a machine.
+
+Communication time belongs to a synchronizing group, never to one member (paper
+Figure 2c). :class:`CommTiming` keeps what the judgement needs across rounds:
+
+* a group spanning every peer is compared with its own clean history
+  (:meth:`CommTiming.group_slowdown`), because no peer is an outlier when every
+  peer waits for the slow one;
+* under HSDP a training-shaped reduce-scatter (shard group) and replica
+  all-reduce are timed for every rank (:func:`time_hsdp_collectives`), slow
+  groups of each dimension are found across groups, and their intersection names
+  a machine (:meth:`CommTiming.cross_group`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scout_core.consensus import C3Result, C3Status, StatisticalRule
+from scout_core.replay.layer import sync
+from scout_core.topology import GroupTiming, localize_slow_groups
+
+__all__ = ["BASELINE_ROUNDS", "CommTiming", "mesh_groups", "time_hsdp_collectives"]
+
+BASELINE_ROUNDS = 5
+"""Clean communication rounds a group needs before its own history can call it slow."""
+
+
+class CommTiming:
+    """Communication judgements of one rank's replay engine, identical on every peer."""
+
+    def __init__(self, rule: StatisticalRule, confirm_rounds: int, *, world_control: Any,
+                 hosts: Mapping[int, str]) -> None:
+        self.rule = rule
+        self.confirm_rounds = confirm_rounds
+        self.world_control = world_control
+        self.hosts = dict(hosts)
+        self.baseline: deque[float] = deque(maxlen=10)  # group medians of recent clean rounds
+        self.slow_group_rounds = 0
+        self.loc_rounds = 0
+        self._last_loc: Any = None
+
+    def scratch_all_reduce(self, layer: torch.nn.Module, group: Any, repeats: int = 3) -> float:
+        """Time a training-shaped all-reduce (the sampled layer's gradient size) on a scratch tensor.
+
+        The fastest of ``repeats`` runs: a slow link or endpoint is slow every time, while a
+        scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and
+        drops the second.
+        """
+        params = [p for p in layer.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params) or 1
+        scratch = torch.zeros(numel, dtype=params[0].dtype if params else torch.float32,
+                              device=params[0].device if params else "cpu")
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=group)  # start together: the time is the collective's, not arrival skew
+            sync(params)
+            start = time.perf_counter()
+            dist.all_reduce(scratch, group=group)
+            sync(params)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    def cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any) -> Any:
+        """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2).
+
+        One world all-gather of every rank's two timings; a group's time is its slowest
+        member's (a synchronizing collective ends with it); statistical C3 across the groups
+        of one dimension marks slow groups. The same verdict in consecutive rounds confirms it.
+        """
+        world = dist.get_world_size()
+        timings: list[Any] = [None] * world
+        dist.all_gather_object(timings, (t_rs, t_ar), group=self.world_control)
+        shard_groups = _all_groups(shard_pg, self.world_control)
+        repl_groups = _all_groups(repl_pg, self.world_control)
+        observations = []
+        for dim, groups, col in (("shard", shard_groups, 0), ("replica", repl_groups, 1)):
+            group_times = [max(timings[r][col] for r in g) for g in groups]
+            res = self.rule(group_times, peer_ranks=list(range(len(groups))), surface=f"replay.{dim}_comm_s")
+            observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
+        hosts = {r: self.hosts.get(r, "?") for r in range(world)}
+        loc = localize_slow_groups(observations, hosts)
+        key = (loc.scope, loc.ranks, loc.hosts)
+        if loc.scope == "none":
+            self.loc_rounds, self._last_loc = 0, None
+            return None
+        self.loc_rounds = self.loc_rounds + 1 if key == self._last_loc else 1
+        self._last_loc = key
+        return loc
+
+    def group_slowdown(self, comm: C3Result) -> bool:
+        """Temporal reference for what spatial consensus cannot see: the whole group slower.
+
+        A collective spanning every peer makes every peer wait for a slow member, so
+        no peer is an outlier. The group's median is compared with the distribution of
+        its own clean rounds by the same robust rule as the spatial one (median plus
+        kappa robust sigmas of the history, with the ratio and absolute floors): a
+        noisy history widens the threshold instead of producing verdicts. It needs
+        ``BASELINE_ROUNDS`` clean rounds first and is confirmed over the same number
+        of consecutive rounds as stragglers.
+        """
+        median = float(comm.reference)
+        history = sorted(self.baseline)
+        slow = False
+        if len(history) >= BASELINE_ROUNDS:
+            base = history[len(history) // 2]
+            deviations = sorted(abs(h - base) for h in history)
+            scale = max(deviations[len(deviations) // 2] * 1.4826, self.rule.mad_floor_fraction * base)
+            threshold = max(base + self.rule.kappa * scale, base * self.rule.min_ratio, base + self.rule.min_delta)
+            slow = median > threshold
+        if slow:
+            self.slow_group_rounds += 1
+        else:
+            self.slow_group_rounds = 0
+            if comm.status is C3Status.AGREE:
+                self.baseline.append(median)
+        return self.slow_group_rounds >= self.confirm_rounds
+
+
+def mesh_groups(layer: torch.nn.Module) -> tuple[Any, Any] | None:
+    """(shard group, replica group) of an HSDP-managed layer's parameters, else None."""
+    for p in layer.parameters():
+        mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
+        if mesh is None or mesh.ndim != 2:
+            return None
+        shard = [d for d, pl in enumerate(placements) if pl.is_shard()]
+        repl = [d for d, pl in enumerate(placements) if pl.is_replicate()]
+        if len(shard) == 1 and len(repl) == 1:
+            return mesh.get_group(shard[0]), mesh.get_group(repl[0])
+    return None
+
+
+_GROUPS_OF: dict[Any, list[list[int]]] = {}
+
+
+def _all_groups(pg: Any, control: Any) -> list[list[int]]:
+    """Every group of the same dimension as ``pg`` (one world all-gather of memberships, then cached)."""
+    if pg not in _GROUPS_OF:
+        mine = sorted(dist.get_process_group_ranks(pg))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine, group=control)
+        _GROUPS_OF[pg] = [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]
+    return _GROUPS_OF[pg]
+
+
+def time_hsdp_collectives(layer: torch.nn.Module) -> tuple[float, float, Any, Any] | None:
+    """HSDP: a training-shaped reduce-scatter (shard group) then replica all-reduce, on scratch tensors."""
+    groups = mesh_groups(layer)
+    if groups is None:
+        return None
+    shard_pg, repl_pg = groups
+    params = list(layer.parameters())
+    n_shards = dist.get_world_size(shard_pg)
+    per_shard = -(-sum(p.numel() for p in params) // n_shards)
+    local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
+    full = torch.zeros(per_shard * n_shards, dtype=local.dtype, device=local.device)
+    shard = torch.zeros(per_shard, dtype=local.dtype, device=local.device)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    dist.barrier(group=shard_pg)  # the group starts together: times belong to the collectives
+    start = time.perf_counter()
+    reduce_scatter(shard, full, group=shard_pg)
+    sync([local])
+    t_rs = time.perf_counter() - start
+    dist.barrier(group=repl_pg)
+    start = time.perf_counter()
+    dist.all_reduce(shard, group=repl_pg)
+    sync([local])
+    return t_rs, time.perf_counter() - start, shard_pg, repl_pg
