@@ -120,10 +120,10 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
 
     import torch.distributed as dist
 
+    from scout_core.adapter import discover_layers
     from scout_core.progress.hooks import (
         ProgressTracker,
         install_collective_hooks,
-        repeated_layers,
         uninstall_collective_hooks,
     )
     from scout_core.progress.record import create_record
@@ -158,7 +158,7 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
         k = i % 2  # the model that carries the hooks this round
         plain_it = iter(range(1))
         if hooked:
-            tracker.install_module_hooks(repeated_layers([torch.nn.Sequential(models[k][1])]), backward=backward)
+            tracker.install_module_hooks(discover_layers([torch.nn.Sequential(models[k][1])])[0], backward=backward)
             tracker.install_optimizer_hooks([opts[k]])
             hooked_it = iter(tracker.wrap_dataloader(range(1)))
         else:
@@ -183,7 +183,7 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
         base.append(b)
         aa.append(round_(i, False)[0])
     before = tracker.op_id
-    tracker.install_module_hooks(repeated_layers([torch.nn.Sequential(models[0][1])]), backward=backward)
+    tracker.install_module_hooks(discover_layers([torch.nn.Sequential(models[0][1])])[0], backward=backward)
     tracker.install_optimizer_hooks([opts[0]])
     install_collective_hooks(tracker)
     step(0, data[0], iter(tracker.wrap_dataloader(range(1))))

@@ -4,8 +4,10 @@ A job's default group may be NCCL only; SCOUT's control traffic (flags,
 object all-gathers of evidence, metadata) needs host tensors, so it gets its
 own gloo groups. Replay's data (captured activations, broadcast from a source
 peer) stays on the device, so it travels on a peer group of the job's own
-backend. Every group here is SCOUT's: its collectives never interleave with
-the training job's on one communicator.
+backend: SCOUT's own subgroup when there are several peer groups, the job's
+default group when one group spans every rank (a second communicator of every
+rank would cost device memory for nothing; SCOUT's calls on it come from the
+training thread, between the job's own, in the same order on every rank).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from scout_core.adapter import FrameworkAdapter, torch_adapter
 from scout_core.config import ScoutConfig, TopologyConfig, validate
 from scout_core.groups import build_groups
 from scout_core.handle import ScoutHandle
+from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
 from scout_core.report import Incident, JsonlSink, LoggingSink, Reporter
 from scout_core.topology import peer_groups as peer_groups_of_shape
@@ -65,13 +66,6 @@ def _resolve_peer_groups(adapter: FrameworkAdapter, topology: TopologyConfig, wo
     if flat != list(range(world)):
         raise ValueError(f"peer groups must partition ranks 0..{world - 1} exactly once, got {groups}")
     return groups
-
-
-def _device_of(chunks: Sequence[torch.nn.Module]) -> str:
-    for chunk in chunks:
-        for p in chunk.parameters():
-            return str(p.device)
-    return "cpu"
 
 
 def enable(
@@ -118,7 +112,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         # One start-up exchange while the job is healthy: hosts, devices, run id, the control store's port.
         store_port = cfg.observer.store_port or (_free_port() if rank == 0 else 0)
         mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(), "addr": socket.gethostname(),
-                "device": _device_of(adapter.chunks),
+                "device": str(device_of(adapter.chunks[0])),
                 "run_id": cfg.report.run_id or uuid.uuid4().hex[:12], "port": store_port}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)

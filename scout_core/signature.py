@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FOLD_WORDS", "Signed", "fold", "sign_many", "signature", "signed"]
+__all__ = ["FOLD_WORDS", "Signed", "fold", "local_tensor", "sign_many", "signature", "signed"]
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a tensor (the shard of a DTensor): what this rank signs, copies and restores."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
 
 FOLD_WORDS = 512
 """Upper bound on the number of 64-bit words the device fold produces."""
@@ -132,7 +138,7 @@ def sign_many(tensors: Sequence[torch.Tensor]) -> list[Signed]:
     if not tensors:
         return []
     # A DTensor is signed by its rank-local shard: what this rank holds and computes with.
-    tensors = [t.to_local() if callable(getattr(t, "to_local", None)) else t for t in tensors]
+    tensors = [local_tensor(t) for t in tensors]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):

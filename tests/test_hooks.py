@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from scout_core.adapter import discover_layers
 from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.progress.hooks import (
     ProgressTracker,
     install_collective_hooks,
-    repeated_layers,
     uninstall_collective_hooks,
 )
 from scout_core.progress.record import Phase
@@ -49,6 +49,22 @@ def test_repeated_layers_are_modulelist_children():
     assert repeated_layers([net]) == list(net.layers)
     lone = torch.nn.Linear(2, 2)
     assert repeated_layers([lone]) == [lone]
+
+
+def test_nested_module_lists_belong_to_their_block():
+    class MoEBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(MoEBlock() for _ in range(3))
+
+    m = Model()
+    layers, names = discover_layers([m])  # the experts' list is inside a block: not a layer of its own
+    assert layers == list(m.layers) and names == ["layers.0", "layers.1", "layers.2"]
 
 
 def test_one_training_step_publishes_every_boundary_in_order():
@@ -179,3 +195,7 @@ def test_ddp_comm_hook_publishes_buckets_and_keeps_gradients():
     for v in result.values():
         assert v["same"]
         assert v["ops"] and set(v["ops"]) == {"ddp_bucket_all_reduce"}
+
+
+def repeated_layers(chunks):
+    return discover_layers(chunks)[0]

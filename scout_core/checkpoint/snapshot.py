@@ -24,13 +24,9 @@ from typing import Any
 
 import torch
 
+from scout_core.signature import local_tensor
+
 __all__ = ["SnapshotEngine", "local_tensor", "restore_state"]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local data of a tensor (the shard of a DTensor)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -77,7 +73,14 @@ class SnapshotEngine:
     # -- capture ------------------------------------------------------------------------------
 
     def _sources(self) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
-        models = [{k: local_tensor(v) for k, v in chunk.state_dict().items()} for chunk in self.chunks]
+        models = []
+        for chunk in self.chunks:
+            # Buffers change in the next forward (running statistics, DDP's buffer broadcast) while the
+            # background copy may still run, so they are copied now; parameters and optimizer state change
+            # only at the next optimizer step, which waits for the copy.
+            buffers = {name for name, _ in chunk.named_buffers()}
+            models.append({k: (local_tensor(v).clone() if k in buffers else local_tensor(v))
+                           for k, v in chunk.state_dict().items()})
         optims = []
         for opt in self.optimizers:
             sd = opt.state_dict()  # references to live state tensors; param ids are indices

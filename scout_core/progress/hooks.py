@@ -37,7 +37,7 @@ from scout_core.progress.fingerprint import SUPPORTED_OPS, CollectiveFingerprint
 from scout_core.progress.record import Phase, ProgressRecord
 from scout_core.replay.calls import tensor_leaves
 
-__all__ = ["ProgressTracker", "install_collective_hooks", "uninstall_collective_hooks", "repeated_layers", "unobserved"]
+__all__ = ["ProgressTracker", "install_collective_hooks", "uninstall_collective_hooks", "unobserved"]
 
 _THREAD = threading.local()
 
@@ -210,20 +210,6 @@ class ProgressTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-def repeated_layers(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The repeated blocks of each model chunk: children of its ``nn.ModuleList``s.
-
-    Falls back to the chunk itself when it has no ``ModuleList`` (a single block
-    still gives forward/backward boundaries).
-    """
-    out: list[torch.nn.Module] = []
-    for chunk in chunks:
-        lists = [m for m in chunk.modules() if isinstance(m, torch.nn.ModuleList)]
-        found = [child for ml in lists for child in ml.children()]
-        out.extend(found or [chunk])
-    return out
 
 
 # -- torch.distributed wrappers (process-wide, reference counted) ----------------------------------

@@ -44,6 +44,7 @@ from scout_core.replay.layer import (
     ShippedCall,
     broadcast_call,
     call_meta,
+    device_of,
     materialize,
     receive_buffers,
     replay_layer,
@@ -263,7 +264,7 @@ class ReplayEngine:
         def buffers() -> None:
             for _, idx in due:
                 if metas.get(idx) is not None:
-                    calls[idx] = receive_buffers(metas[idx], captured.get(idx), _device_of(self.layers[idx]),
+                    calls[idx] = receive_buffers(metas[idx], captured.get(idx), device_of(self.layers[idx]),
                                                  self.rank == src)
 
         guard.run("receive buffers", buffers)
@@ -373,7 +374,7 @@ class ReplayEngine:
                 work.append((self.extra[recipe], call))
         evidence: list[tuple[str, Any]] = []
         for idx, call in work:
-            device = _device_of(self.layers[idx])
+            device = device_of(self.layers[idx])
             moved = self.guard.run("sweep inputs", lambda call=call, device=device: _to_device(call, device))
             if moved is not None:
                 evidence += self._replay_recipe(idx, moved)[0]
@@ -494,14 +495,6 @@ def _to_device(call: ShippedCall, device: torch.device) -> ShippedCall:
     on_host = call.on_host or [False] * len(call.tensors)
     return ShippedCall([move(t, h) for t, h in zip(call.tensors, on_host, strict=True)], call.spec,
                        call.requires_grad, {i: move(g) for i, g in call.grad_outputs.items()}, call.rng)
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:

@@ -26,7 +26,7 @@ from scout_core.replay.capture import Captured
 from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
 from scout_core.signature import sign_many
 
-__all__ = ["ShippedCall", "broadcast_call", "call_meta", "materialize", "receive_buffers", "replay_layer"]
+__all__ = ["ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize", "receive_buffers", "replay_layer"]
 
 
 @dataclass
@@ -204,6 +204,15 @@ def _signed(groups: list[tuple[str, list[torch.Tensor]]]) -> list[tuple[str, Any
         sigs = [next(signed) for _ in ts]
         out.append((name, (tuple(s.signature for s in sigs), sum(s.nonfinite for s in sigs))))
     return out
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """Where a module computes: its first parameter's (or buffer's) device, else the host."""
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
 
 
 def sync(params: Sequence[torch.Tensor]) -> None:

@@ -24,16 +24,11 @@ from typing import Any
 
 import torch
 
-from scout_core.signature import sign_many
+from scout_core.signature import local_tensor, sign_many
 
 __all__ = ["OptimizerSlice"]
 
 _ALIGN = 64
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
 
 
 class OptimizerSlice:
@@ -47,11 +42,11 @@ class OptimizerSlice:
 
     def _choose(self) -> tuple[int, int, torch.Tensor, dict[str, Any]] | None:
         params = [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]
-                  if p.grad is not None and _local(p).numel() > 0]
+                  if p.grad is not None and local_tensor(p).numel() > 0]
         if not params:
             return None
         gi, p = params[self.turn % len(params)]
-        n = _local(p).numel()
+        n = local_tensor(p).numel()
         span = min(self.slice_elems, n)
         slots = max(1, (n - span) // _ALIGN + 1)
         offset = ((self.turn // len(params)) % slots) * _ALIGN
@@ -66,18 +61,18 @@ class OptimizerSlice:
             self.pending = None
             return
         gi, offset, p, group = chosen
-        span = min(self.slice_elems, _local(p).numel())
+        span = min(self.slice_elems, local_tensor(p).numel())
         sl = slice(offset, offset + span)
-        flat = _local(p).reshape(-1)
+        flat = local_tensor(p).reshape(-1)
         state = {}
         for k, v in self.optimizer.state.get(p, {}).items():
             if isinstance(v, torch.Tensor):
-                lv = _local(v)
+                lv = local_tensor(v)
                 state[k] = lv.reshape(-1)[sl].clone() if lv.numel() == flat.numel() else lv.clone()
             else:
                 state[k] = v
         self.pending = {
-            "param": p, "slice": sl, "value": flat[sl].clone(), "grad": _local(p.grad).reshape(-1)[sl].clone(),
+            "param": p, "slice": sl, "value": flat[sl].clone(), "grad": local_tensor(p.grad).reshape(-1)[sl].clone(),
             "state": state, "hyper": {k: v for k, v in group.items() if k != "params"},
         }
 
@@ -87,7 +82,7 @@ class OptimizerSlice:
         pending, self.pending = self.pending, None
         if pending is None:
             return []
-        live = _local(pending["param"]).reshape(-1)[pending["slice"]].clone()
+        live = local_tensor(pending["param"]).reshape(-1)[pending["slice"]].clone()
         clone = torch.nn.Parameter(pending["value"].clone())
         clone.grad = pending["grad"].clone()
         # Build with what the constructor accepts, then copy the group verbatim: optimizers keep
