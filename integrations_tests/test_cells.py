@@ -157,15 +157,12 @@ def test_machine_lost_cell_fails_without_the_peer_replica_fetch(monkeypatch):
 
 
 def test_replay_error_cell_fails_when_a_diagnosis_error_reaches_training(monkeypatch):
-    import contextlib
-
     from scout_core.replay.guard import DiagnosisGuard
 
-    @contextlib.contextmanager
-    def unguarded(self, where):  # a guard that lets SCOUT's exception escape into the training step
-        yield
+    def unguarded(self, where, fn):  # a guard that lets SCOUT's exception escape into the training step
+        return fn()
 
-    monkeypatch.setattr(DiagnosisGuard, "stage", unguarded)
+    monkeypatch.setattr(DiagnosisGuard, "run", unguarded)
     (report,) = run_cells([SPECS["replay-error-isolated"]], root=ROOT)
     assert report.verdict == "FAIL" and "with SCOUT" in report.details
 

@@ -82,9 +82,9 @@ class ObserverConfig:
     silence_threshold_s: float = _range(60.0, gt=0)
     """Seconds without visible progress before observers compare records."""
     first_step_silence_s: float = _range(300.0, gt=0)
-    """Silence tolerated during the first steps of a started or resumed job (lazy initialization, compilation
-    and communicator set-up make them far longer than the others; at most two steps); the larger of this
-    and the threshold applies."""
+    """Silence tolerated during the first step of a started or resumed job (lazy initialization, compilation
+    and communicator set-up make it far longer than the others); the larger of this and the threshold
+    applies."""
     gather_timeout_s: float = _range(10.0, gt=0)
     """How long an observer waits for its peers' evidence; peers silent past it are named lost."""
     store_addr: str = ""

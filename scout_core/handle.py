@@ -170,7 +170,8 @@ class ScoutHandle:
             Certifier(recipes_per_cycle=k, static=k == 1), memory=memory, control_group=self.groups.world_control,
             replicate=cfg.checkpoint.replicate_to_peer, decisions_path=os.path.join(directory, "decisions.jsonl"),
             keep_generations=cfg.checkpoint.keep_generations,
-            on_error=lambda exc, where: self.guard.report(self._step(), "checkpoint", exc, where))
+            on_error=lambda exc, where: self.guard.report(self._step(), "checkpoint", exc, where),
+            extra_later=a.get_state is not None)
 
     def install_step_hooks(self) -> None:
         opts = self.adapter.optimizers
@@ -294,7 +295,7 @@ class ScoutHandle:
         cert = self.checkpoint.certifier
         cert.latest, cert.verified, cert.candidate, cert.q = trust["latest"], trust["verified"], None, 0
         if self.tracker is not None:
-            self.tracker.step = int(snap["step"])
+            self.tracker.resume_at = int(snap["step"])
 
     # -- training-loop boundaries -------------------------------------------------------------------
 

@@ -262,3 +262,52 @@ def test_small_shm_falls_back_to_disk_and_says_so(tmp_path, monkeypatch, caplog)
     monkeypatch.setattr(os, "statvfs", lambda _p: type("Big", (), {"f_bavail": 2**30, "f_frsize": 4096})())
     slots2.ensure_space(10 * 2**20, copies=2)
     assert slots2.fell_back == "" and slots2.root == str(tmp_path / "shm2")
+
+
+def _resume_equals_uninterrupted(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import batches, start_rank
+    from scout_core.config import load
+    from scout_core.signature import sign_many
+
+    a, _, par, opt = start_rank(ctx)
+    if a["phase"] == "resumed":  # other initial weights: everything must come from the snapshot
+        with torch.no_grad():
+            for p in par.model.parameters():
+                p.add_(1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    d = a["dir"]
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
+                      f"checkpoint.directory={d}/{a['phase'] != 'uninterrupted'}",
+                      f"checkpoint.memory_dir={d}/shm-{a['phase'] != 'uninterrupted'}", "report.log_level=ERROR"])
+    handle = scout_core.enable(par.model, opt, config=cfg, state={"scheduler": sched})
+    start = handle.resume().next_step
+    lrs = []
+    data = list(batches(ctx.rank, 6))
+    for x, y in handle.wrap_dataloader(data[start:a["stop_after"]]):
+        torch.nn.functional.mse_loss(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()  # after the optimizer step, as every training loop does
+        lrs.append(opt.param_groups[0]["lr"])
+    handle.close(discard_snapshots=a["phase"] != "interrupted")
+    return {"start": start, "lrs": lrs, "params": [s.signature for s in sign_many(
+        [p.detach() for p in par.model.parameters()])], "adam": [s.signature for s in sign_many(
+        [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)])]}
+
+
+def test_resumed_job_continues_bitwise_like_an_uninterrupted_one(tmp_path):
+    args = {"faults": [], "seed": 0, "layout": "ddp", "dir": str(tmp_path)}
+    whole = launch(_resume_equals_uninterrupted, 2, timeout_s=120,
+                   args={**args, "phase": "uninterrupted", "stop_after": 6})
+    first = launch(_resume_equals_uninterrupted, 2, timeout_s=120, args={**args, "phase": "interrupted",
+                                                                            "stop_after": 4})
+    second = launch(_resume_equals_uninterrupted, 2, timeout_s=120, args={**args, "phase": "resumed",
+                                                                             "stop_after": 6})
+    for r in (whole, first, second):
+        assert r.ok, r.failures()
+    for w, f, s in zip(whole.values(), first.values(), second.values()):
+        assert s["start"] == 4
+        assert f["lrs"] + s["lrs"] == w["lrs"]  # the scheduler resumed where it was after step 4
+        assert s["params"] == w["params"] and s["adam"] == w["adam"]

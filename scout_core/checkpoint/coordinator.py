@@ -69,6 +69,7 @@ class CheckpointCoordinator:
         decisions_path: str | None = None,
         keep_generations: int = 3,
         on_error: Callable[[BaseException, str], None] | None = None,
+        extra_later: bool = False,
     ) -> None:
         self.engine = engine
         self.store = store
@@ -85,6 +86,7 @@ class CheckpointCoordinator:
         self.decisions_path = decisions_path
         self.keep = keep_generations
         self.on_error = on_error
+        self.extra_later = extra_later  # the caller's state is added at the end of the step (engine.complete_extra)
         self._bg: threading.Thread | None = None
         self._bg_error: BaseException | None = None
         self._lock = threading.Lock()  # _bg_error is written by the background thread
@@ -126,7 +128,7 @@ class CheckpointCoordinator:
     def _capture(self, step: int) -> bool:
         if self.engine.captures == 0:
             self.memory.ensure_space(self.engine.state_bytes(), copies=1 + len(self.sources))
-        self.engine.capture(step)
+        self.engine.capture(step, extra_later=self.extra_later)
         return True
 
     def _guarded(self, where: str, fn: Callable[[], Any]) -> Any:

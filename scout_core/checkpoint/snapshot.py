@@ -68,6 +68,7 @@ class SnapshotEngine:
         self._lock = threading.RLock()
         self._extra: dict[str, Any] = {}
         self._extra_ready: threading.Event | None = None
+        self._late_groups: list[Any] | None = None
         self._hooks = [opt.register_step_pre_hook(lambda *_: self._wait_blocking()) for opt in self.optimizers]
 
     # -- capture ------------------------------------------------------------------------------
@@ -106,6 +107,7 @@ class SnapshotEngine:
             rng[name] = get()
         extra = copy.deepcopy(self.get_extra()) if self.get_extra else {}
         self._extra = extra
+        self._late_groups = None
         self._extra_ready = threading.Event()
         if not extra_later:
             self._extra_ready.set()
@@ -173,10 +175,15 @@ class SnapshotEngine:
         self.blocking_s += time.perf_counter() - start
 
     def complete_extra(self, values: dict[str, Any]) -> None:
-        """Add the caller's final state to the capture in flight (a deep copy: training goes on)."""
+        """Add the caller's final state to the capture in flight (a deep copy: training goes on).
+
+        The optimizers' hyperparameters are taken again too: an LR scheduler writes the next step's
+        learning rate into the param groups after the optimizer step the tensors were captured at.
+        """
         if self._extra_ready is None or self._extra_ready.is_set():
             return
         self._extra.update(copy.deepcopy(values))
+        self._late_groups = [copy.deepcopy(opt.state_dict()["param_groups"]) for opt in self.optimizers]
         self._extra_ready.set()
 
     def result(self) -> dict[str, Any]:
@@ -185,6 +192,10 @@ class SnapshotEngine:
             self._extra_ready.wait()
         with self._lock:
             self._wait()
+            if self._late_groups is not None and self._result is not None:
+                for saved, groups in zip(self._result["optim"], self._late_groups, strict=True):
+                    saved["param_groups"] = groups
+                self._late_groups = None
             if self._result is None:
                 raise RuntimeError("no snapshot captured yet (or already released)")
             return self._result

@@ -69,6 +69,9 @@ class ProgressTracker:
         self._local = threading.local()
         self._handles: list[Any] = []
         self.closed = False  # set by remove_hooks(): nothing may publish into a closed record
+        self.resume_at: int | None = None
+        """A resumed job's restored step: published from its first completed step on (until then the
+        record says step 0, the observer's warm-up, whatever the restored step)."""
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -84,6 +87,8 @@ class ProgressTracker:
 
     def step_done(self) -> None:
         with self._lock:
+            if self.resume_at is not None:
+                self.step, self.resume_at = self.resume_at, None
             self.step += 1
             self.op_id += 1
             self.record.publish(self.step, self.op_id, Phase.STEP_END)

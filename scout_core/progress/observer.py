@@ -154,18 +154,15 @@ class _Observer:
     def _loop(self) -> None:
         assert self.record is not None
         diagnosed_seq = -1
-        # Lazy init, compilation and communicator set-up make the first step of a (re)started job long.
-        # The longer allowance holds during the first two step values seen: 0 and 1 on a fresh job,
-        # 0 (enable) and the restored step on a resumed one; never for more than two steps.
-        warmup_steps: list[int] = []
         while True:
             if not pid_alive(self.spec.trainer_pid):
                 return
             snap = self.record.read()
-            if len(warmup_steps) < 2 and snap.step not in warmup_steps:
-                warmup_steps.append(snap.step)
             threshold = self.spec.silence_threshold_s
-            if snap.step in warmup_steps:
+            # Lazy init, compilation and communicator set-up make the first step of a (re)started job long.
+            # The trainer publishes step 0 until its first step completes, a resumed one too (see
+            # ProgressTracker.resume_at), so step 0 is the warm-up, however the observer samples.
+            if snap.step == 0:
                 threshold = max(threshold, self.spec.first_step_silence_s)
             silent = time.monotonic() - snap.t_publish
             if silent < threshold:
