@@ -351,8 +351,8 @@ def _snapshot_rank(ctx: Any) -> dict:
         peak_rss = max(peak_rss, _rss_bytes() - base_rss)
     if handle.checkpoint is not None:
         handle.checkpoint.flush()
-        shm = sum(os.path.getsize(os.path.join(handle.checkpoint.memory.dir, n))
-                  for n in handle.checkpoint.memory.slots())
+        memory = handle.checkpoint.memory  # the machine's folder: every local rank's slots
+        shm = sum(os.path.getsize(os.path.join(memory.dir, n)) for n in memory.slots()) / memory.local_ranks
     handle.close(discard_snapshots=True)
     return {"step_s": sum(times[5:]) / len(times[5:]), "state_bytes": state_bytes, "rss_delta": peak_rss,
             "shm_bytes": shm}
@@ -381,7 +381,7 @@ def bench_snapshot_ab(repeats: int) -> dict:
                     raise RuntimeError(res.failures())
                 pair[snapshots] = res.values()[0]
         ratios.append(pair[True]["step_s"] / pair[False]["step_s"] - 1.0)
-        rss.append(pair[True]["rss_delta"] / pair[True]["state_bytes"])
+        rss.append((pair[True]["rss_delta"] - pair[False]["rss_delta"]) / pair[True]["state_bytes"])
         shm.append(pair[True]["shm_bytes"] / pair[True]["state_bytes"])
     ratios.sort()
     return {"state_mb": round(pair[True]["state_bytes"] / 2**20, 1), "steps": steps, "cadence": 20,
@@ -511,7 +511,8 @@ def markdown(results: dict) -> str:
         f"2 ranks, capture + replica + durable write at cadence {ab['cadence']}, background included): median "
         f"(min..max) | {ab['overhead_median'] * 100:.2f} % ({ab['overhead_min'] * 100:.2f} .. "
         f"{ab['overhead_max'] * 100:.2f} %) | <= {ab['goal_overhead'] * 100:.0f} % ({met}) |",
-        f"| snapshot host memory per rank / its state: peak process RSS growth / RAM-backed slots at rest "
+        f"| snapshot host memory per rank / its state: peak process RSS growth beyond the run without "
+        f"snapshots / RAM-backed slots at rest "
         f"| {ab['rss_peak_over_state']:.2f}x / {ab['shm_at_rest_over_state']:.2f}x | - |",
     ]
     rp = results["replay"]

@@ -131,22 +131,19 @@ def _phase_a(ctx: RankContext) -> dict[str, Any]:
 def _install_persist_kill(handle: Any, injector: Injector, rank: int) -> None:
     """recovery-kill-during-persist: SIGKILL this rank half-way through writing a durable shard."""
     store = handle.checkpoint.store
-    real_write = store.write
+    real_write = store.write_file
 
-    def write(generation: int, snap: dict[str, Any], role: str = "candidate") -> str:
+    def write_file(generation: int, source: str, role: str = "candidate") -> str:
         if injector.armed("checkpoint.persist", "kill", rank=rank, step=generation):
-            import io
-
             shard = os.path.join(store.root, f"gen-{generation:09d}", f"rank-{rank:05d}.pt")
             os.makedirs(os.path.dirname(shard), exist_ok=True)
-            buf = io.BytesIO()
-            torch.save(snap, buf)
-            with open(shard + f".tmp-{os.getpid()}", "wb") as fh:
-                fh.write(buf.getvalue()[: len(buf.getvalue()) // 2])  # half a shard, then the machine dies
+            with open(source, "rb") as src, open(shard + f".tmp-{os.getpid()}", "wb") as fh:
+                data = src.read()
+                fh.write(data[: len(data) // 2])  # half a shard, then the machine dies
             injector.kill("checkpoint.persist", rank=rank, step=generation)
-        return real_write(generation, snap, role)
+        return real_write(generation, source, role)
 
-    store.write = write  # type: ignore[method-assign]
+    store.write_file = write_file  # type: ignore[method-assign]
 
 
 def _phase_b(ctx: RankContext) -> dict[str, Any]:

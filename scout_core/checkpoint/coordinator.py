@@ -148,16 +148,17 @@ class CheckpointCoordinator:
         path = None
         try:
             if captured:
-                snap = self.engine.result()
-                path = self.memory.write_own(snap)
+                path = self.memory.write_own(self.engine.result())
         except BaseException as exc:  # noqa: BLE001 - surfaced on the training thread at the next boundary
             with self._lock:
                 self._bg_error = exc
+        finally:
+            self.engine.release()  # the state is in the slot now: one host copy less from here on
         try:
             if self.repl_group is not None:
                 self._replicate(path, step)  # always: a partner waits for our size, even "nothing"
             if path is not None and persist_role is not None:
-                self.store.write(step, snap, role=persist_role)
+                self.store.write_file(step, path, role=persist_role)  # the slot's bytes, not a re-serialization
             if promoted is not None and promoted != step:
                 self.store.set_role(promoted, "verified")
             if persist_role is not None:
@@ -168,8 +169,6 @@ class CheckpointCoordinator:
         except BaseException as exc:  # noqa: BLE001 - surfaced on the training thread at the next boundary
             with self._lock:
                 self._bg_error = exc
-        finally:
-            self.engine.release()  # the host copy is in the slot (and the store) now
 
     def _replicate(self, path: str | None, step: int) -> None:
         """Send our slot to our partner; receive those we keep. (size, step) first, then the bytes;

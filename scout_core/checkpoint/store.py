@@ -135,6 +135,32 @@ class DurableStore:
         atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())
         return shard
 
+    def write_file(self, generation: int, source: str, role: str = "candidate") -> str:
+        """Persist an already serialized shard (the in-memory slot file) by streaming its bytes: no second
+        serialization and no host copy of the state. Same crash safety as :meth:`write`."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        directory = self._gen_dir(generation)
+        os.makedirs(directory, exist_ok=True)
+        _fsync_dir(self.root)
+        shard, sidecar = self._paths(generation)
+        tmp = f"{shard}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            out = _HashingFile(fd)
+            with open(source, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    out.write(chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, shard)
+        _fsync_dir(directory)
+        meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,
+                "sha256": out.sha.hexdigest(), "bytes": out.bytes, "time_unix": time.time()}
+        atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())
+        return shard
+
     def set_role(self, generation: int, role: str) -> None:
         """Change this rank's recorded role of a generation (e.g. candidate -> verified), atomically."""
         if role not in ROLES:
