@@ -19,6 +19,7 @@ Every retrieval decision is written as a JSON line beside the store.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -141,6 +142,10 @@ class CheckpointCoordinator:
             return None
 
     def _background(self, step: int, captured: bool, persist_role: str | None, promoted: int | None) -> None:
+        # Lowest CPU priority for this thread only: serialization, hashing and replication use host cores
+        # the training threads would otherwise get (Linux schedules threads by their own nice value).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         with unobserved():  # SCOUT's own traffic: not the trainer's progress
             self._persist(step, captured, persist_role, promoted)
 
