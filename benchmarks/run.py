@@ -350,9 +350,11 @@ def _snapshot_rank(ctx: Any) -> dict:
         times.append(time.perf_counter() - start)
         peak_rss = max(peak_rss, _rss_bytes() - base_rss)
     if handle.checkpoint is not None:
-        handle.checkpoint.flush()
+        handle.flush()
+        torch.distributed.barrier()  # every rank's slots written before counting the machine's folder
         memory = handle.checkpoint.memory  # the machine's folder: every local rank's slots
         shm = sum(os.path.getsize(os.path.join(memory.dir, n)) for n in memory.slots()) / memory.local_ranks
+        torch.distributed.barrier()  # counted before any rank discards its slots
     handle.close(discard_snapshots=True)
     return {"step_s": sum(times[5:]) / len(times[5:]), "state_bytes": state_bytes, "rss_delta": peak_rss,
             "shm_bytes": shm}

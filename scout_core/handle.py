@@ -367,7 +367,7 @@ class ScoutHandle:
                 with contextlib.suppress(Exception):
                     self.checkpoint.flush()
                 if discard_snapshots:
-                    self.checkpoint.memory.remove_all()
+                    self.checkpoint.memory.remove_mine(self.checkpoint.sources)
             if self.snapshots is not None:
                 with contextlib.suppress(Exception):
                     self.snapshots.close()

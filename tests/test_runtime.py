@@ -308,6 +308,7 @@ def test_resumed_job_continues_bitwise_like_an_uninterrupted_one(tmp_path):
     for r in (whole, first, second):
         assert r.ok, r.failures()
     for w, f, s in zip(whole.values(), first.values(), second.values()):
-        assert s["start"] == 4
-        assert f["lrs"] + s["lrs"] == w["lrs"]  # the scheduler resumed where it was after step 4
+        # Usually step 4; earlier when a capture was skipped because the previous one was still being written.
+        assert 1 <= s["start"] <= 4
+        assert f["lrs"][:s["start"]] + s["lrs"] == w["lrs"]  # the scheduler resumed where it was at that step
         assert s["params"] == w["params"] and s["adam"] == w["adam"]

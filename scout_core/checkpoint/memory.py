@@ -24,9 +24,8 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -188,11 +187,17 @@ class MemorySlots:
         path = self._path(kind, owner, step)
         return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
 
-    def remove_all(self) -> None:
-        """Delete this machine's folders of the job (all ranks of the machine share them)."""
+    def remove_mine(self, replica_owners: Iterable[int]) -> None:
+        """Delete this rank's slot and the replicas it keeps; folders go once empty. Other ranks of the
+        machine share the folder and may still be writing: their slots are theirs to delete."""
+        owners = set(replica_owners)
+        for path, (kind, owner, _) in self._all_slots().items():
+            if (kind == "own" and owner == self.rank) or (kind == "replica" and owner in owners):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         for d in self._dirs():
-            shutil.rmtree(d, ignore_errors=True)
             with contextlib.suppress(OSError):
+                os.rmdir(d)
                 os.rmdir(os.path.dirname(d))
 
 
