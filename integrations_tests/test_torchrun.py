@@ -1,6 +1,6 @@
 """The real launcher: ``torchrun`` on 4 ranks trains HF-style models with every SCOUT feature on.
 
-For GPT-2-like blocks under DDP and Llama-like blocks under FSDP2 (``None``
+For GPT-2-like blocks under DDP and FSDP2 and Llama-like blocks under FSDP2 (``None``
 arguments, keyword tensors, rotary ``(cos, sin)`` tuples as keywords, tuple
 block outputs, dataclass model outputs, dropout):
 
@@ -37,7 +37,7 @@ def _finals(out: Path) -> list[dict]:
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
 
 
-@pytest.mark.parametrize(("model", "layout"), [("gpt2", "ddp"), ("llama", "fsdp2")])
+@pytest.mark.parametrize(("model", "layout"), [("gpt2", "ddp"), ("gpt2", "fsdp2"), ("llama", "fsdp2")])
 def test_torchrun_clean_run_is_bitwise_unchanged_and_silent(tmp_path, model, layout):
     plain = _torchrun(tmp_path / "plain", model=model, layout=layout)
     assert plain.returncode == 0, plain.stderr[-3000:]
