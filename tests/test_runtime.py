@@ -160,6 +160,7 @@ def _verdict_log(ctx: RankContext):
         torch.nn.functional.mse_loss(par.model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        handle.flush()  # each capture written before the next boundary: exact generations, no "busy" skip
         steps += 1
     decision = handle.last_decision
     handle.close(discard_snapshots=True)
