@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,23 +64,37 @@ class _HashingFile:
         pass
 
 
-def atomic_save(path: str, obj: Any) -> tuple[str, int]:
-    """``torch.save`` straight into a temporary file, fsync, rename, fsync the directory.
+def atomic_stream(path: str, emit: Callable[[_HashingFile], None]) -> tuple[str, int]:
+    """Write what ``emit`` streams into a temporary file, fsync, rename, fsync the directory.
 
-    Streams: no second in-memory copy of the serialized state. Returns (sha256, bytes).
+    No serialized copy is held in memory. Returns (sha256, bytes).
     """
     directory = os.path.dirname(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         out = _HashingFile(fd)
-        torch.save(obj, out)
+        emit(out)
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
     _fsync_dir(directory)
     return out.sha.hexdigest(), out.bytes
+
+
+def atomic_save(path: str, obj: Any) -> tuple[str, int]:
+    """``torch.save`` straight into a file, crash-safely (see :func:`atomic_stream`)."""
+    return atomic_stream(path, lambda out: torch.save(obj, out))
+
+
+def _copy_file(source: str) -> Callable[[_HashingFile], None]:
+    def emit(out: _HashingFile) -> None:
+        with open(source, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                out.write(chunk)
+
+    return emit
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -123,41 +137,24 @@ class DurableStore:
 
     def write(self, generation: int, state: dict[str, Any], role: str = "candidate") -> str:
         """Persist this rank's shard of ``generation`` crash-safely; return the shard path."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        directory = self._gen_dir(generation)
-        os.makedirs(directory, exist_ok=True)
-        _fsync_dir(self.root)
-        shard, sidecar = self._paths(generation)
-        sha, size = atomic_save(shard, state)
-        meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,
-                "sha256": sha, "bytes": size, "time_unix": time.time()}
-        atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())
-        return shard
+        return self._commit(generation, role, lambda out: torch.save(state, out))
 
     def write_file(self, generation: int, source: str, role: str = "candidate") -> str:
         """Persist an already serialized shard (the in-memory slot file) by streaming its bytes: no second
         serialization and no host copy of the state. Same crash safety as :meth:`write`."""
+        return self._commit(generation, role, _copy_file(source))
+
+    def _commit(self, generation: int, role: str, emit: Callable[[_HashingFile], None]) -> str:
+        """The shard first (temporary name, fsync, rename), then its sidecar: the sidecar is the commit."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         directory = self._gen_dir(generation)
         os.makedirs(directory, exist_ok=True)
         _fsync_dir(self.root)
         shard, sidecar = self._paths(generation)
-        tmp = f"{shard}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            out = _HashingFile(fd)
-            with open(source, "rb") as fh:
-                while chunk := fh.read(1 << 22):
-                    out.write(chunk)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, shard)
-        _fsync_dir(directory)
+        sha, size = atomic_stream(shard, emit)
         meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,
-                "sha256": out.sha.hexdigest(), "bytes": out.bytes, "time_unix": time.time()}
+                "sha256": sha, "bytes": size, "time_unix": time.time()}
         atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())
         return shard
 
