@@ -204,7 +204,12 @@ class ScoutHandle:
         caller's state joins the snapshot taken at the boundary, then a pending stop is carried out."""
         if self._settle_extra and self.snapshots is not None:
             self._settle_extra = False
-            state = self.adapter.get_state() if self.adapter.get_state else {}
+            state: dict[str, Any] = {}
+            try:
+                state = self.adapter.get_state() if self.adapter.get_state else {}
+            except Exception as exc:  # noqa: BLE001 - the snapshot must still complete, or persistence waits forever
+                self.guard.report(self._step(), "checkpoint", exc, "caller state for the snapshot")
+                state = {"unavailable": True}
             self.snapshots.complete_extra({"caller": state})
         if self._stop_code is not None and not self.stopped:
             if self.checkpoint is not None:
@@ -228,6 +233,7 @@ class ScoutHandle:
         """The boundary after each optimizer step (called by the hook; call it yourself if you have no
         optimizer to hook). Replay, certification, actions. Never raises into training except
         :class:`~scout_core.actions.ScoutStop` when ``actions.on_verdict`` is ``stop``."""
+        self.settle()  # a previous step's snapshot is complete before this boundary (manual callers too)
         if self.observer_pid is not None:
             self.check_observer()
         if self.replay is None:

@@ -182,9 +182,11 @@ class SnapshotEngine:
         """
         if self._extra_ready is None or self._extra_ready.is_set():
             return
-        self._extra.update(copy.deepcopy(values))
-        self._late_groups = [copy.deepcopy(opt.state_dict()["param_groups"]) for opt in self.optimizers]
-        self._extra_ready.set()
+        try:
+            self._extra.update(copy.deepcopy(values))
+            self._late_groups = [copy.deepcopy(opt.state_dict()["param_groups"]) for opt in self.optimizers]
+        finally:
+            self._extra_ready.set()  # never leave the persistence thread waiting
 
     def result(self) -> dict[str, Any]:
         """The last captured snapshot (waits for its copy and its caller state)."""

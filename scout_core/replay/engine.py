@@ -376,8 +376,9 @@ class ReplayEngine:
         for idx, call in work:
             device = device_of(self.layers[idx])
             moved = self.guard.run("sweep inputs", lambda call=call, device=device: _to_device(call, device))
-            if moved is not None:
-                evidence += self._replay_recipe(idx, moved)[0]
+            # Always: the layer's unshard and timing collectives must run on every rank; after a local
+            # failure the replay itself is skipped by the guard, and the agreement below fails the sweep.
+            evidence += self._replay_recipe(idx, moved if moved is not None else call)[0]
         ok = self.guard.agree(self.step, "sweep")
         self.guard.reset()
         if not ok or not work:
