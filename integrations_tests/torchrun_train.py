@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from torch import nn
 if __package__ in (None, ""):  # run as a file by torchrun: make ``integrations_tests`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from integrations_tests.zoo import ZOO, blocks, build_zoo_model, zoo_batches  # noqa: E402
+from integrations_tests.zoo import SIZES, ZOO, blocks, build_zoo_model, zoo_batches  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,17 +43,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scout-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra SCOUT config overrides (e.g. actions.on_verdict=stop)")
+    p.add_argument("--preset", choices=("every-step", "defaults"), default="every-step",
+                   help="every-step: every replay recipe each step or two; defaults: the shipped cadences")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--backend", default="gloo", help='process-group backend, e.g. "nccl" or "cpu:gloo,cuda:nccl"')
+    p.add_argument("--size", choices=SIZES, default="tiny")
     return p.parse_args(argv)
 
 
-def wrap(model: nn.Module, layout: str) -> tuple[nn.Module, Any]:
+def wrap(model: nn.Module, layout: str, device: torch.device) -> tuple[nn.Module, Any]:
     """DDP, or FSDP2 with each block sharded on its own and then the root, over a 1-D ``dp_shard`` mesh."""
     if layout == "ddp":
         return nn.parallel.DistributedDataParallel(model), None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
     for block in blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -79,15 +86,21 @@ def digest(t: torch.Tensor) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        # Ranks share the visible GPUs round-robin (one GPU can host several gloo ranks, not NCCL ones).
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     torch.manual_seed(args.seed)
-    inner = build_zoo_model(args.model, args.seed)
+    inner = build_zoo_model(args.model, args.seed, args.size).to(device)
     state = {"step": 0}
     if args.fault_rank == rank:
         install_fault(blocks(inner)[1], state, args.fault_from_step)
-    model, mesh = wrap(inner, args.layout)
+    model, mesh = wrap(inner, args.layout, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     handle = None
@@ -96,9 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         from scout_core.config import load
 
         # Every feature on: hang observer, replay of every recipe, certified snapshots with peer replicas.
-        cfg = load(None, [
+        every_step = [
             "replay.cadence.embedding=2", "replay.cadence.hidden=1", "replay.cadence.output=2",
             "replay.cadence.optimizer=2", "observer.silence_threshold_s=30",
+        ] if args.preset == "every-step" else []
+        cfg = load(None, [
+            *every_step,
             "checkpoint.enabled=true", f"checkpoint.directory={args.out}/checkpoints",
             f"report.jsonl_path={args.out}/incidents.jsonl", "report.log_level=ERROR", *args.scout_set,
         ])
@@ -107,20 +123,30 @@ def main(argv: list[str] | None = None) -> None:
 
     model.train()  # dropout on: replays must reproduce the RNG draws too
     loss = torch.tensor(float("nan"))
-    for step, (input_ids, labels) in enumerate(zoo_batches(rank, args.steps, seed=args.seed)):
+    dims = SIZES[args.size]
+    batches = zoo_batches(rank, args.steps, seq=dims["seq"], vocab=dims["vocab"], seed=args.seed)
+    step_s = []
+    for step, (input_ids, labels) in enumerate(batches):
         state["step"] = step
-        loss = model(input_ids, labels=labels).loss
+        start = time.perf_counter()
+        loss = model(input_ids.to(device), labels=labels.to(device)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_s.append(time.perf_counter() - start)
 
     if handle is not None:
         handle.close(discard_snapshots=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "params": [digest(p) for _, p in model.named_parameters()],
-        "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+        "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()
+                              + (torch.cuda.get_rng_state(device).numpy().tobytes() if device.type == "cuda"
+                                 else b"")).hexdigest(),
         "loss": loss.item(),
+        "step_s": step_s,
     }
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "CausalLMOutput", "GPT2Block", "GPT2LM", "LlamaBlock", "LlamaLM", "LlamaRMSNorm", "LlamaRotaryEmbedding",
-    "ZOO", "blocks", "build_zoo_model", "embedding", "head", "zoo_batches",
+    "SIZES", "ZOO", "blocks", "build_zoo_model", "embedding", "head", "zoo_batches",
 ]
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, SEQ, DEPTH = 64, 32, 4, 2, 16, 3
@@ -238,12 +238,29 @@ class LlamaLM(nn.Module):
         return CausalLMOutput(_lm_loss(logits, labels), logits, tuple(states) if output_hidden_states else None)
 
 
-def build_zoo_model(name: str, seed: int) -> nn.Module:
+SIZES = {
+    # The default: a CPU step takes milliseconds, so multi-rank tests stay fast.
+    "tiny": {"vocab": VOCAB, "hidden": HIDDEN, "heads": HEADS, "depth": DEPTH, "seq": SEQ},
+    # Several ranks sharing one GPU over gloo: gradients small enough to all-reduce through host memory.
+    "small": {"vocab": 4096, "hidden": 512, "heads": 8, "depth": 4, "seq": 256},
+    # Big enough that a GPU step is dominated by matrix work rather than launch latency (timing on CUDA).
+    "medium": {"vocab": 8192, "hidden": 1024, "heads": 16, "depth": 8, "seq": 512},
+}
+
+
+def build_zoo_model(name: str, seed: int, size: str = "tiny") -> nn.Module:
     """The named model with weights drawn after ``torch.manual_seed(seed)``, so every rank builds the same one."""
     if name not in ZOO:
         raise ValueError(f"zoo model must be one of {ZOO}, got {name!r}")
+    if size not in SIZES:
+        raise ValueError(f"zoo size must be one of {tuple(SIZES)}, got {size!r}")
+    dims = SIZES[size]
     torch.manual_seed(seed)
-    return GPT2LM() if name == "gpt2" else LlamaLM()
+    if name == "gpt2":
+        return GPT2LM(vocab=dims["vocab"], hidden=dims["hidden"], heads=dims["heads"], depth=dims["depth"],
+                      max_seq=dims["seq"])
+    return LlamaLM(vocab=dims["vocab"], hidden=dims["hidden"], heads=dims["heads"], kv_heads=dims["heads"] // 2,
+                   depth=dims["depth"])
 
 
 def _inner(model: nn.Module) -> nn.Module:
