@@ -238,6 +238,8 @@ class ScoutHandle:
             self.check_observer()
         if self.replay is None:
             return None
+        if self.snapshots is not None:
+            self.snapshots.reserve_host_memory()  # once, now that the optimizer state exists
         # SCOUT's local work is guarded stage by stage inside the boundary; what is left are collectives,
         # and a collective that fails means the job's communication failed: that propagates, as the
         # training job's own next collective would.
