@@ -165,12 +165,16 @@ def main() -> None:
     log = args.out / "cuda_check.log"
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        run_check("signature", lambda: check_signature(device), results, log, args.only)
-        run_check("nccl_ddp_harmless", lambda: check_nccl_harmless(device, tmp, "ddp"), results, log, args.only)
-        run_check("nccl_fsdp2_harmless", lambda: check_nccl_harmless(device, tmp, "fsdp2"), results, log, args.only)
-        run_check("replay_peers", lambda: check_replay_peers(device, tmp), results, log, args.only)
-        run_check("overhead_1rank", lambda: check_overhead(device, tmp, 1, args.overhead_steps), results, log, args.only)
-        run_check("overhead_4ranks", lambda: check_overhead(device, tmp, 4, args.overhead_steps), results, log, args.only)
+        checks: dict[str, Callable[[], dict]] = {
+            "signature": lambda: check_signature(device),
+            "nccl_ddp_harmless": lambda: check_nccl_harmless(device, tmp, "ddp"),
+            "nccl_fsdp2_harmless": lambda: check_nccl_harmless(device, tmp, "fsdp2"),
+            "replay_peers": lambda: check_replay_peers(device, tmp),
+            "overhead_1rank": lambda: check_overhead(device, tmp, 1, args.overhead_steps),
+            "overhead_4ranks": lambda: check_overhead(device, tmp, 4, args.overhead_steps),
+        }
+        for name, fn in checks.items():
+            run_check(name, fn, results, log, args.only)
     (args.out / "cuda_check.json").write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1)[:6000])
 
