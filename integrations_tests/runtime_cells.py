@@ -6,6 +6,10 @@ replayed block, only while SCOUT replays). Every peer must skip that check
 together (no hang), exactly one ``diagnosis_error`` record must name that
 rank, later checks must run again, and the trained parameters must be bitwise
 equal to the same job trained without SCOUT.
+
+``*-scratch-oom-isolated``: the same, for a rank that runs out of memory while
+reserving what the check's collectives will allocate (the unshard under FSDP2,
+HSDP's timed reduce-scatter): the failure must come before any collective.
 """
 
 from __future__ import annotations
@@ -21,9 +25,27 @@ import scout_core
 from integrations_tests.models import batches, start_rank
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
+from scout_core.inject import InjectedFault
 from scout_core.launcher import RankContext, launch
 from scout_core.report import read_incidents
 from scout_core.signature import sign_many
+
+
+def _fail_scratch_allocation(injector: Any, rank: int, state: dict[str, int]) -> None:
+    """Surface ``replay.scratch``: this rank runs out of device memory reserving what a check's collectives
+    need (FSDP2's unshard, the timed all-reduce, HSDP's reduce-scatter), as a rank short of memory would."""
+    import scout_core.replay.engine as engine_module
+
+    real = engine_module.reserve
+
+    def reserve(*args: Any, **kwargs: Any) -> Any:
+        try:
+            injector.fail("replay.scratch", rank=rank, step=state["step"])
+        except InjectedFault as exc:
+            raise torch.OutOfMemoryError(f"out of memory reserving replay scratch ({exc})") from None
+        return real(*args, **kwargs)
+
+    engine_module.reserve = reserve
 
 
 def _rank(ctx: RankContext) -> dict[str, Any]:
@@ -45,6 +67,7 @@ def _rank(ctx: RankContext) -> dict[str, Any]:
 
         for block in par.inner.layers:
             block.fc.register_forward_hook(software_fault)
+        _fail_scratch_allocation(injector, ctx.rank, state)
     loss_fn = torch.nn.MSELoss()
     for step, (x, y) in enumerate(batches(ctx.rank, a["steps"], seed=a["seed"]), start=1):
         state["step"] = step

@@ -173,3 +173,16 @@ def test_replay_cell_fails_when_blame_shifts(monkeypatch):
     monkeypatch.setattr(engine_mod, "c3_exchange", _shift_blame(engine_mod.c3_exchange))
     (report,) = run_cells([SPECS["ddp-sdc-output"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks" in report.details
+
+
+def test_scratch_oom_cell_fails_when_the_allocation_is_not_guarded(monkeypatch):
+    from scout_core.replay.guard import DiagnosisGuard
+
+    real = DiagnosisGuard.run
+
+    def unguarded_scratch(self, where, fn):  # out of memory escapes into training before the agreement
+        return fn() if where == "scratch memory" else real(self, where, fn)
+
+    monkeypatch.setattr(DiagnosisGuard, "run", unguarded_scratch)
+    (report,) = run_cells([SPECS["fsdp2-scratch-oom-isolated"]], root=ROOT)
+    assert report.verdict == "FAIL" and "with SCOUT" in report.details

@@ -51,6 +51,7 @@ from scout_core.replay.layer import (
 )
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider
+from scout_core.replay.scratch import Scratch, fsdp_module, reserve
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
@@ -268,6 +269,11 @@ class ReplayEngine:
                                                  self.rank == src)
 
         guard.run("receive buffers", buffers)
+        # Everything the collectives below allocate, allocated now: an out-of-memory error inside a
+        # collective would hang the peers; here it is a failure every rank agrees on next.
+        scratch: dict[int, Scratch] = {}
+        guard.run("scratch memory", lambda: scratch.update(
+            {idx: self._reserve(idx, timed=recipe == "hidden") for recipe, idx in due if idx in calls}))
         status = guard.agree_status(step, skip=bool(not_run))
         if status != "ok":
             # A sampled layer that did not run on a source (conditional layers, MoE) skips the check
@@ -280,13 +286,15 @@ class ReplayEngine:
         evidence: list[tuple[str, Any]] = []
         compute_s = comm_s = 0.0
         for recipe, idx in due:
-            surfaces, t_compute, gather_s = self._replay_recipe(idx, calls[idx])
+            timed = recipe == "hidden"  # the hidden layer's timings are the ones compared
+            surfaces, t_compute, gather_s = self._replay_recipe(idx, calls[idx], scratch[idx], timed=timed)
             evidence += surfaces
-            if recipe == "hidden":  # the hidden layer's timings are the ones compared
+            if timed:
                 compute_s = t_compute
-                if gather_s is None:
-                    gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group)
-                comm_s = gather_s
+                all_reduce = scratch[idx].all_reduce
+                if gather_s is None and all_reduce is not None:
+                    gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group, all_reduce)
+                comm_s = gather_s or 0.0
             self.last_calls[recipe] = (calls[idx], idx)
         if opt_due and self.opt_slice is not None:
             replayed = guard.run("optimizer replay", self.opt_slice.after_step) or []
@@ -296,23 +304,44 @@ class ReplayEngine:
             return
         if not evidence:
             return
-        result.surfaces = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
-        if not any(r == "hidden" for r, _ in due):
-            return  # timing evidence comes from the hidden-layer recipe only; no round without it
-        times, comm = c3_exchange([compute_s, comm_s], group=self.ctrl,
-                                  surfaces=["replay.compute_s", "replay.comm_s"], rule=self.rule)
-        result.timing, result.comm_timing = times, comm
-        # Communication time is a property of a synchronizing group, not of one member (paper
-        # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
-        # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
-        result.stragglers = self.confirm.update(times)
-        result.group_slowdown = self.timing.group_slowdown(comm)
-        if self._hsdp_comm is not None:
-            result.localization = self.timing.cross_group(*self._hsdp_comm)
+        timed = any(r == "hidden" for r, _ in due)  # timing evidence comes from the hidden-layer recipe only
+
+        def exchange() -> tuple[list[C3Result], list[C3Result] | None]:
+            # A peer that sent other surfaces makes the exchange raise on every peer alike.
+            surfaces = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
+            times = c3_exchange([compute_s, comm_s], group=self.ctrl, surfaces=["replay.compute_s", "replay.comm_s"],
+                                rule=self.rule) if timed else None
+            return surfaces, times
+
+        exchanged = guard.run("evidence exchange", exchange)
+        if not guard.agree(step) or exchanged is None:
+            result.skipped = "diagnosis error"
+            return
+        result.surfaces, timing = exchanged
+        if timing is not None:
+            times, comm = timing
+            result.timing, result.comm_timing = times, comm
+            # Communication time is a property of a synchronizing group, not of one member (paper
+            # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
+            # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
+            result.stragglers = self.confirm.update(times)
+            result.group_slowdown = self.timing.group_slowdown(comm)
+            if self._hsdp_comm is not None:
+                result.localization = self.timing.cross_group(*self._hsdp_comm)
+        # Every check's SDC evidence becomes records, also one without the hidden recipe (an embedding
+        # or LM-head check on its own cadence).
         result.incidents = self._verdicts(result)
 
-    def _replay_recipe(self, idx: int, call: ShippedCall) -> tuple[list[tuple[str, Any]], float, float | None]:
-        """Materialize the layer (its collectives run whatever failed locally), replay it, reshard."""
+    def _reserve(self, idx: int, *, timed: bool) -> Scratch:
+        """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's)."""
+        layer = self.layers[idx]
+        owner = self.owner if idx >= self.n_hidden else None
+        return reserve(layer, owner, time_all_reduce=timed and not fsdp_module(layer),
+                       hsdp_groups=mesh_groups(layer) if timed else None)
+
+    def _replay_recipe(self, idx: int, call: ShippedCall, scratch: Scratch, *,
+                       timed: bool) -> tuple[list[tuple[str, Any]], float, float | None]:
+        """Materialize the layer (its collectives use memory reserved in ``scratch``), replay it, reshard."""
         layer, name = self.layers[idx], self.names[idx]
         surfaces: list[tuple[str, Any]] = []
         if mesh_groups(layer) is not None:
@@ -324,10 +353,10 @@ class ReplayEngine:
                 surfaces.append((f"{name}.local_shard", (signed.signature, signed.nonfinite)))
 
             self.guard.run("local shard signature", local_shard)
-            if idx < self.n_hidden:  # the hidden recipe's timings are the ones compared across groups
-                self._hsdp_comm = time_hsdp_collectives(layer)
+            if timed and scratch.hsdp is not None:  # the hidden recipe's timings are compared across groups
+                self._hsdp_comm = time_hsdp_collectives(layer, scratch.hsdp)
         owner = self.owner if idx >= self.n_hidden else None
-        forward, gather_s, release = materialize(layer, owner)
+        forward, gather_s, release = materialize(layer, owner, scratch)
         timed = [0.0]
 
         def replay() -> None:
@@ -375,10 +404,13 @@ class ReplayEngine:
         evidence: list[tuple[str, Any]] = []
         for idx, call in work:
             device = device_of(self.layers[idx])
-            moved = self.guard.run("sweep inputs", lambda call=call, device=device: _to_device(call, device))
-            # Always: the layer's unshard and timing collectives must run on every rank; after a local
-            # failure the replay itself is skipped by the guard, and the agreement below fails the sweep.
-            evidence += self._replay_recipe(idx, moved if moved is not None else call)[0]
+            prepared = self.guard.run("sweep inputs", lambda call=call, idx=idx, device=device: (
+                _to_device(call, device), self._reserve(idx, timed=False)))
+            # One agreement per layer, before its collectives: a local failure (out of memory moving the
+            # inputs or reserving the unshard) ends the sweep on every rank together.
+            if not self.guard.agree(self.step, "sweep") or prepared is None:
+                break
+            evidence += self._replay_recipe(idx, *prepared, timed=False)[0]
         ok = self.guard.agree(self.step, "sweep")
         self.guard.reset()
         if not ok or not work:
@@ -399,6 +431,9 @@ class ReplayEngine:
         """SDC records (see :meth:`_sdc_verdicts`) and one record per newly confirmed straggler."""
         incidents = self._sdc_verdicts(result)
         timing = result.timing
+        if timing is None:  # no timing round in this check
+            self._report(incidents)
+            return incidents
         new = tuple(r for r in timing.outlier_ranks if self.confirm.count(timing.surface, r) == self.confirm.rounds)
         if new:
             incidents.append(self._incident(

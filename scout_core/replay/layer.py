@@ -24,6 +24,7 @@ import torch.distributed as dist
 from scout_core.replay.calls import rebuild, tensor_leaves
 from scout_core.replay.capture import Captured
 from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
+from scout_core.replay.scratch import Scratch, fsdp_module
 from scout_core.signature import sign_many
 
 __all__ = ["ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize", "receive_buffers", "replay_layer"]
@@ -47,9 +48,9 @@ def call_meta(captured: Captured, providers: Mapping[str, RngProvider]) -> dict[
     layer's), RNG (small, picklable)."""
     return {
         "spec": captured.spec,
-        "tensors": [(tuple(t.shape), t.dtype, t.device.type == "cpu") for t in captured.tensors],
+        "tensors": [(tuple(t.shape), t.dtype, t.device.type) for t in captured.tensors],
         "mask": list(captured.requires_grad),
-        "grads": {i: (tuple(g.shape), g.dtype) for i, g in sorted(captured.grad_outputs.items())},
+        "grads": {i: (tuple(g.shape), g.dtype, g.device.type) for i, g in sorted(captured.grad_outputs.items())},
         "rng": dict(capture_rng(providers)),
     }
 
@@ -62,10 +63,23 @@ def receive_buffers(meta: dict[str, Any], captured: Captured | None, device: tor
         tensors = [t.contiguous() for t in captured.tensors]
         grads = {i: captured.grad_outputs[i].contiguous() for i in meta["grads"]}
     else:
-        tensors = [torch.empty(shape, dtype=dtype, device="cpu" if on_host else device)
-                   for shape, dtype, on_host in meta["tensors"]]
-        grads = {i: torch.empty(shape, dtype=dtype, device=device) for i, (shape, dtype) in meta["grads"].items()}
+        tensors = [torch.empty(shape, dtype=dtype, device=_receive_device(kind, device))
+                   for shape, dtype, kind in meta["tensors"]]
+        grads = {i: torch.empty(shape, dtype=dtype, device=_receive_device(kind, device))
+                 for i, (shape, dtype, kind) in meta["grads"].items()}
     return ShippedCall(tensors, meta["spec"], meta["mask"], grads, meta["rng"])
+
+
+def _receive_device(device_type: str, layer_device: torch.device) -> torch.device:
+    """Where a peer receives a tensor the source holds on ``device_type``: the host, or this rank's
+    accelerator of that type. Not simply the layer's parameter device: CPU-offloaded FSDP keeps parameters
+    on the host while the layer computes on the accelerator, and the device decides which group (gloo or
+    the device group) broadcasts the tensor, which must be the same on every peer."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    if layer_device.type == device_type:
+        return layer_device
+    return torch.device(device_type, getattr(torch, device_type).current_device())
 
 
 def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> None:
@@ -74,27 +88,28 @@ def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> 
         dist.broadcast(t, src=src, group=host_group if t.device.type == "cpu" else group)
 
 
-def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[Any, float | None, Any]:
+def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
+                scratch: Scratch | None = None) -> tuple[Any, float | None, Any]:
     """``(forward, gather_s, release)`` for replaying ``layer``.
 
     An FSDP2 layer is unsharded through its public ``unshard()`` (timed: the
     parameter all-gather is the layer's communication) and its ORIGINAL class's
     ``forward`` is called directly, so FSDP's own hooks, and with them its
     reduce-scatter into the live sharded gradients, never run for the replay.
-    ``release`` reshards. Other layers are called as they are.
+    ``release`` reshards. Other layers are called as they are. The memory the
+    unshard needs was probed in ``scratch`` (see :mod:`scout_core.replay.scratch`)
+    and is released to it here.
     """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        FSDPModule = ()  # type: ignore[assignment]  # noqa: N806
-    if FSDPModule and owner is not None and isinstance(owner, FSDPModule):
+    if scratch is not None:
+        scratch.headroom = None  # freed into the caching allocator, where the all-gather finds it
+    if owner is not None and fsdp_module(owner):
         # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
         dist.barrier(group=_gather_group(owner))
         start = time.perf_counter()
         owner.unshard()
         sync(list(layer.parameters()))
         return layer, time.perf_counter() - start, owner.reshard
-    if FSDPModule and isinstance(layer, FSDPModule):
+    if fsdp_module(layer):
         params = list(layer.parameters())
         sync(params)
         # Start together, or one late rank's earlier delay shows up as this gather's time. The barrier is on
@@ -104,6 +119,8 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None) ->
         layer.unshard()
         sync(list(layer.parameters()))
         gather_s = time.perf_counter() - start
+        from torch.distributed.fsdp import FSDPModule
+
         cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
         return cls.forward.__get__(layer), gather_s, layer.reshard
     return layer, None, None

@@ -46,17 +46,16 @@ class CommTiming:
         self.loc_rounds = 0
         self._last_loc: Any = None
 
-    def scratch_all_reduce(self, layer: torch.nn.Module, group: Any, repeats: int = 3) -> float:
+    def scratch_all_reduce(self, layer: torch.nn.Module, group: Any, scratch: torch.Tensor,
+                           repeats: int = 3) -> float:
         """Time a training-shaped all-reduce (the sampled layer's gradient size) on a scratch tensor.
 
-        The fastest of ``repeats`` runs: a slow link or endpoint is slow every time, while a
-        scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and
+        ``scratch`` comes from :func:`~scout_core.replay.scratch.reserve`, allocated before the ranks
+        agreed to run the check. The fastest of ``repeats`` runs: a slow link or endpoint is slow every
+        time, while a scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and
         drops the second.
         """
         params = [p for p in layer.parameters() if p.requires_grad]
-        numel = sum(p.numel() for p in params) or 1
-        scratch = torch.zeros(numel, dtype=params[0].dtype if params else torch.float32,
-                              device=params[0].device if params else "cpu")
         best = float("inf")
         for _ in range(repeats):
             dist.barrier(group=group)  # start together: the time is the collective's, not arrival skew
@@ -149,18 +148,15 @@ def _all_groups(pg: Any, control: Any) -> list[list[int]]:
     return _GROUPS_OF[pg]
 
 
-def time_hsdp_collectives(layer: torch.nn.Module) -> tuple[float, float, Any, Any] | None:
-    """HSDP: a training-shaped reduce-scatter (shard group) then replica all-reduce, on scratch tensors."""
+def time_hsdp_collectives(layer: torch.nn.Module, scratch: tuple[torch.Tensor, torch.Tensor]
+                          ) -> tuple[float, float, Any, Any] | None:
+    """HSDP: a training-shaped reduce-scatter (shard group) then replica all-reduce, on scratch tensors
+    reserved before the ranks agreed to run the check (:func:`~scout_core.replay.scratch.reserve`)."""
     groups = mesh_groups(layer)
     if groups is None:
         return None
     shard_pg, repl_pg = groups
-    params = list(layer.parameters())
-    n_shards = dist.get_world_size(shard_pg)
-    per_shard = -(-sum(p.numel() for p in params) // n_shards)
-    local = params[0].to_local() if hasattr(params[0], "to_local") else params[0]
-    full = torch.zeros(per_shard * n_shards, dtype=local.dtype, device=local.device)
-    shard = torch.zeros(per_shard, dtype=local.dtype, device=local.device)
+    full, shard = scratch
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     # The fastest of three runs each, as for the scratch all-reduce: a slow link is slow every time, a
     # scheduler hiccup on a loaded host delays one run.
@@ -169,11 +165,11 @@ def time_hsdp_collectives(layer: torch.nn.Module) -> tuple[float, float, Any, An
         dist.barrier(group=shard_pg)  # the group starts together: times belong to the collectives
         start = time.perf_counter()
         reduce_scatter(shard, full, group=shard_pg)
-        sync([local])
+        sync([shard])
         t_rs = min(t_rs, time.perf_counter() - start)
         dist.barrier(group=repl_pg)
         start = time.perf_counter()
         dist.all_reduce(shard, group=repl_pg)
-        sync([local])
+        sync([shard])
         t_ar = min(t_ar, time.perf_counter() - start)
     return t_rs, t_ar, shard_pg, repl_pg

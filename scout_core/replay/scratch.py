@@ -1,0 +1,77 @@
+"""Memory for a check's collectives, taken before the ranks agree to run them.
+
+A replay check runs collectives that allocate: FSDP2's unshard (the layer's
+full parameters), the scratch all-reduce that times a training-shaped gradient
+exchange, HSDP's reduce-scatter and replica all-reduce. If one rank ran out of
+memory inside such a collective, it would raise while its peers wait in the
+same collective forever. So every allocation a check's collectives need is made
+first, as local work under the :class:`~scout_core.replay.guard.DiagnosisGuard`,
+and only then do the ranks agree to go on: an out-of-memory error becomes a
+check skipped on every rank with a ``diagnosis_error`` record.
+
+The unshard's memory cannot be handed to FSDP, so it is probed: a block of the
+unsharded size is allocated and held until just before ``unshard()``, whose
+all-gather buffer the caching allocator then serves from the freed block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Scratch", "fsdp_module", "reserve"]
+
+
+@dataclass
+class Scratch:
+    """What one replayed layer's collectives will use, allocated up front."""
+
+    headroom: torch.Tensor | None = None
+    """Held until the unshard (then freed for it): as many bytes as the layer's unsharded parameters."""
+    all_reduce: torch.Tensor | None = None
+    """The timed training-shaped all-reduce's buffer (layers without an FSDP all-gather to time)."""
+    hsdp: tuple[torch.Tensor, torch.Tensor] | None = None
+    """HSDP: the reduce-scatter's full input and its per-shard output (the replica all-reduce reuses it)."""
+
+
+def fsdp_module(module: torch.nn.Module | None) -> bool:
+    """True for a module ``fully_shard`` manages (it unshards through its public ``unshard()``)."""
+    if module is None:
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _first_local(layer: torch.nn.Module) -> torch.Tensor | None:
+    for p in layer.parameters():
+        return p.to_local() if hasattr(p, "to_local") else p
+    return None
+
+
+def reserve(layer: torch.nn.Module, owner: torch.nn.Module | None, *, time_all_reduce: bool,
+            hsdp_groups: tuple[object, object] | None) -> Scratch:
+    """Allocate what replaying ``layer`` will need in its collectives (see the module docstring)."""
+    scratch = Scratch()
+    local = _first_local(layer)
+    if local is None:
+        return scratch
+    gathered = owner if fsdp_module(owner) else (layer if fsdp_module(layer) else None)
+    if gathered is not None:
+        # A DTensor's numel is its global size: what the all-gather materializes.
+        nbytes = sum(p.numel() * p.element_size() for p in gathered.parameters())
+        scratch.headroom = torch.empty(nbytes, dtype=torch.uint8, device=local.device)
+    if time_all_reduce:
+        params = [p for p in layer.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in params) or 1
+        scratch.all_reduce = torch.zeros(numel, dtype=local.dtype, device=local.device)
+    if hsdp_groups is not None:
+        n_shards = dist.get_world_size(hsdp_groups[0])
+        per_shard = -(-sum(p.numel() for p in layer.parameters()) // n_shards)
+        scratch.hsdp = (torch.zeros(per_shard * n_shards, dtype=local.dtype, device=local.device),
+                        torch.zeros(per_shard, dtype=local.dtype, device=local.device))
+    return scratch
