@@ -154,9 +154,15 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     tokens = _Tokens()
     handle = scout_core.enable(par.model, opt, config=_config(a), mesh=par.mesh, state={"tokens": tokens})
+    committed = sorted(handle.checkpoint.store.local_generations())  # before resume prunes unsafe ones
     try:
         result = handle.resume(a["failure"])
         got = state_signatures(par, opt, tokens.state_dict())
+        coord = handle.checkpoint
+        # What a second restart could still find newer than what was restored (must be nothing).
+        newer = [] if result.step is None else sorted(
+            [s for _, o, s in coord.memory.slots().values() if s > result.step and o in (ctx.rank, *coord.sources)]
+            + [g for g in coord.store.local_generations(check_bytes=False) if g > result.step])
     finally:
         handle.close(discard_snapshots=True)
     ref = os.path.join(a["workdir"], f"ref-r{ctx.rank}-s{result.step}.json")
@@ -164,7 +170,7 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
     return {"source": result.source, "generation": result.step, "reason": result.reason,
             "from_memory": result.from_memory, "fetched": result.fetched,
             "mismatched": [k for k in want if want[k] != got[k]],
-            "committed": sorted(handle.checkpoint.store.local_generations())}
+            "committed": committed, "newer": newer}
 
 
 def recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -230,6 +236,9 @@ def recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             if not holders or killed & set(holders):
                 problems.append(f"generation {skipped} should be committed on some ranks but not on {sorted(killed)}; "
                                 f"holders: {holders}")
+        newer = {r: v["newer"] for r, v in enumerate(values) if v["newer"]}
+        if newer and expect["source"] == "verified":
+            problems.append(f"snapshots newer than the restored generation survive the resume: {newer}")
         bad = {r: v["mismatched"] for r, v in enumerate(values) if v["mismatched"]}
         if bad:
             problems.append(f"restore not bitwise on ranks {bad}")

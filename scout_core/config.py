@@ -134,7 +134,8 @@ class CheckpointConfig:
     """Certified recovery (paper section 8)."""
 
     enabled: bool = False
-    """Capture in-memory snapshots at replay boundaries."""
+    """Capture in-memory snapshots at replay boundaries (needs ``replay.enabled`` and a replay cadence
+    above 0: replay checks are where snapshots are taken and certified)."""
     directory: str = "checkpoints"
     """Durable store root (per-rank shards plus status sidecars) and the retrieval decisions
     (``decisions.jsonl``); a filesystem every rank of the job reaches."""
@@ -231,6 +232,13 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
     if not cfg.replay.input_variants or any(not (math.isfinite(v) and v > 0) for v in cfg.replay.input_variants):
         raise ConfigError(
             f"replay.input_variants: {cfg.replay.input_variants}; allowed: a non-empty list of positive scales")
+    cadence = cfg.replay.cadence
+    checks = cfg.replay.enabled and any(c > 0 for c in (cadence.embedding, cadence.hidden, cadence.output,
+                                                         cadence.optimizer))
+    if cfg.checkpoint.enabled and not checks:
+        # Snapshots are taken and certified at replay checks: without any, nothing would ever be captured.
+        raise ConfigError("checkpoint.enabled: certified snapshots are taken at replay checks; it needs "
+                          "replay.enabled: true and at least one replay.cadence.* > 0")
     return cfg
 
 

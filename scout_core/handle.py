@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import select
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -51,6 +52,10 @@ from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 __all__ = ["ScoutHandle"]
 
 _log = logging.getLogger("scout")
+
+CRASH_FLUSH_S = 30.0
+"""How long close() waits for snapshot persistence in flight while training is failing (a partner it
+exchanges replicas with may be gone too); the slot written before that point survives the process."""
 
 
 class ScoutHandle:
@@ -202,6 +207,16 @@ class ScoutHandle:
     def settle(self) -> None:
         """End of the training step, as seen from the next data fetch or the next optimizer step: the
         caller's state joins the snapshot taken at the boundary, then a pending stop is carried out."""
+        self._complete_caller_state()
+        if self._stop_code is not None and not self.stopped:
+            if self.checkpoint is not None:
+                with self._checkpoint_io("write"):  # the observer sees a checkpoint write, not a silent rank
+                    self.checkpoint.flush()  # the snapshot of this boundary is written and replicated
+            dist.barrier(group=self.groups.world_control)  # rank 0's records are durable before anyone exits
+            self.stopped = True
+            raise ScoutStop(self._stop_code)
+
+    def _complete_caller_state(self) -> None:
         if self._settle_extra and self.snapshots is not None:
             self._settle_extra = False
             state: dict[str, Any] = {}
@@ -211,12 +226,6 @@ class ScoutHandle:
                 self.guard.report(self._step(), "checkpoint", exc, "caller state for the snapshot")
                 state = {"unavailable": True}
             self.snapshots.complete_extra({"caller": state})
-        if self._stop_code is not None and not self.stopped:
-            if self.checkpoint is not None:
-                self.checkpoint.flush()  # the snapshot of this boundary is written and replicated
-            dist.barrier(group=self.groups.world_control)  # rank 0's records are durable before anyone exits
-            self.stopped = True
-            raise ScoutStop(self._stop_code)
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
         if self.adapter.set_state is not None:
@@ -294,8 +303,24 @@ class ScoutHandle:
             self.checkpoint, control_group=self.groups.world_control, engine=self.replay,
             restore=lambda snap: restore_state(a.chunks, a.optimizers, snap, set_extra=self._restore_extra,
                                                rng_providers=a.rng_providers),
-            after_restore=self._after_restore)
-        return restarter.resume(failure)
+            after_restore=self._after_restore, current=self._state_now)
+        with self._checkpoint_io("read"):  # loading (and a sweep) can take long: the observer sees why
+            return restarter.resume(failure)
+
+    def _checkpoint_io(self, kind: str) -> contextlib.AbstractContextManager[None]:
+        """SCOUT's own blocking checkpoint work on the training thread, published as such for the observer."""
+        if self.tracker is None or self.tracker.closed:
+            return contextlib.nullcontext()
+        return self.tracker.checkpoint_io(kind)
+
+    def _state_now(self) -> dict[str, Any]:
+        """A copy of the state as it is now (what a dirty emergency sweep puts back)."""
+        assert self.snapshots is not None
+        self.snapshots.capture(-1)
+        try:
+            return self.snapshots.result()
+        finally:
+            self.snapshots.release()
 
     def _after_restore(self, snap: dict[str, Any], trust: dict[str, Any]) -> None:
         if self.replay is not None:
@@ -357,41 +382,50 @@ class ScoutHandle:
         """Remove every hook, thread, process, record and group SCOUT created; idempotent.
 
         In-memory snapshots are kept (they exist to survive the trainer: a restart resumes from them)
-        unless ``discard_snapshots`` (e.g. after the last step of a finished job).
+        unless ``discard_snapshots`` (e.g. after the last step of a finished job). Safe in an exception
+        handler: while training is failing, a pending stop is not carried out (it would wait for peers
+        that may be gone), persistence in flight gets at most ``CRASH_FLUSH_S``, and every clean-up step
+        runs even if an earlier one fails.
         """
         if self._closed:
             return
+        failing = sys.exc_info()[1] is not None
         pending: ScoutStop | None = None
-        try:
-            self.settle()  # the last step's caller state; a stop decided at the last step is still carried out
-        except ScoutStop as stop:
-            pending = stop
+        if not failing:
+            try:
+                self.settle()  # the last step's caller state; a stop decided at the last step is still carried out
+            except ScoutStop as stop:
+                pending = stop
+            except Exception as exc:  # noqa: BLE001 - clean-up must still happen
+                failed = exc
+                self._quietly(lambda: self.guard.report(self._step(), "close", failed, "settle at close"), "report")
+        else:
+            self._quietly(self._complete_caller_state, "caller state at close")
         self._closed = True
         try:
             for h in self._hooks:
-                h.remove()
+                self._quietly(h.remove, "hook removal")
             self._hooks.clear()
             if self.checkpoint is not None:
-                with contextlib.suppress(Exception):
-                    self.checkpoint.flush()
+                self._quietly(lambda: self.checkpoint.flush(CRASH_FLUSH_S if failing else None), "snapshot flush")
                 if discard_snapshots:
-                    self.checkpoint.memory.remove_mine(self.checkpoint.sources)
+                    self._quietly(lambda: self.checkpoint.memory.remove_mine(self.checkpoint.sources),
+                                  "snapshot removal")
             if self.snapshots is not None:
-                with contextlib.suppress(Exception):
-                    self.snapshots.close()
+                self._quietly(self.snapshots.close, "snapshot engine")
             if self.replay is not None:
-                self.replay.close()
+                self._quietly(self.replay.close, "replay hooks")
             if self.tracker is not None:
-                self.tracker.remove_hooks()
-                uninstall_collective_hooks(self.tracker)
+                self._quietly(self.tracker.remove_hooks, "progress hooks")
+                self._quietly(lambda: uninstall_collective_hooks(self.tracker), "collective hooks")
             if self.observer_pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.observer_pid, 15)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(self.observer_pid, 0)
             if self.tracker is not None:
-                self.tracker.record.unlink()
-                self.tracker.record.close()
+                self._quietly(self.tracker.record.unlink, "progress record")
+                self._quietly(self.tracker.record.close, "progress record")
             for g in {self.groups.world_control, self.groups.peer, self.groups.peer_control,
                       getattr(self.checkpoint, "repl_group", None)} - {None}:
                 with contextlib.suppress(Exception):
@@ -402,6 +436,13 @@ class ScoutHandle:
                     ScoutHandle._open = None
         if pending is not None:
             raise pending
+
+    def _quietly(self, fn: Callable[[], Any], what: str) -> None:
+        """One clean-up step: a failure is logged and the next step still runs."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - close() must release everything it can
+            _log.warning("rank %d: SCOUT close: %s failed (%s: %s)", self.rank, what, type(exc).__name__, exc)
 
     def __enter__(self) -> ScoutHandle:
         return self

@@ -77,3 +77,12 @@ def test_configuration_reference_is_current():
     on_disk = (ROOT / "docs" / "configuration.md").read_text()
     assert on_disk == markdown_reference(), "regenerate: python -c 'from scout_core.config import " \
         "markdown_reference as m; open(\"docs/configuration.md\", \"w\").write(m())'"
+
+
+@pytest.mark.parametrize("override", ["replay.enabled=false", "replay.cadence.embedding=0"])
+def test_snapshots_without_replay_checks_are_refused(override):
+    off = [override] if override.startswith("replay.enabled") else [
+        f"replay.cadence.{r}=0" for r in ("embedding", "hidden", "output", "optimizer")]
+    with pytest.raises(ConfigError, match="checkpoint.enabled: certified snapshots are taken at replay checks"):
+        load(None, ["checkpoint.enabled=true", *off])
+    load(None, ["checkpoint.enabled=false", *off])  # fine without snapshots

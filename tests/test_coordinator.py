@@ -86,3 +86,20 @@ def test_coordinator_end_to_end(tmp_path):
         assert len([n for n in names if n.startswith("own-")]) == 2 and len(names) == 4, names
     records = [json.loads(line) for line in open(args["decisions"])]
     assert len(records) == 1 and records[0]["source"] == "verified" and "SDC" in records[0]["reason"]
+
+
+def test_resume_housekeeping_of_memory_slots(tmp_path):
+    hosts = {0: "a", 1: "a"}
+    slots = MemorySlots(str(tmp_path / "shm"), rank=0, hosts=hosts, fallback=str(tmp_path / "disk"))
+    for step in (4, 6):
+        slots.write_own({"step": step})
+    slots.write_replica(1, 6, torch.zeros(8, dtype=torch.uint8))
+    slots.write_replica(3, 6, torch.zeros(8, dtype=torch.uint8))  # kept for another rank: not ours to drop
+    assert slots.inventory() == {"own": 6, "replicas": {1: 6, 3: 6}}
+    # Resumed from step 4: the newer own slot and the replicas this rank keeps go.
+    assert sorted(slots.drop_newer(4, replica_owners=[1])) == [
+        "own-r00000-s000000006-w00002.pt", "replica-r00001-s000000006-w00002.pt"]
+    assert slots.inventory()["replicas"] == {3: 6}
+    # A later incarnation at another world size deletes the slots it can never resume from.
+    MemorySlots(str(tmp_path / "shm"), rank=0, hosts={0: "a", 1: "a", 2: "a"}, fallback=str(tmp_path / "disk"))
+    assert os.listdir(tmp_path / "shm" / "a") == []

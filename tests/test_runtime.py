@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -313,3 +314,170 @@ def test_resumed_job_continues_bitwise_like_an_uninterrupted_one(tmp_path):
         assert 1 <= s["start"] <= 4
         assert f["lrs"][:s["start"]] + s["lrs"] == w["lrs"]  # the scheduler resumed where it was at that step
         assert s["params"] == w["params"] and s["adam"] == w["adam"]
+
+
+def _output_only(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import batches, start_rank
+    from scout_core.config import load
+
+    a, _injector, par, opt = start_rank(ctx)
+    state = {"step": 0}
+
+    def flip(_m, _a, out):  # a defective unit in the LM head's matmul on rank 2, from step 2 on
+        if ctx.rank == 2 and state["step"] >= 2:
+            with torch.no_grad():
+                out.view(torch.int32).view(-1)[0] ^= 1 << 22
+
+    par.inner.head.register_forward_hook(flip)
+    d = a["dir"]
+    # The output recipe on its own cadence: steps 2 and 4 check only the head, never a hidden layer.
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=3", "replay.cadence.output=2",
+                      "replay.cadence.optimizer=0", "observer.enabled=false",
+                      f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    for step, (x, y) in enumerate(batches(ctx.rank, 2), start=1):
+        state["step"] = step
+        torch.nn.functional.mse_loss(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    recipes = [(r.step, r.recipes) for r in handle.replay.history]
+    handle.close()
+    return recipes
+
+
+def test_a_check_without_the_hidden_recipe_still_records_its_sdc(tmp_path):
+    from scout_core.report import read_incidents
+
+    result = launch(_output_only, 4, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                         "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    assert result.values()[0] == [(2, ("output",))]
+    got = [(i.kind.value, i.ranks, i.step) for i in read_incidents(tmp_path / "inc.jsonl")]
+    assert got == [("sdc", [2], 2)]
+
+
+def _dirty_sweep(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import batches, start_rank
+    from scout_core.config import load
+    from scout_core.signature import sign_many
+
+    a, _, par, opt = start_rank(ctx)
+    phase = a["phase"]
+    if phase != "first":  # the restarted job's own initial weights: what a dirty sweep must leave loaded
+        with torch.no_grad():
+            for p in par.model.parameters():
+                p.add_(1.0)
+    state = {"step": 0}
+
+    def flip(_m, _a, out):  # rank 2's block 2 is defective from step 3 on; only block 0 is ever sampled
+        if ctx.rank == 2 and phase != "third" and (phase == "second" or state["step"] >= 3):
+            with torch.no_grad():
+                out.view(torch.int32).view(-1)[0] ^= 1 << 22
+
+    par.inner.layers[2].fc.register_forward_hook(flip)
+    d = a["dir"]
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=4", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
+                      # two clean checks certify a snapshot: the one check of the first job verifies nothing
+                      "checkpoint.recipes_per_cycle=2",
+                      f"checkpoint.directory={d}/ckpt", f"checkpoint.memory_dir={d}/shm",
+                      f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    before = [s.signature for s in sign_many([p.detach() for p in par.model.parameters()])]
+    out = {}
+    if phase == "first":  # trains 4 steps (one clean check at step 4 captures the only snapshot), then dies
+        for step, (x, y) in enumerate(batches(ctx.rank, 4), start=1):
+            state["step"] = step
+            torch.nn.functional.mse_loss(par.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            handle.flush()
+        out["inventory"] = handle.checkpoint.memory.inventory()
+    else:
+        result = handle.resume()
+        out["step"], out["reason"] = result.step, result.reason
+        out["unchanged"] = before == [s.signature for s in sign_many([p.detach() for p in par.model.parameters()])]
+        dist.barrier()  # the machine's folder is shared: every rank has dropped its slots
+        out["inventory"] = handle.checkpoint.memory.inventory()
+    handle.close()  # a crash keeps the slots: no discard
+    return out
+
+
+def test_a_dirty_emergency_sweep_without_a_verified_generation_leaves_nothing_unsafe(tmp_path):
+    from scout_core.report import read_incidents
+
+    args = {"faults": [], "seed": 0, "layout": "ddp", "dir": str(tmp_path)}
+    first = launch(_dirty_sweep, 4, timeout_s=120, args={**args, "phase": "first"})
+    assert first.ok, first.failures()
+    assert {v["inventory"]["own"] for v in first.values()} == {4}
+    second = launch(_dirty_sweep, 4, timeout_s=120, args={**args, "phase": "second"})
+    assert second.ok, second.failures()
+    for v in second.values():
+        assert v["step"] is None and "nothing restored" in v["reason"], v["reason"]
+        assert v["unchanged"], "the suspect latest state stayed loaded after a dirty sweep"
+        assert v["inventory"] == {"own": None, "replicas": {}}
+    swept = [(i.kind.value, tuple(i.ranks)) for i in read_incidents(tmp_path / "inc.jsonl")]
+    assert swept and set(swept) == {("sdc", (2,))}
+    third = launch(_dirty_sweep, 4, timeout_s=120, args={**args, "phase": "third"})  # a second restart
+    assert third.ok, third.failures()
+    assert {(v["step"], v["unchanged"]) for v in third.values()} == {(None, True)}
+
+
+def _crashing_step(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import start_rank
+    from scout_core.config import load
+
+    a, _, par, opt = start_rank(ctx)
+    d = a["dir"]
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=0", "observer.silence_threshold_s=30", "checkpoint.enabled=true",
+                      f"checkpoint.directory={d}/ckpt", f"checkpoint.memory_dir={d}/shm",
+                      f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
+    before = {"hooks": _model_hooks(par.model, opt), "threads": threading.active_count(),
+              "children": len(_children()), "shm": _own_shm()}
+
+    class Broken:  # a data loader whose position cannot be read
+        def state_dict(self):
+            raise ValueError("the caller's state cannot be read")
+
+        def load_state_dict(self, _state):
+            pass
+
+    handle = scout_core.enable(par.model, opt, config=cfg, state={"loader": Broken()})
+    real_close = handle.replay.close
+
+    def failing_close():  # one clean-up step fails: the others must still run, the training error must win
+        real_close()
+        raise RuntimeError("replay clean-up failed")
+
+    handle.replay.close = failing_close
+    raised = None
+    start = time.monotonic()
+    try:
+        try:
+            _train(par.model, opt, 2, ctx.rank)
+            # The training step after a boundary fails (a bug or out of memory in the forward) on every rank.
+            raise MemoryError("training ran out of memory")
+        finally:
+            handle.close()  # in the exception handler: must not wait for peers nor skip clean-up
+    except MemoryError as exc:
+        raised = str(exc)
+    after = {"hooks": _model_hooks(par.model, opt), "threads": threading.active_count(),
+             "children": len(_children()), "shm": _own_shm()}
+    again = scout_core.enable(par.model, opt, config=cfg)  # the handle was released
+    again.close()
+    return {"raised": raised, "same": before == after, "before": before, "after": after,
+            "close_s": time.monotonic() - start}
+
+
+def test_close_in_an_exception_handler_cleans_up_and_lets_the_error_through(tmp_path):
+    result = launch(_crashing_step, 2, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                           "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    values = result.values()
+    for v in values:
+        assert v["raised"] == "training ran out of memory"
+        assert v["same"], (v["before"], v["after"])

@@ -127,3 +127,34 @@ def test_rank_consistency_vote(tmp_path):
     result = launch(_vote, 4, timeout_s=60, args={"root": str(tmp_path)})
     assert result.ok, result.failures()
     assert set(result.values()) == {(2, 2, None)}
+
+
+def test_a_failed_write_leaves_no_temporary(tmp_path):
+    from scout_core.checkpoint.store import atomic_stream
+
+    def emit(out):
+        out.write(b"half a shard")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_stream(str(tmp_path / "shard.pt"), emit)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
+    import subprocess
+
+    from scout_core.checkpoint import store as store_module
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    old = time.time() - 2 * store_module.STALE_TMP_S
+    stale = tmp_path / f"own-r00001-s000000004-w00004.pt.tmp-{dead.pid}"
+    fresh = tmp_path / f"own-r00002-s000000004-w00004.pt.tmp-{dead.pid + 1_000_000}"  # no such pid, just written
+    live = tmp_path / f"own-r00003-s000000004-w00004.pt.tmp-{os.getpid()}"  # a writer that is running
+    for f in (stale, fresh, live):
+        f.write_bytes(b"x")
+    os.utime(stale, (old, old))
+    os.utime(live, (old, old))
+    assert store_module.remove_stale_temporaries(str(tmp_path)) == [stale.name]
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([fresh.name, live.name])

@@ -195,9 +195,13 @@ class CheckpointCoordinator:
         for s in list(bufs):
             self.memory.write_replica(s, int(incoming[s][1]), bufs.pop(s))
 
-    def _join_background(self) -> None:
+    def _join_background(self, timeout_s: float | None = None) -> None:
         if self._bg is not None:
-            self._bg.join()
+            self._bg.join(timeout_s)
+            if self._bg.is_alive():  # only with a timeout: a daemon thread the exiting process abandons
+                _log.warning("rank %d: snapshot persistence still running after %.0f s; not waiting for it",
+                             self.rank, timeout_s)
+                return
             self._bg = None
         with self._lock:
             err, self._bg_error = self._bg_error, None
@@ -208,9 +212,9 @@ class CheckpointCoordinator:
                 raise exc
             self.on_error(exc, "snapshot persistence")
 
-    def flush(self) -> None:
-        """Wait for the capture, replication and persistence in flight."""
-        self._join_background()
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for the capture, replication and persistence in flight (at most ``timeout_s``)."""
+        self._join_background(timeout_s)
 
     # -- recovery ------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from scout_core.checkpoint.store import atomic_save, atomic_write
+from scout_core.checkpoint.store import atomic_save, atomic_write, remove_stale_temporaries
 
 __all__ = ["MemorySlots", "default_memory_root", "partners"]
 
@@ -81,6 +81,21 @@ class MemorySlots:
         self.fallback = fallback
         self.fell_back = ""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        for d in self._dirs():  # a writer killed mid-slot left its temporary behind, holding RAM
+            remove_stale_temporaries(d)
+        self._drop_other_world_sizes()
+
+    def _drop_other_world_sizes(self) -> None:
+        """Slots of this job's earlier incarnation at another world size: no resume of this size can use
+        them (shards differ), and on a RAM-backed filesystem they would hold memory for good."""
+        for d in self._dirs():
+            for n in os.listdir(d):
+                m = _SLOT.match(n)
+                if m and int(m.group(4)) != self.world:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(d, n))
+                        _log.warning("rank %d: deleted %s, a snapshot of this job at world size %d (now %d)",
+                                     self.rank, n, int(m.group(4)), self.world)
 
     @property
     def dir(self) -> str:
@@ -186,6 +201,19 @@ class MemorySlots:
     def raw(self, kind: str, owner: int, step: int) -> torch.Tensor:
         path = self._path(kind, owner, step)
         return torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+
+    def drop_newer(self, step: int, replica_owners: Iterable[int]) -> list[str]:
+        """Delete this rank's slot and the replicas it keeps if they are newer than ``step``: after a
+        resume from an older generation they hold the state that was judged unsafe, and a second restart
+        must not find them as ``latest``. Returns the deleted file names."""
+        owners, gone = set(replica_owners), []
+        for path, (kind, owner, slot_step) in self._all_slots().items():
+            mine = (kind == "own" and owner == self.rank) or (kind == "replica" and owner in owners)
+            if mine and slot_step > step:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    gone.append(os.path.basename(path))
+        return gone
 
     def remove_mine(self, replica_owners: Iterable[int]) -> None:
         """Delete this rank's slot and the replicas it keeps; folders go once empty. Other ranks of the

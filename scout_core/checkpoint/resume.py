@@ -11,12 +11,15 @@
 3. without a recorded decision, decides now: ``machine_unreachable`` when some
    rank's own snapshot is gone (its machine was replaced), else ``other`` with
    the emergency sweep: the latest state is restored and every layer is
-   replayed on the newest saved calls across peers; latest only if clean;
+   replayed on the newest saved calls across peers; latest only if clean (a
+   dirty sweep puts the state back as it was before it);
 4. loads the chosen generation: from memory where every rank can get it (a rank
    whose machine was lost receives its shard from the partner keeping its
    replica, over SCOUT's gloo group), else from the durable store;
 5. restores model, optimizer, RNG, caller state and SCOUT's own schedule
-   bitwise, and appends a ``resume`` record.
+   bitwise, deletes every in-memory snapshot newer than what it restored (they
+   hold state judged unsafe: a second restart must not find them as latest),
+   and appends a ``resume`` record.
 """
 
 from __future__ import annotations
@@ -88,8 +91,9 @@ class Restarter:
     """The product's restart path over the coordinator's memory slots and durable store."""
 
     def __init__(self, coordinator: CheckpointCoordinator, *, control_group: Any, engine: Any = None,
-                 restore: Any, after_restore: Any = None) -> None:
+                 restore: Any, after_restore: Any = None, current: Any = None) -> None:
         self.coord = coordinator
+        self.current = current  # callable() -> the state as it is now (a snapshot dict), to undo a dirty sweep
         self.group = control_group
         self.replay = engine
         self.restore = restore  # callable(snapshot dict): model, optimizer, RNG, caller state
@@ -134,6 +138,9 @@ class Restarter:
             gen = verified
         if gen is None:  # e.g. SDC before anything was certified: nothing SCOUT holds is safe to load
             reason += f"; no {source} generation is held by every rank: nothing restored"
+            self._drop_newer(-1)
+            _log.error("SCOUT resume: %s. The model keeps the state it had before resume() (a fresh "
+                       "initialization unless you loaded one); the unsafe snapshots were deleted.", reason)
             if path and self.rank == 0:
                 record_decision(path, {"source": "none", "generation": None, "reason": reason}, kind="resume")
             return ResumeResult(step=None, reason=reason, decision=decision)
@@ -142,6 +149,8 @@ class Restarter:
         self.restore(snap)
         if self.after_restore is not None:
             self.after_restore(snap, {"latest": gen, "verified": verified if verified is not None else None})
+        if latest is not None and gen < latest:
+            self._drop_newer(gen)
         result = ResumeResult(step=gen, source=source, reason=reason, from_memory=from_memory,
                               fetched=from_memory and self.rank in fetch, decision=decision)
         if path and self.rank == 0:
@@ -183,8 +192,26 @@ class Restarter:
                 dist.recv(mine, holder, group=self.group)
         return mine
 
+    def _drop_newer(self, step: int) -> None:
+        """Every rank deletes its in-memory snapshots newer than ``step`` (-1: all of them)."""
+        gone = self.coord.memory.drop_newer(step, self.coord.sources)
+        store = self.coord.store
+        held = set(store.local_generations(check_bytes=False))
+        newer = {g for g in held if g > step}
+        if newer:  # durable candidates of the same unsafe steps: never promoted or voted on later
+            store.prune(held - newer)
+            gone += [f"durable generation {g}" for g in sorted(newer)]
+        if gone:
+            _log.warning("SCOUT resume: rank %d deleted %d in-memory snapshot(s) newer than step %d: %s",
+                         self.rank, len(gone), step, ", ".join(gone))
+
     def _sweep(self, latest: int, fetch: dict[int, int]) -> bool:
-        """Restore the latest state and replay every layer on its saved calls; clean on every rank."""
+        """Restore the latest state and replay every layer on its saved calls; clean on every rank.
+
+        A dirty sweep puts back the state the model had before it (what the user built or loaded before
+        ``resume()``), so suspect weights never stay loaded, whatever is restored next."""
+        before = self.current() if self.current is not None else None
+        schedule = self.replay.sweep_state() if self.replay is not None else None
         snap = self._load(latest, fetch)
         self.restore(snap)
         clean = True
@@ -193,4 +220,10 @@ class Restarter:
             clean = self.replay.sweep()
         flag = torch.tensor([1 if clean else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        clean = bool(flag.item())
+        if not clean:
+            if before is not None:
+                self.restore(before)
+            if schedule is not None:
+                self.replay.load_sweep_state(schedule)
+        return clean

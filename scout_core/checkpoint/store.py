@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DurableStore", "ROLES", "agree_on_generation", "atomic_save", "atomic_write"]
+__all__ = ["DurableStore", "ROLES", "agree_on_generation", "atomic_save", "atomic_stream", "atomic_write",
+           "remove_stale_temporaries"]
 
 ROLES = ("candidate", "verified")
 _GEN_RE = re.compile(r"^gen-(\d{9})$")
@@ -67,20 +68,63 @@ class _HashingFile:
 def atomic_stream(path: str, emit: Callable[[_HashingFile], None]) -> tuple[str, int]:
     """Write what ``emit`` streams into a temporary file, fsync, rename, fsync the directory.
 
-    No serialized copy is held in memory. Returns (sha256, bytes).
+    No serialized copy is held in memory. Returns (sha256, bytes). A failure removes the temporary
+    file; one left by a killed process is removed by :func:`remove_stale_temporaries` at the next start.
     """
     directory = os.path.dirname(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        out = _HashingFile(fd)
-        emit(out)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            out = _HashingFile(fd)
+            emit(out)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     _fsync_dir(directory)
     return out.sha.hexdigest(), out.bytes
+
+
+_TMP = re.compile(r".+\.tmp-(\d+)$")
+STALE_TMP_S = 60.0
+"""A temporary file untouched this long whose writer process is gone is a leftover of a killed writer."""
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Delete the temporaries that killed writers left in ``directory`` (RAM-backed ones hold memory).
+
+    A file is stale when the process id in its name is not running on this machine and it has not been
+    written to for ``STALE_TMP_S``: a writer in another PID namespace sharing the folder keeps writing,
+    so its file stays fresh and is left alone.
+    """
+    gone = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return gone
+    now = time.time()
+    for name in names:
+        m = _TMP.match(name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # the writer is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        with contextlib.suppress(FileNotFoundError):
+            if now - os.path.getmtime(path) >= STALE_TMP_S:
+                os.unlink(path)
+                gone.append(name)
+    return gone
 
 
 def atomic_save(path: str, obj: Any) -> tuple[str, int]:
@@ -97,20 +141,9 @@ def _copy_file(source: str) -> Callable[[_HashingFile], None]:
     return emit
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(directory)
+def atomic_write(path: str, data: bytes | memoryview) -> None:
+    """``data`` into ``path``, crash-safely (see :func:`atomic_stream`)."""
+    atomic_stream(path, lambda out: out.write(data))
 
 
 class DurableStore:
@@ -123,6 +156,8 @@ class DurableStore:
         self.rank = rank
         self.world_size = world_size
         os.makedirs(self.root, exist_ok=True)
+        for gen in self._generation_dirs():
+            remove_stale_temporaries(self._gen_dir(gen))
 
     def _gen_dir(self, generation: int) -> str:
         if generation < 0:
