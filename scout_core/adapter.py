@@ -18,6 +18,7 @@ framework plugin builds its own adapter from its framework's objects and calls
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from scout_core.replay.rng import RngProvider
+
+_log = logging.getLogger("scout")
 
 __all__ = ["FrameworkAdapter", "find_inner_optimizers", "stateful_state", "torch_adapter"]
 
@@ -84,10 +87,12 @@ def _unwrap(module: nn.Module) -> nn.Module:
 
 
 def discover_layers(chunks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[str]]:
-    """Repeated blocks (children of every ``nn.ModuleList``, outermost lists only) and their names.
+    """Repeated blocks (children of every ``nn.ModuleList``, and of every ``nn.ModuleDict`` whose children
+    share one class, as TorchTitan keeps its blocks; outermost containers only) and their names.
 
     Nested lists (MoE experts inside a block) are not separate layers: the block
-    that contains them is.
+    that contains them is. A model without such a container is replayed whole, with a warning: pass
+    ``layers=`` to ``enable()`` to name its blocks.
     """
     layers, names = [], []
     for ci, chunk in enumerate(chunks):
@@ -95,17 +100,30 @@ def discover_layers(chunks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[
         found = []
         taken: set[int] = set()
         for name, m in inner.named_modules():
-            if isinstance(m, nn.ModuleList) and not any(name.startswith(p) for p in _prefixes(found)):
+            if _holds_blocks(m) and not any(name.startswith(p) for p in _prefixes(found)):
                 for child_name, child in m.named_children():
                     if id(child) not in taken:
                         taken.add(id(child))
                         found.append((f"{name}.{child_name}", child))
         prefix = f"chunk{ci}." if ci else ""
         if not found:
+            _log.warning("SCOUT: no nn.ModuleList or nn.ModuleDict of repeated blocks in %s; replay samples the "
+                         "whole model chunk (pass layers=... to enable() to name its blocks)", type(inner).__name__)
             found = [("", inner)]
         layers += [m for _, m in found]
         names += [f"{prefix}{n}" if n else f"{prefix}model" for n, _ in found]
     return layers, names
+
+
+def _holds_blocks(m: nn.Module) -> bool:
+    """A container of repeated blocks: any ``ModuleList``; a ``ModuleDict`` only when its children share one
+    class (nanoGPT's ``transformer`` dict holds the embedding, the block list and the norm: not blocks)."""
+    if isinstance(m, nn.ModuleList):
+        return True
+    if isinstance(m, nn.ModuleDict):
+        kinds = {type(c) for c in m.children()}
+        return len(kinds) == 1 and len(m) > 1
+    return False
 
 
 def _prefixes(found: list[tuple[str, nn.Module]]) -> list[str]:

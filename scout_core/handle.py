@@ -316,8 +316,11 @@ class ScoutHandle:
     def _state_now(self) -> dict[str, Any]:
         """A copy of the state as it is now (what a dirty emergency sweep puts back)."""
         assert self.snapshots is not None
-        self.snapshots.capture(-1)
+        self.snapshots.capture(-1, extra_later=True)
         try:
+            # The caller's state too: a rolled-back sweep must not leave the scheduler or data position of
+            # the rejected state behind.
+            self.snapshots.complete_extra({"caller": self.adapter.get_state() if self.adapter.get_state else {}})
             return self.snapshots.result()
         finally:
             self.snapshots.release()

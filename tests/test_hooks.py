@@ -67,6 +67,34 @@ def test_nested_module_lists_belong_to_their_block():
     assert layers == list(m.layers) and names == ["layers.0", "layers.1", "layers.2"]
 
 
+def test_layer_discovery_in_the_containers_model_libraries_use(caplog):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+    class Titan(torch.nn.Module):  # TorchTitan: blocks in a ModuleDict keyed "0", "1", ...
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = torch.nn.Embedding(4, 2)
+            self.layers = torch.nn.ModuleDict({str(i): Block() for i in range(3)})
+
+    class NanoGPT(torch.nn.Module):  # nanoGPT: a ModuleDict of unlike parts around the block list
+        def __init__(self):
+            super().__init__()
+            self.transformer = torch.nn.ModuleDict(dict(
+                wte=torch.nn.Embedding(4, 2), h=torch.nn.ModuleList(Block() for _ in range(2)),
+                ln_f=torch.nn.LayerNorm(2)))
+
+    titan, nano = Titan(), NanoGPT()
+    assert discover_layers([titan]) == (list(titan.layers.values()), ["layers.0", "layers.1", "layers.2"])
+    assert discover_layers([nano]) == (list(nano.transformer.h), ["transformer.h.0", "transformer.h.1"])
+    flat = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    with caplog.at_level("WARNING", logger="scout"):
+        assert discover_layers([flat]) == ([flat], ["model"])
+    assert "replay samples the whole model" in caplog.text
+
+
 def test_one_training_step_publishes_every_boundary_in_order():
     rec = RecordingRecord()
     tracker = ProgressTracker(rec)

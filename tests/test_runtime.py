@@ -481,3 +481,71 @@ def test_close_in_an_exception_handler_cleans_up_and_lets_the_error_through(tmp_
     for v in values:
         assert v["raised"] == "training ran out of memory"
         assert v["same"], (v["before"], v["after"])
+
+
+def _unhealthy(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import batches, start_rank
+    from scout_core.config import load
+    from scout_core.replay.optimizer import OptimizerSlice
+
+    a, _, par, opt = start_rank(ctx)
+    d = a["dir"]
+    if a["case"] == "optimizer":  # the optimizer replay cannot work for this optimizer, on one rank
+        real = OptimizerSlice.after_step
+
+        def after_step(self):
+            if ctx.rank == 1:
+                raise ValueError("this optimizer cannot be replayed on a slice")
+            return real(self)
+
+        OptimizerSlice.after_step = after_step
+    else:  # blocks called around their hooks, as code compiled before enable() does: captures never fire
+        inner = par.inner
+
+        def forward(x):
+            h = inner.embed(x)
+            for layer in inner.layers:
+                h = layer.forward(h)
+            return inner.head(h)
+
+        inner.forward = forward
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=1", "replay.optimizer_slice_elems=64", "observer.enabled=false",
+                      f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    for x, y in batches(ctx.rank, 6):
+        torch.nn.functional.mse_loss(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    out = [(r.step, r.recipes, r.skipped) for r in handle.replay.history]
+    handle.close()
+    return out
+
+
+def test_a_recipe_that_always_fails_is_switched_off_and_the_others_go_on(tmp_path):
+    from scout_core.replay.health import FAILURES_BEFORE_OFF
+    from scout_core.report import read_incidents
+
+    result = launch(_unhealthy, 4, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                       "dir": str(tmp_path), "case": "optimizer"})
+    assert result.ok, result.failures()
+    for history in result.values():
+        assert [s for s, _, why in history if why] == list(range(1, FAILURES_BEFORE_OFF + 1))
+        assert [(s, r) for s, r, why in history if not why] == [
+            (s, ("hidden",)) for s in range(FAILURES_BEFORE_OFF + 1, 7)]
+    records = [(i.kind.value, i.scope.value, i.ranks, i.surface) for i in read_incidents(tmp_path / "inc.jsonl")]
+    assert records[-1] == ("diagnosis_error", "job", [], "replay:optimizer")
+    assert {r[2][0] for r in records[:-1]} == {1} and len(records) == FAILURES_BEFORE_OFF + 1
+
+
+def test_a_run_of_skipped_checks_is_reported_once(tmp_path):
+    from scout_core.replay.health import SKIPS_BEFORE_RECORD
+    from scout_core.report import read_incidents
+
+    result = launch(_unhealthy, 4, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                       "dir": str(tmp_path), "case": "uncaptured"})
+    assert result.ok, result.failures()
+    assert all(why for v in result.values() for _, _, why in v)  # nothing could be checked
+    records = [(i.kind.value, i.surface, i.step) for i in read_incidents(tmp_path / "inc.jsonl")]
+    assert records == [("diagnosis_error", "replay:coverage", SKIPS_BEFORE_RECORD)]

@@ -85,3 +85,21 @@ def test_restore_rejects_a_different_model():
         assert "keys differ" in str(exc)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_a_failed_copy_never_raises_out_of_the_optimizer_step():
+    import pytest
+
+    net, opt = _make()
+    _train(net, opt, 1, {"tokens": 0})
+    engine = SnapshotEngine([net], [opt])
+
+    def failing_copy(*_args, **_kwargs):  # the host ran out of memory copying the state
+        engine._error = MemoryError("no host memory for the snapshot")
+
+    engine._copy = failing_copy
+    engine.capture(1)
+    _train(net, opt, 1, {"tokens": 0})  # the pre-step hook waits for the copy: it must not raise into training
+    with pytest.raises(RuntimeError, match="snapshot copy failed"):
+        engine.result()  # the persistence thread is where the failure surfaces (and is reported)
+    engine.close()

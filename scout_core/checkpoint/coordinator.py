@@ -86,6 +86,7 @@ class CheckpointCoordinator:
         self.repl_group = dist.new_group(backend="gloo") if self.partner_of else None
         self.decisions_path = decisions_path
         self.keep = keep_generations
+        self._space_checked = False
         self.on_error = on_error
         self.extra_later = extra_later  # the caller's state is added at the end of the step (engine.complete_extra)
         self._bg: threading.Thread | None = None
@@ -127,8 +128,11 @@ class CheckpointCoordinator:
         return action
 
     def _capture(self, step: int) -> bool:
-        if self.engine.captures == 0:
-            self.memory.ensure_space(self.engine.state_bytes(), copies=1 + len(self.sources))
+        if not self._space_checked:
+            self._space_checked = True
+            # At the peak a rank's slot and each replica it keeps exist twice: the previous one is deleted
+            # only once the new one is complete (a crash mid-write must leave a whole slot behind).
+            self.memory.ensure_space(self.engine.state_bytes(), copies=2 * (1 + len(self.sources)))
         self.engine.capture(step, extra_later=self.extra_later)
         return True
 
@@ -186,11 +190,26 @@ class CheckpointCoordinator:
         works += [dist.irecv(t, s, group=self.repl_group) for s, t in incoming.items()]
         for w in works:
             w.wait()
-        bufs = {s: torch.empty(int(t[0]), dtype=torch.uint8) for s, t in incoming.items() if int(t[0]) >= 0}
-        works = [dist.isend(payload, dst, group=self.repl_group)] if payload is not None else []
+        bufs: dict[int, torch.Tensor] = {}
+        for s, t in incoming.items():
+            if int(t[0]) >= 0:
+                with contextlib.suppress(RuntimeError, MemoryError):  # no room: say so, the sender skips
+                    bufs[s] = torch.empty(int(t[0]), dtype=torch.uint8)
+        # Each receiver tells its source whether it can take the bytes before they are sent: a sender
+        # never blocks (until the gloo timeout) on a partner that could not allocate the buffer.
+        ready = torch.zeros(1, dtype=torch.int64)
+        works = [dist.isend(torch.tensor([1 if s in bufs else 0], dtype=torch.int64), s, group=self.repl_group)
+                 for s in incoming]
+        works.append(dist.irecv(ready, dst, group=self.repl_group))
+        for w in works:
+            w.wait()
+        send = payload is not None and int(ready) == 1
+        works = [dist.isend(payload, dst, group=self.repl_group)] if send else []
         works += [dist.irecv(b, s, group=self.repl_group) for s, b in bufs.items()]
         for w in works:
             w.wait()
+        if payload is not None and not send:
+            _log.warning("rank %d: partner %d could not take the replica of step %d", self.rank, dst, step)
         del payload
         for s in list(bufs):
             self.memory.write_replica(s, int(incoming[s][1]), bufs.pop(s))

@@ -120,8 +120,11 @@ class Restarter:
         else:
             if latest is None and verified is None:
                 return ResumeResult(step=None, reason="no snapshot or verified checkpoint: fresh start")
+            # A machine was lost when some rank has no snapshot of its own left at all. A rank whose own
+            # slot is merely older (killed while writing the newest) fetches it, but nothing was lost.
+            lost = any(inv["own"] is None for inv in inventories)
             kind = FailureKind(failure) if failure else (
-                FailureKind.MACHINE_UNREACHABLE if fetch else FailureKind.OTHER)
+                FailureKind.MACHINE_UNREACHABLE if lost else FailureKind.OTHER)
             certifier = Certifier(latest=latest, verified=verified)
             sweep = (lambda: self._sweep(latest, fetch)) if kind is FailureKind.OTHER and latest is not None else None
             d = decide_retrieval(certifier, kind, sweep=sweep)
@@ -149,8 +152,7 @@ class Restarter:
         self.restore(snap)
         if self.after_restore is not None:
             self.after_restore(snap, {"latest": gen, "verified": verified if verified is not None else None})
-        if latest is not None and gen < latest:
-            self._drop_newer(gen)
+        self._drop_newer(gen)  # whatever is newer than what was restored (on any rank) is unsafe or partial
         result = ResumeResult(step=gen, source=source, reason=reason, from_memory=from_memory,
                               fetched=from_memory and self.rank in fetch, decision=decision)
         if path and self.rank == 0:

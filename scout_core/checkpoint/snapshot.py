@@ -196,7 +196,7 @@ class SnapshotEngine:
         self._cuda_event = torch.cuda.Event()
         self._cuda_event.record(stream)
 
-    def _wait(self) -> None:
+    def _wait(self, *, raise_error: bool = True) -> None:
         with self._lock:
             if self._pending is not None:
                 self._pending.join()
@@ -204,7 +204,7 @@ class SnapshotEngine:
             if self._cuda_event is not None:
                 self._cuda_event.synchronize()
                 self._cuda_event = None
-            if self._error is not None:
+            if raise_error and self._error is not None:
                 err, self._error = self._error, None
                 raise RuntimeError("snapshot copy failed") from err
 
@@ -220,7 +220,9 @@ class SnapshotEngine:
             # GPU-side ordering only: the step's kernels wait for the copy; the host does not.
             torch.cuda.current_stream().wait_event(event)
         else:
-            self._wait()
+            # Wait only: a failed copy is the persistence thread's to report (through result()), never an
+            # exception out of the training loop's optimizer.step().
+            self._wait(raise_error=False)
         self.blocking_s += time.perf_counter() - start
 
     def complete_extra(self, values: dict[str, Any]) -> None:

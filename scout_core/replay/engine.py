@@ -37,9 +37,9 @@ import torch.distributed as dist
 from scout_core.config import ReplayConfig
 from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, c3_exchange
 from scout_core.groups import ScoutGroups, local_groups
-from scout_core.replay.calls import spec_from_tensor, spec_to_tensor
 from scout_core.replay.capture import LayerCapture
 from scout_core.replay.guard import DiagnosisGuard
+from scout_core.replay.health import RecipeHealth
 from scout_core.replay.layer import (
     ShippedCall,
     broadcast_call,
@@ -47,10 +47,12 @@ from scout_core.replay.layer import (
     device_of,
     materialize,
     receive_buffers,
+    release_of,
     replay_layer,
 )
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider
+from scout_core.replay.saved import call_from_dict, call_to_dict, to_device
 from scout_core.replay.scratch import Scratch, fsdp_module, reserve
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
@@ -166,6 +168,10 @@ class ReplayEngine:
         self.timing = CommTiming(self.rule, confirm_rounds, world_control=self.groups.world_control,
                                  hosts=self.hosts)
         self._hsdp_comm: tuple[float, float, Any, Any] | None = None
+        recipe_of_layer = {name: ("hidden" if i < self.n_hidden else next(r for r, j in self.extra.items() if j == i))
+                           for i, name in enumerate(self.names)}
+        self.health = RecipeHealth(rank=self.rank, world_control=self.groups.world_control,
+                                   recipe_of_layer=recipe_of_layer, emit=self._emit)
         self._opt_due = False
         self._opt_error: BaseException | None = None
         self._handles: list[Any] = []
@@ -176,6 +182,10 @@ class ReplayEngine:
 
     # -- scheduling ------------------------------------------------------------------------------
 
+    def _cadence(self, recipe: str) -> int:
+        """The recipe's configured cadence, 0 once it was switched off after repeated failures."""
+        return 0 if recipe in self.health.disabled else getattr(self.cfg.cadence, recipe)
+
     def _due(self, step: int, cadence: int) -> bool:
         return self.cfg.enabled and cadence > 0 and step % cadence == 0
 
@@ -183,21 +193,21 @@ class ReplayEngine:
         return self.checks % self.n_hidden
 
     def _arm(self, step: int) -> None:
-        if self._due(step, self.cfg.cadence.hidden):
+        if self._due(step, self._cadence("hidden")):
             self.captures[self._layer_index()].arm()
         for recipe, idx in self.extra.items():
-            if self._due(step, getattr(self.cfg.cadence, recipe)):
+            if self._due(step, self._cadence(recipe)):
                 self.captures[idx].arm()
 
     def due_next(self) -> tuple[str, ...]:
         """Recipes due at the next boundary (the same on every peer)."""
         step = self.step + 1
-        due = tuple(r for r in self.extra if self._due(step, getattr(self.cfg.cadence, r)))
-        due += ("hidden",) if self._due(step, self.cfg.cadence.hidden) else ()
+        due = tuple(r for r in self.extra if self._due(step, self._cadence(r)))
+        due += ("hidden",) if self._due(step, self._cadence("hidden")) else ()
         return due + (("optimizer",) if self._opt_due else ())
 
     def _pre_step(self, *_: Any) -> None:
-        self._opt_due = self.opt_slice is not None and self._due(self.step + 1, self.cfg.cadence.optimizer)
+        self._opt_due = self.opt_slice is not None and self._due(self.step + 1, self._cadence("optimizer"))
         if not self._opt_due:
             return
         try:
@@ -220,13 +230,13 @@ class ReplayEngine:
         self.step += 1
         step = self.step
         result = BoundaryResult(step)
-        recipes = [r for r in ("embedding", "output") if self._due(step, getattr(self.cfg.cadence, r))]
+        recipes = [r for r in ("embedding", "output") if self._due(step, self._cadence(r))]
         due = [(r, self.extra[r]) for r in recipes if r in self.extra]
-        if self._due(step, self.cfg.cadence.hidden):
+        if self._due(step, self._cadence("hidden")):
             recipes.append("hidden")
             due.append(("hidden", self._layer_index()))
             self.checks += 1  # every peer rotates together, whatever happens to this check
-        opt_due = self._due(step, self.cfg.cadence.optimizer)
+        opt_due = self._due(step, self._cadence("optimizer"))
         self._opt_due = False
         result.recipes = tuple(recipes) + (("optimizer",) if opt_due else ())
         if result.recipes:
@@ -235,7 +245,12 @@ class ReplayEngine:
             finally:
                 if self.opt_slice is not None:
                     self.opt_slice.pending = None
+                where = self.guard.failure.where if self.guard.failure is not None else None
                 self.guard.reset()
+            if result.skipped == "diagnosis error":
+                self.health.failed(step, where, result.recipes)
+            elif not result.skipped:
+                self.health.checked()
             self.history.append(result)  # steps with nothing due keep no record: a long run must not grow
         self._arm(step + 1)
         return result
@@ -280,6 +295,8 @@ class ReplayEngine:
             # everywhere: other peer groups' replays would otherwise meet this group in cross-group timing.
             result.skipped = "diagnosis error" if status == "error" else (
                 f"sampled layer(s) {', '.join(not_run) or 'of another peer group'} did not run on the source")
+            if status == "skip":
+                self.health.skipped(step, result.skipped)
             return
         for _, idx in due:
             broadcast_call(calls[idx], src, self.group, self.ctrl)
@@ -295,7 +312,9 @@ class ReplayEngine:
                 if gather_s is None and all_reduce is not None:
                     gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group, all_reduce)
                 comm_s = gather_s or 0.0
-            self.last_calls[recipe] = (calls[idx], idx)
+            # One saved call per layer class: the sweep replays each class's layers on an input of their own.
+            key = f"hidden:{type(self.layers[idx]).__qualname__}" if recipe == "hidden" else recipe
+            self.last_calls[key] = (calls[idx], idx)
         if opt_due and self.opt_slice is not None:
             replayed = guard.run("optimizer replay", self.opt_slice.after_step) or []
             evidence += [(n, v) for n, v in replayed if self.compare_optimizer_slices or n == "optimizer.self_check"]
@@ -352,11 +371,14 @@ class ReplayEngine:
                 signed = sign_many([torch.cat([p.to_local().reshape(-1) for p in layer.parameters()])])[0]
                 surfaces.append((f"{name}.local_shard", (signed.signature, signed.nonfinite)))
 
-            self.guard.run("local shard signature", local_shard)
+            self.guard.run(f"local shard signature of {name}", local_shard)
             if timed and scratch.hsdp is not None:  # the hidden recipe's timings are compared across groups
                 self._hsdp_comm = time_hsdp_collectives(layer, scratch.hsdp)
         owner = self.owner if idx >= self.n_hidden else None
-        forward, gather_s, release = materialize(layer, owner, scratch)
+        # Always run (its all-gather is a collective every peer joins), but a local failure (out of memory
+        # copying the parameters out after the gather) is kept for the agreement, not raised into training.
+        materialized = self.guard.attempt("unshard", lambda: materialize(layer, owner, scratch))
+        forward, gather_s, release = materialized or (None, None, release_of(layer, owner))
         timed = [0.0]
 
         def replay() -> None:
@@ -373,7 +395,7 @@ class ReplayEngine:
             self.guard.run(f"replay of {name}", replay)
         finally:
             if release is not None:
-                release()
+                self.guard.attempt("reshard", release)
         return surfaces, timed[0], gather_s
 
     # -- restart: saved calls and the emergency sweep ----------------------------------------------
@@ -381,14 +403,14 @@ class ReplayEngine:
     def sweep_state(self) -> dict[str, Any]:
         """Counters and the newest replayed call per recipe, stored in every snapshot (weights-only safe)."""
         return {"step": self.step, "checks": self.checks,
-                "calls": {recipe: _call_to_dict(call, idx) for recipe, (call, idx) in self.last_calls.items()}}
+                "calls": {recipe: call_to_dict(call, idx) for recipe, (call, idx) in self.last_calls.items()}}
 
     def load_sweep_state(self, saved: Mapping[str, Any]) -> None:
         """Continue from a restored snapshot: same schedule, same rotation, its calls for a sweep."""
         for c in self.captures:
             c.take()
         self.step, self.checks = int(saved["step"]), int(saved["checks"])
-        self.last_calls = {r: _call_from_dict(d) for r, d in saved.get("calls", {}).items()}
+        self.last_calls = {r: call_from_dict(d) for r, d in saved.get("calls", {}).items()}
         self._arm(self.step + 1)
 
     def sweep(self) -> bool:
@@ -396,7 +418,7 @@ class ReplayEngine:
         exact C3 across peers. True when nothing disagrees; SDC found is recorded. Every peer must call it."""
         work: list[tuple[int, ShippedCall]] = []
         for recipe, (call, idx) in sorted(self.last_calls.items()):
-            if recipe == "hidden":
+            if recipe.startswith("hidden"):
                 kind = type(self.layers[idx])
                 work += [(i, call) for i in range(self.n_hidden) if type(self.layers[i]) is kind]
             elif recipe in self.extra:
@@ -405,7 +427,7 @@ class ReplayEngine:
         for idx, call in work:
             device = device_of(self.layers[idx])
             prepared = self.guard.run("sweep inputs", lambda call=call, idx=idx, device=device: (
-                _to_device(call, device), self._reserve(idx, timed=False)))
+                to_device(call, device), self._reserve(idx, timed=False)))
             # One agreement per layer, before its collectives: a local failure (out of memory moving the
             # inputs or reserving the unshard) ends the sweep on every rank together.
             if not self.guard.agree(self.step, "sweep") or prepared is None:
@@ -503,34 +525,6 @@ class ReplayEngine:
         self._handles.clear()
         for c in self.captures:
             c.remove()
-
-
-def _call_to_dict(call: ShippedCall, idx: int) -> dict[str, Any]:
-    """A host copy (never a view of a training tensor) of a replayed call, weights-only loadable."""
-    def host(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
-
-    return {"layer": idx, "tensors": [host(t) for t in call.tensors],
-            "on_host": [t.device.type == "cpu" for t in call.tensors], "spec": spec_to_tensor(call.spec),
-            "mask": list(call.requires_grad), "grads": {str(i): host(g) for i, g in call.grad_outputs.items()},
-            "rng": dict(call.rng)}
-
-
-def _call_from_dict(d: Mapping[str, Any]) -> tuple[ShippedCall, int]:
-    call = ShippedCall(list(d["tensors"]), spec_from_tensor(d["spec"]), list(d["mask"]),
-                       {int(i): g for i, g in d["grads"].items()}, dict(d["rng"]))
-    call.on_host = list(d.get("on_host", [False] * len(call.tensors)))
-    return call, int(d["layer"])
-
-
-def _to_device(call: ShippedCall, device: torch.device) -> ShippedCall:
-    """Saved calls are kept on the host; replay needs them where the layer lives (CPU leaves stay)."""
-    def move(t: torch.Tensor, on_host: bool = False) -> torch.Tensor:
-        return t if on_host else t.to(device)
-
-    on_host = call.on_host or [False] * len(call.tensors)
-    return ShippedCall([move(t, h) for t, h in zip(call.tensors, on_host, strict=True)], call.spec,
-                       call.requires_grad, {i: move(g) for i, g in call.grad_outputs.items()}, call.rng)
 
 
 def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:

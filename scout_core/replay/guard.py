@@ -85,6 +85,19 @@ class DiagnosisGuard:
                 torch.cuda.empty_cache()
             return None
 
+    def attempt(self, where: str, fn: Callable[[], T]) -> T | None:
+        """``fn()`` even after an earlier failure (it holds a collective every rank must join, e.g. an
+        FSDP unshard); a failure is kept (the first one wins), not raised."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - any failure of diagnosis must not reach training
+            if self.failure is None:
+                self.failure = Failure.of(exc, where)
+            del exc
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            return None
+
     def agree(self, step: int | None, surface: str = "replay") -> bool:
         """True when every rank's local work succeeded so far. Every rank calls it, in the same order."""
         flag = torch.tensor([0 if self.failure is not None else 1], dtype=torch.int32)

@@ -27,7 +27,8 @@ from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rn
 from scout_core.replay.scratch import Scratch, fsdp_module
 from scout_core.signature import sign_many
 
-__all__ = ["ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize", "receive_buffers", "replay_layer"]
+__all__ = ["ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize", "receive_buffers", "release_of",
+           "replay_layer"]
 
 
 @dataclass
@@ -124,6 +125,13 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
         cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
         return cls.forward.__get__(layer), gather_s, layer.reshard
     return layer, None, None
+
+
+def release_of(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> Any:
+    """The reshard that undoes :func:`materialize` (also after it failed half-way), or None."""
+    if owner is not None and fsdp_module(owner):
+        return owner.reshard
+    return layer.reshard if fsdp_module(layer) else None
 
 
 def _gather_group(module: torch.nn.Module) -> Any:

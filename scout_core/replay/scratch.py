@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Scratch", "fsdp_module", "reserve"]
+__all__ = ["Scratch", "fsdp_module", "managed_parameters", "reserve"]
 
 
 @dataclass
@@ -47,6 +47,20 @@ def fsdp_module(module: torch.nn.Module | None) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters ``module``'s own ``unshard()`` gathers: not those of nested FSDP modules (the root
+    of a model manages only the embedding, final norm and head; its blocks gather their own)."""
+    nested = {id(p) for m in module.modules() if m is not module and fsdp_module(m) for p in m.parameters()}
+    return [p for p in module.parameters() if id(p) not in nested]
+
+
+def _compute_device(local: torch.Tensor) -> torch.device:
+    """Where the unshard allocates: the accelerator even when the shard is offloaded to the host."""
+    if local.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return local.device
+
+
 def _first_local(layer: torch.nn.Module) -> torch.Tensor | None:
     for p in layer.parameters():
         return p.to_local() if hasattr(p, "to_local") else p
@@ -62,9 +76,10 @@ def reserve(layer: torch.nn.Module, owner: torch.nn.Module | None, *, time_all_r
         return scratch
     gathered = owner if fsdp_module(owner) else (layer if fsdp_module(layer) else None)
     if gathered is not None:
-        # A DTensor's numel is its global size: what the all-gather materializes.
-        nbytes = sum(p.numel() * p.element_size() for p in gathered.parameters())
-        scratch.headroom = torch.empty(nbytes, dtype=torch.uint8, device=local.device)
+        # A DTensor's numel is its global size. The unshard allocates the all-gather output and then
+        # copies each parameter out of it: about twice the unsharded bytes at its peak.
+        nbytes = 2 * sum(p.numel() * p.element_size() for p in managed_parameters(gathered))
+        scratch.headroom = torch.empty(nbytes, dtype=torch.uint8, device=_compute_device(local))
     if time_all_reduce:
         params = [p for p in layer.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in params) or 1
