@@ -12,6 +12,13 @@ the reference for a bitwise restore.
 Phase B is a fresh set of processes with freshly initialized (different)
 weights. It calls ``handle.resume()`` and compares the restored state with the
 reference of the generation the product chose.
+
+Settings that differ from the shipped defaults, and why: every recipe is replayed
+every step (cadence 1, not 20) so a 10-step cell reaches its verdicts; the hang
+observer's silence threshold and gather timeout are 5 s (shipped: 60 s and 10 s)
+so a hang cell ends in seconds. The consensus rule is the shipped one. Most cells
+flush after every step so that generations are exact; ``ddp-recovery-sdc-async``
+does not, as a real training loop does not.
 """
 
 from __future__ import annotations
@@ -122,7 +129,8 @@ def _phase_a(ctx: RankContext) -> dict[str, Any]:
             # The state a snapshot of this step must hold; on a verdict ScoutStop comes at the next fetch.
             with open(os.path.join(a["workdir"], f"ref-r{ctx.rank}-s{step}.json"), "w") as fh:
                 json.dump(state_signatures(par, opt, tokens.state_dict()), fh)
-            handle.flush()  # the step is over: each generation complete before the next (exact expectations)
+            if a["flush"]:  # each generation complete before the next (exact expectations)
+                handle.flush()
     finally:
         handle.close()
     return {"steps": a["steps"]}
@@ -183,6 +191,7 @@ def recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         "workdir": workdir, "run_id": spec.name, "failure": p.get("failure_after_crash"),
         "overrides": list(p.get("overrides", [])),
         "kill_step": next((f.schedule.start for f in spec.faults if f.surface == "machine"), None),
+        "flush": bool(p.get("flush_each_step", True)),
     }
     expect = p["expect"]
     problems: list[str] = []
@@ -221,7 +230,11 @@ def recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if b_result.ok:
         values = b_result.values()
         got = {(v["source"], v["generation"]) for v in values}
-        if got != {(expect["source"], expect["generation"])}:
+        at_most = expect.get("generation_at_most")
+        if at_most is not None:  # persistence in the background may skip a busy boundary's capture
+            if len(got) != 1 or next(iter(got))[0] != expect["source"] or not 1 <= (next(iter(got))[1] or 0) <= at_most:
+                problems.append(f"restored {sorted(got)}, expected one {expect['source']} generation in 1..{at_most}")
+        elif got != {(expect["source"], expect["generation"])}:
             problems.append(f"restored {sorted(got)}, expected {(expect['source'], expect['generation'])}")
         if expect.get("reason") and expect["reason"] not in values[0]["reason"]:
             problems.append(f"decision reason {values[0]['reason']!r} lacks {expect['reason']!r}")
