@@ -41,7 +41,12 @@ def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 class SnapshotEngine:
-    """Captures and restores one rank's training state."""
+    """Captures and restores one rank's training state.
+
+    ``get_extra`` returns extra state as objects the snapshot keeps as they are (fresh copies, not live
+    objects training goes on mutating); ``set_extra`` puts it back on restore. Caller state that is final
+    only at the end of the step comes through :meth:`complete_extra`, which copies it.
+    """
 
     def __init__(
         self,
@@ -75,13 +80,13 @@ class SnapshotEngine:
 
     # -- capture ------------------------------------------------------------------------------
 
-    def _sources(self) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    def _sources(self, *, clone_buffers: bool = True) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
         models = []
         for chunk in self.chunks:
             # Buffers change in the next forward (running statistics, DDP's buffer broadcast) while the
             # background copy may still run, so they are copied now; parameters and optimizer state change
             # only at the next optimizer step, which waits for the copy.
-            buffers = {name for name, _ in chunk.named_buffers()}
+            buffers = {name for name, _ in chunk.named_buffers()} if clone_buffers else set()
             models.append({k: (local_tensor(v).clone() if k in buffers else local_tensor(v))
                            for k, v in chunk.state_dict().items()})
         optims = []
@@ -111,7 +116,7 @@ class SnapshotEngine:
             return
         self._reserved = True
         try:
-            models, optims = self._sources()
+            models, optims = self._sources(clone_buffers=False)
             sizes = [(t.shape, t.dtype) for t in self._tensors(models, optims) if t.is_cuda]
         except Exception:  # noqa: BLE001 - a warm-up never breaks training; the capture reports real errors
             return
@@ -147,7 +152,9 @@ class SnapshotEngine:
             rng["cuda"] = torch.cuda.get_rng_state_all()
         for name, (get, _) in self.rng_providers.items():
             rng[name] = get()
-        extra = copy.deepcopy(self.get_extra()) if self.get_extra else {}
+        # get_extra returns objects the snapshot may keep (SCOUT's sweep state is built as fresh host copies):
+        # a second deep copy here would double its cost on the training thread.
+        extra = self.get_extra() if self.get_extra else {}
         self._extra = extra
         self._late_groups = None
         self._extra_ready = threading.Event()
@@ -260,7 +267,7 @@ class SnapshotEngine:
 
     def state_bytes(self) -> int:
         """Bytes of this rank's model and optimizer state (what one snapshot copies)."""
-        models, optims = self._sources()
+        models, optims = self._sources(clone_buffers=False)
         tensors = self._tensors(models, optims)
         return sum(t.numel() * t.element_size() for t in tensors)
 

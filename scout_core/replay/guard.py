@@ -100,16 +100,14 @@ class DiagnosisGuard:
 
     def agree(self, step: int | None, surface: str = "replay") -> bool:
         """True when every rank's local work succeeded so far. Every rank calls it, in the same order."""
-        flag = torch.tensor([0 if self.failure is not None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        ok = bool(flag.item())
-        if not ok and self.failure is not None and self.failure.kind != "reported":
-            self.report(step, surface, self.failure)
-            self.failure = Failure(self.failure.where, "reported", "", "")  # reported once per check
-        return ok
+        return self.agree_status(step, skip=False, surface=surface) == "ok"
 
     def agree_status(self, step: int | None, *, skip: bool, surface: str = "replay") -> str:
-        """Like :meth:`agree`, also combining a local reason to skip: ``"ok"``, ``"skip"`` or ``"error"``."""
+        """Like :meth:`agree`, also combining a local reason to skip: ``"ok"``, ``"skip"`` or ``"error"``.
+
+        One MIN all-reduce of one int on SCOUT's gloo group spanning the job (0 error, 1 skip, 2 ok). The
+        rank that failed writes the record, once per check.
+        """
         code = 0 if self.failure is not None else (1 if skip else 2)
         flag = torch.tensor([code], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
