@@ -138,7 +138,8 @@ class CheckpointConfig:
     above 0: replay checks are where snapshots are taken and certified)."""
     directory: str = "checkpoints"
     """Durable store root (per-rank shards plus status sidecars) and the retrieval decisions
-    (``decisions.jsonl``); a filesystem every rank of the job reaches."""
+    (``decisions.jsonl``); a filesystem every rank of the job reaches. It belongs to one job: the in-memory
+    snapshot folder is derived from it, and a start at another world size deletes the old size's slots."""
     memory_dir: str = ""
     """RAM-backed directory for in-memory snapshots and peer replicas; empty = ``/dev/shm`` (the temp
     dir where there is none). Too little space there falls back to ``<directory>/memory``, with a warning."""

@@ -259,7 +259,11 @@ class ScoutHandle:
         local = BoundaryEvidence(sdc=result.sdc, inconclusive=result.inconclusive, missing=result.missing,
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
         if self.checkpoint is not None:
-            action, job = self.checkpoint.on_boundary(result.step, local)
+            # Only a check that replayed a layer vouches for the state (an LM-head or optimizer check on its
+            # own cadence does not), unless the layer recipe is configured off.
+            hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
+            certify = "hidden" in result.recipes or hidden_off
+            action, job = self.checkpoint.on_boundary(result.step, local, certify=certify)
             self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
         else:
             job, action = combine_evidence(local, self.groups.world_control), None

@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 
 from scout_core.checkpoint.certify import BoundaryEvidence, Certifier
 from scout_core.checkpoint.coordinator import CheckpointCoordinator
@@ -103,3 +104,42 @@ def test_resume_housekeeping_of_memory_slots(tmp_path):
     # A later incarnation at another world size deletes the slots it can never resume from.
     MemorySlots(str(tmp_path / "shm"), rank=0, hosts={0: "a", 1: "a", 2: "a"}, fallback=str(tmp_path / "disk"))
     assert os.listdir(tmp_path / "shm" / "a") == []
+
+
+def _stale_memory(ctx: RankContext):
+    from scout_core.checkpoint.resume import Restarter
+
+    init_gloo(ctx)
+    a = ctx.args
+    net = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    hosts = {r: "hostA" for r in range(ctx.world_size)}
+    store = DurableStore(a["root"], ctx.rank, ctx.world_size)
+    memory = MemorySlots(a["memory"], rank=ctx.rank, hosts=hosts, fallback=a["root"] + "/memory")
+    engine = SnapshotEngine([net], [opt])
+    # An earlier run on this machine left in-memory slots of step 4; the job since reached verified step 10
+    # (and a newer verified 12 that one rank did not finish) elsewhere.
+    engine.capture(4)
+    memory.write_own(engine.result())
+    engine.capture(10)
+    store.write(10, engine.result(), role="verified")
+    store.write(11, engine.result(), role="candidate")
+    if ctx.rank == 0:
+        store.write(12, engine.result(), role="verified")
+    coord = CheckpointCoordinator(engine, store, Certifier(), memory=memory, replicate=False)
+    restored = []
+    result = Restarter(coord, control_group=dist.group.WORLD, restore=restored.append).resume()
+    dist.barrier()
+    return {"step": result.step, "source": result.source, "memory": memory.inventory(),
+            "store": store.local_generations()}
+
+
+def test_resume_ignores_stale_memory_and_never_deletes_a_verified_generation(tmp_path):
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm")}
+    result = launch(_stale_memory, 2, timeout_s=120, args=args)
+    assert result.ok, result.failures()
+    for rank, v in enumerate(result.values()):
+        assert (v["step"], v["source"]) == (10, "verified")
+        assert v["memory"]["own"] is None  # the stale slots are gone
+        # The newer candidate (unsafe or partial) is gone; verified generations stay, also a partial one.
+        assert v["store"] == ({10: "verified", 12: "verified"} if rank == 0 else {10: "verified"})

@@ -95,10 +95,17 @@ class CheckpointCoordinator:
 
     # -- at every replay boundary --------------------------------------------------------------
 
-    def on_boundary(self, step: int, local: BoundaryEvidence) -> tuple[Action, BoundaryEvidence]:
-        """Combine the evidence job-wide, advance the certifier, capture what it asks for."""
+    def on_boundary(self, step: int, local: BoundaryEvidence, *,
+                    certify: bool = True) -> tuple[Action, BoundaryEvidence]:
+        """Combine the evidence job-wide, advance the certifier, capture what it asks for.
+
+        ``certify=False`` (the same on every rank): this boundary's checks cannot vouch for the state (no
+        layer was replayed), so a clean result neither captures nor promotes anything; SDC still counts.
+        """
         local = dataclasses.replace(local, busy=self.busy)
         evidence = combine_evidence(local, self.control, at_cycle_boundary=self.certifier.at_cycle_boundary)
+        if not certify and not (evidence.sdc or evidence.inconclusive):
+            return Action.SKIP, evidence
         return self.apply(step, evidence), evidence
 
     @property
@@ -130,9 +137,11 @@ class CheckpointCoordinator:
     def _capture(self, step: int) -> bool:
         if not self._space_checked:
             self._space_checked = True
-            # At the peak a rank's slot and each replica it keeps exist twice: the previous one is deleted
-            # only once the new one is complete (a crash mid-write must leave a whole slot behind).
-            self.memory.ensure_space(self.engine.state_bytes(), copies=2 * (1 + len(self.sources)))
+            # At the peak a slot exists twice (the previous one is deleted only once the new one is complete:
+            # a crash mid-write must leave a whole slot behind): the own slot while it is written, then each
+            # replica while it is written (the old own slot is gone by then).
+            replicas = len(self.sources)
+            self.memory.ensure_space(self.engine.state_bytes(), copies=max(2 + replicas, 1 + 2 * replicas))
         self.engine.capture(step, extra_later=self.extra_later)
         return True
 

@@ -114,6 +114,15 @@ class Restarter:
         dist.all_gather_object(inventories, coord.memory.inventory(), group=self.group)
         latest, fetch = vote_latest(inventories)
         verified = agree_on_generation(coord.store, "verified", group=self.group)
+        stale = latest is not None and verified is not None and latest < verified
+        if stale:
+            # In-memory snapshots older than the verified checkpoint come from an earlier run on these
+            # machines (a /dev/shm or disk fallback that outlived it): never roll back to them.
+            _log.warning("SCOUT resume: in-memory snapshots of step %d are older than verified generation %d: "
+                         "ignored and deleted", latest, verified)
+            coord.memory.drop_newer(-1, coord.sources)
+            latest, fetch = None, {}
+        self._sweep_failed = False
         recorded = last if _binding(last, latest) else None
         if recorded is not None:
             decision = dict(recorded)
@@ -128,10 +137,14 @@ class Restarter:
             certifier = Certifier(latest=latest, verified=verified)
             sweep = (lambda: self._sweep(latest, fetch)) if kind is FailureKind.OTHER and latest is not None else None
             d = decide_retrieval(certifier, kind, sweep=sweep)
-            decision = {"record": "decision", "source": d.source, "generation": d.generation, "reason": d.reason,
-                        "failure": d.failure, "sweep_clean": d.sweep_clean}
+            reason = d.reason
+            if self._sweep_failed:  # not SDC: the sweep could not run (a diagnosis_error record says why)
+                reason = ("the emergency sweep could not run on every rank, so the latest state is not proven "
+                          "clean: restoring verified")
+            decision = {"record": "decision", "source": d.source, "generation": d.generation, "reason": reason,
+                        "failure": d.failure, "sweep_clean": d.sweep_clean, "sweep_failed": self._sweep_failed}
             if path and self.rank == 0:
-                record_decision(path, d, certifier=certifier)
+                record_decision(path, {k: v for k, v in decision.items() if k != "record"}, certifier=certifier)
         gen, source, reason = decision["generation"], decision["source"], decision["reason"]
         if source == "latest" and gen != latest:
             reason += f"; latest generation {gen} is not held for every rank: using verified {verified}"
@@ -195,14 +208,15 @@ class Restarter:
         return mine
 
     def _drop_newer(self, step: int) -> None:
-        """Every rank deletes its in-memory snapshots newer than ``step`` (-1: all of them)."""
+        """Every rank deletes its in-memory snapshots newer than ``step`` (-1: all of them) and its durable
+        *candidates* newer than ``step``: they hold the state judged unsafe, or a partial generation, and a
+        later restart must not find them. Verified generations are never deleted here."""
         gone = self.coord.memory.drop_newer(step, self.coord.sources)
         store = self.coord.store
-        held = set(store.local_generations(check_bytes=False))
-        newer = {g for g in held if g > step}
-        if newer:  # durable candidates of the same unsafe steps: never promoted or voted on later
-            store.prune(held - newer)
-            gone += [f"durable generation {g}" for g in sorted(newer)]
+        for gen, role in sorted(store.local_generations(check_bytes=False).items()):
+            if gen > step and role != "verified":
+                store.remove(gen)
+                gone.append(f"durable candidate {gen}")
         if gone:
             _log.warning("SCOUT resume: rank %d deleted %d in-memory snapshot(s) newer than step %d: %s",
                          self.rank, len(gone), step, ", ".join(gone))
@@ -216,11 +230,12 @@ class Restarter:
         schedule = self.replay.sweep_state() if self.replay is not None else None
         snap = self._load(latest, fetch)
         self.restore(snap)
-        clean = True
+        outcome = "clean"
         if self.replay is not None:
             self.replay.load_sweep_state(snap["extra"].get("scout", {"step": latest, "checks": 0}))
-            clean = self.replay.sweep()
-        flag = torch.tensor([1 if clean else 0], dtype=torch.int32)
+            outcome = self.replay.sweep()  # the same on every rank: its agreements are job-wide
+        self._sweep_failed = outcome == "failed"
+        flag = torch.tensor([1 if outcome == "clean" else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         clean = bool(flag.item())
         if not clean:

@@ -95,7 +95,7 @@ STALE_TMP_S = 60.0
 """A temporary file untouched this long whose writer process is gone is a leftover of a killed writer."""
 
 
-def remove_stale_temporaries(directory: str) -> list[str]:
+def remove_stale_temporaries(directory: str, prefix: str = "") -> list[str]:
     """Delete the temporaries that killed writers left in ``directory`` (RAM-backed ones hold memory).
 
     A file is stale when the process id in its name is not running on this machine and it has not been
@@ -110,7 +110,7 @@ def remove_stale_temporaries(directory: str) -> list[str]:
     now = time.time()
     for name in names:
         m = _TMP.match(name)
-        if not m:
+        if not m or not name.startswith(prefix):
             continue
         path = os.path.join(directory, name)
         try:
@@ -156,8 +156,8 @@ class DurableStore:
         self.rank = rank
         self.world_size = world_size
         os.makedirs(self.root, exist_ok=True)
-        for gen in self._generation_dirs():
-            remove_stale_temporaries(self._gen_dir(gen))
+        for gen in self._generation_dirs():  # this rank's own leftovers only: the store is shared by machines
+            remove_stale_temporaries(self._gen_dir(gen), prefix=f"rank-{rank:05d}")
 
     def _gen_dir(self, generation: int) -> str:
         if generation < 0:
@@ -202,6 +202,14 @@ class DurableStore:
             raise FileNotFoundError(f"rank {self.rank} holds no committed shard of generation {generation}")
         meta["role"] = role
         atomic_write(self._paths(generation)[1], json.dumps(meta, sort_keys=True).encode())
+
+    def remove(self, generation: int) -> None:
+        """Remove this rank's shard and sidecar of ``generation`` (the directory once every rank did)."""
+        for path in self._paths(generation):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._gen_dir(generation))
 
     def prune(self, keep: set[int]) -> None:
         """Remove this rank's files of every generation not in ``keep`` (and empty generation dirs)."""

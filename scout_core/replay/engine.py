@@ -53,7 +53,7 @@ from scout_core.replay.layer import (
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider
 from scout_core.replay.saved import call_from_dict, call_to_dict, to_device
-from scout_core.replay.scratch import Scratch, fsdp_module, reserve
+from scout_core.replay.scratch import Scratch, compute_device, fsdp_module, reserve, unshard_bytes
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
@@ -287,8 +287,16 @@ class ReplayEngine:
         # Everything the collectives below allocate, allocated now: an out-of-memory error inside a
         # collective would hang the peers; here it is a failure every rank agrees on next.
         scratch: dict[int, Scratch] = {}
-        guard.run("scratch memory", lambda: scratch.update(
-            {idx: self._reserve(idx, timed=recipe == "hidden") for recipe, idx in due if idx in calls}))
+        # One unshard probe for the check, the largest recipe's (they unshard one after another), held by
+        # the first recipe to unshard; each recipe's reservation is its own stage, so a recipe that never
+        # fits is the one switched off (replay.health).
+        needs = {idx: self._unshard_bytes(idx) for _, idx in due if idx in calls}
+        probe_at = max(needs, key=lambda i: (needs[i] > 0, -due_order(due, i)), default=None)
+        for recipe, idx in due:
+            if idx in calls:
+                headroom = max(needs.values()) if idx == probe_at and needs[idx] else 0
+                guard.run(f"scratch memory of {self.names[idx]}", lambda recipe=recipe, idx=idx, h=headroom:
+                          scratch.__setitem__(idx, self._reserve(idx, timed=recipe == "hidden", headroom=h)))
         status = guard.agree_status(step, skip=bool(not_run))
         if status != "ok":
             # A sampled layer that did not run on a source (conditional layers, MoE) skips the check
@@ -321,8 +329,6 @@ class ReplayEngine:
         if not guard.agree(step):
             result.skipped = "diagnosis error"
             return
-        if not evidence:
-            return
         timed = any(r == "hidden" for r, _ in due)  # timing evidence comes from the hidden-layer recipe only
 
         def exchange() -> tuple[list[C3Result], list[C3Result] | None]:
@@ -332,7 +338,8 @@ class ReplayEngine:
                                 rule=self.rule) if timed else None
             return surfaces, times
 
-        exchanged = guard.run("evidence exchange", exchange)
+        # A pipeline stage without the due module has no evidence, but still agrees with the others.
+        exchanged = guard.run("evidence exchange", exchange) if evidence else ([], None)
         if not guard.agree(step) or exchanged is None:
             result.skipped = "diagnosis error"
             return
@@ -351,12 +358,15 @@ class ReplayEngine:
         # or LM-head check on its own cadence).
         result.incidents = self._verdicts(result)
 
-    def _reserve(self, idx: int, *, timed: bool) -> Scratch:
+    def _unshard_bytes(self, idx: int) -> int:
+        return unshard_bytes(self.layers[idx], self.owner if idx >= self.n_hidden else None)
+
+    def _reserve(self, idx: int, *, timed: bool, headroom: int) -> Scratch:
         """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's)."""
         layer = self.layers[idx]
         owner = self.owner if idx >= self.n_hidden else None
         return reserve(layer, owner, time_all_reduce=timed and not fsdp_module(layer),
-                       hsdp_groups=mesh_groups(layer) if timed else None)
+                       hsdp_groups=mesh_groups(layer) if timed else None, headroom_bytes=headroom)
 
     def _replay_recipe(self, idx: int, call: ShippedCall, scratch: Scratch, *,
                        timed: bool) -> tuple[list[tuple[str, Any]], float, float | None]:
@@ -377,7 +387,7 @@ class ReplayEngine:
         owner = self.owner if idx >= self.n_hidden else None
         # Always run (its all-gather is a collective every peer joins), but a local failure (out of memory
         # copying the parameters out after the gather) is kept for the agreement, not raised into training.
-        materialized = self.guard.attempt("unshard", lambda: materialize(layer, owner, scratch))
+        materialized = self.guard.attempt(f"unshard of {name}", lambda: materialize(layer, owner, scratch))
         forward, gather_s, release = materialized or (None, None, release_of(layer, owner))
         timed = [0.0]
 
@@ -395,7 +405,7 @@ class ReplayEngine:
             self.guard.run(f"replay of {name}", replay)
         finally:
             if release is not None:
-                self.guard.attempt("reshard", release)
+                self.guard.attempt(f"reshard of {name}", release)
         return surfaces, timed[0], gather_s
 
     # -- restart: saved calls and the emergency sweep ----------------------------------------------
@@ -413,9 +423,11 @@ class ReplayEngine:
         self.last_calls = {r: call_from_dict(d) for r, d in saved.get("calls", {}).items()}
         self._arm(self.step + 1)
 
-    def sweep(self) -> bool:
+    def sweep(self) -> str:
         """Emergency sweep (paper section 8): replay EVERY layer on the newest saved calls and compare with
-        exact C3 across peers. True when nothing disagrees; SDC found is recorded. Every peer must call it."""
+        exact C3 across peers. Every rank of the job must call it. Returns ``"clean"``, ``"dirty"`` (SDC
+        found and recorded) or ``"failed"`` (nothing saved to replay, or a local failure on some rank: the
+        latest state is not proven clean, and no SDC is claimed)."""
         work: list[tuple[int, ShippedCall]] = []
         for recipe, (call, idx) in sorted(self.last_calls.items()):
             if recipe.startswith("hidden"):
@@ -423,20 +435,29 @@ class ReplayEngine:
                 work += [(i, call) for i in range(self.n_hidden) if type(self.layers[i]) is kind]
             elif recipe in self.extra:
                 work.append((self.extra[recipe], call))
+        # Every rank takes part in the same number of agreements: pipeline stages hold different numbers
+        # of layers (the embedding on the first stage only).
+        rounds = torch.tensor([len(work)], dtype=torch.int64)
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.groups.world_control)
         evidence: list[tuple[str, Any]] = []
-        for idx, call in work:
-            device = device_of(self.layers[idx])
-            prepared = self.guard.run("sweep inputs", lambda call=call, idx=idx, device=device: (
-                to_device(call, device), self._reserve(idx, timed=False)))
+        for i in range(int(rounds)):
+            item = work[i] if i < len(work) else None
+            prepared = None
+            if item is not None:
+                idx, call = item
+                device = compute_device(next(iter(self.layers[idx].parameters()), torch.empty(0)))
+                prepared = self.guard.run(f"sweep inputs of {self.names[idx]}", lambda c=call, d=device, i=idx: (
+                    to_device(c, d), self._reserve(i, timed=False, headroom=self._unshard_bytes(i))))
             # One agreement per layer, before its collectives: a local failure (out of memory moving the
             # inputs or reserving the unshard) ends the sweep on every rank together.
-            if not self.guard.agree(self.step, "sweep") or prepared is None:
+            if not self.guard.agree(self.step, "sweep"):
                 break
-            evidence += self._replay_recipe(idx, *prepared, timed=False)[0]
+            if item is not None and prepared is not None:
+                evidence += self._replay_recipe(item[0], *prepared, timed=False)[0]
         ok = self.guard.agree(self.step, "sweep")
         self.guard.reset()
         if not ok or not work:
-            return False  # no evidence is not a clean sweep
+            return "failed"
         results = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
         bad = [r for r in results if r.status is not C3Status.AGREE]
         if bad:
@@ -445,7 +466,7 @@ class ReplayEngine:
             for inc in incidents:
                 inc.reason = "emergency sweep of the latest state: " + inc.reason
             self._report(incidents)
-        return not bad
+        return "dirty" if bad else "clean"
 
     # -- verdicts -----------------------------------------------------------------------------------
 
@@ -525,6 +546,11 @@ class ReplayEngine:
         self._handles.clear()
         for c in self.captures:
             c.remove()
+
+
+def due_order(due: Sequence[tuple[str, int]], idx: int) -> int:
+    """Position of layer ``idx`` among a check's due recipes (the order they replay in)."""
+    return next(i for i, (_, j) in enumerate(due) if j == idx)
 
 
 def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:

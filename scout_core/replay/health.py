@@ -81,15 +81,18 @@ class RecipeHealth:
                     kind=IncidentKind.DIAGNOSIS_ERROR, scope=IncidentScope.JOB, ranks=[], hosts=[], step=step,
                     surface=f"replay:{recipe}",
                     reason=f"the {recipe} recipe failed in {FAILURES_BEFORE_OFF} checks in a row "
-                           f"({', '.join(failed)}); it is switched off for the rest of the run and the other "
-                           "recipes go on (the diagnosis_error records before this one say why)",
+                           f"({', '.join(failed)}); it is switched off for the rest of the run"
+                           + ("; NO SNAPSHOT IS CERTIFIED from now on (only layer replay vouches for the state)"
+                              if recipe == "hidden" else "; the other recipes go on")
+                           + " (the diagnosis_error records before this one say why)",
                     evidence={"failed_stages": failed})])
 
     def _recipe_of(self, where: str) -> str | None:
         """The recipe a failed stage belongs to (None: shared work such as capture or the exchange)."""
         if where.startswith("optimizer"):
             return "optimizer"
-        for prefix in ("replay of ", "local shard signature of "):
+        for prefix in ("replay of ", "local shard signature of ", "scratch memory of ", "unshard of ",
+                       "reshard of "):
             if where.startswith(prefix):
                 return self.recipe_of_layer.get(where[len(prefix):])
         return None

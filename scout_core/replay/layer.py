@@ -103,13 +103,6 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
     """
     if scratch is not None:
         scratch.headroom = None  # freed into the caching allocator, where the all-gather finds it
-    if owner is not None and fsdp_module(owner):
-        # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
-        dist.barrier(group=_gather_group(owner))
-        start = time.perf_counter()
-        owner.unshard()
-        sync(list(layer.parameters()))
-        return layer, time.perf_counter() - start, owner.reshard
     if fsdp_module(layer):
         params = list(layer.parameters())
         sync(params)
@@ -124,14 +117,21 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
 
         cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
         return cls.forward.__get__(layer), gather_s, layer.reshard
+    if owner is not None and fsdp_module(owner):
+        # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
+        dist.barrier(group=_gather_group(owner))
+        start = time.perf_counter()
+        owner.unshard()
+        sync(list(layer.parameters()))
+        return layer, time.perf_counter() - start, owner.reshard
     return layer, None, None
 
 
 def release_of(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> Any:
     """The reshard that undoes :func:`materialize` (also after it failed half-way), or None."""
-    if owner is not None and fsdp_module(owner):
-        return owner.reshard
-    return layer.reshard if fsdp_module(layer) else None
+    if fsdp_module(layer):
+        return layer.reshard
+    return owner.reshard if owner is not None and fsdp_module(owner) else None
 
 
 def _gather_group(module: torch.nn.Module) -> Any:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Scratch", "fsdp_module", "managed_parameters", "reserve"]
+__all__ = ["Scratch", "compute_device", "fsdp_module", "managed_parameters", "reserve", "unshard_bytes"]
 
 
 @dataclass
@@ -54,8 +54,9 @@ def managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if id(p) not in nested]
 
 
-def _compute_device(local: torch.Tensor) -> torch.device:
-    """Where the unshard allocates: the accelerator even when the shard is offloaded to the host."""
+def compute_device(local: torch.Tensor) -> torch.device:
+    """Where a module whose parameter is ``local`` computes: the accelerator even when its shard is offloaded
+    to the host (CPU-offloaded FSDP), else the tensor's own device."""
     if local.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return local.device
@@ -67,19 +68,31 @@ def _first_local(layer: torch.nn.Module) -> torch.Tensor | None:
     return None
 
 
+def unshard_bytes(layer: torch.nn.Module, owner: torch.nn.Module | None) -> int:
+    """Device bytes the unshard before replaying ``layer`` needs at its peak (0: no unshard).
+
+    A DTensor's numel is its global size. The unshard allocates the all-gather output and then copies each
+    parameter out of it: about twice the unsharded bytes (counted in the shards' dtype, so a bf16 gather of
+    fp32 shards is over-counted twofold: the probe errs on the side of skipping a check).
+    """
+    gathered = layer if fsdp_module(layer) else (owner if fsdp_module(owner) else None)
+    if gathered is None:
+        return 0
+    return 2 * sum(p.numel() * p.element_size() for p in managed_parameters(gathered))
+
+
 def reserve(layer: torch.nn.Module, owner: torch.nn.Module | None, *, time_all_reduce: bool,
-            hsdp_groups: tuple[object, object] | None) -> Scratch:
-    """Allocate what replaying ``layer`` will need in its collectives (see the module docstring)."""
+            hsdp_groups: tuple[object, object] | None, headroom_bytes: int = 0) -> Scratch:
+    """Allocate what replaying ``layer`` will need in its collectives (see the module docstring).
+
+    ``headroom_bytes``: the unshard probe. The recipes of one check replay one after another, each
+    resharding before the next unshards, so the check probes once, for the largest of them."""
     scratch = Scratch()
     local = _first_local(layer)
     if local is None:
         return scratch
-    gathered = owner if fsdp_module(owner) else (layer if fsdp_module(layer) else None)
-    if gathered is not None:
-        # A DTensor's numel is its global size. The unshard allocates the all-gather output and then
-        # copies each parameter out of it: about twice the unsharded bytes at its peak.
-        nbytes = 2 * sum(p.numel() * p.element_size() for p in managed_parameters(gathered))
-        scratch.headroom = torch.empty(nbytes, dtype=torch.uint8, device=_compute_device(local))
+    if headroom_bytes:
+        scratch.headroom = torch.empty(headroom_bytes, dtype=torch.uint8, device=compute_device(local))
     if time_all_reduce:
         params = [p for p in layer.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in params) or 1
