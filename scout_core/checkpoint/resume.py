@@ -154,7 +154,7 @@ class Restarter:
             gen = verified
         if gen is None:  # e.g. SDC before anything was certified: nothing SCOUT holds is safe to load
             reason += f"; no {source} generation is held by every rank: nothing restored"
-            self._drop_newer(-1)
+            self._drop_newer(-1, keep_verified=True)  # a partial verified generation stays for forensics
             _log.error("SCOUT resume: %s. The model keeps the state it had before resume() (a fresh "
                        "initialization unless you loaded one); the unsafe snapshots were deleted.", reason)
             if path and self.rank == 0:
@@ -165,7 +165,10 @@ class Restarter:
         self.restore(snap)
         if self.after_restore is not None:
             self.after_restore(snap, {"latest": gen, "verified": verified if verified is not None else None})
-        self._drop_newer(gen)  # whatever is newer than what was restored (on any rank) is unsafe or partial
+        # Whatever is newer than what was restored is unsafe (the state judged bad) or partial (a verified
+        # generation intact on every rank would have been the vote): a later restart, after training has
+        # reached those step numbers again, must never mix such a shard with new ones.
+        self._drop_newer(gen)
         result = ResumeResult(step=gen, source=source, reason=reason, from_memory=from_memory,
                               fetched=from_memory and self.rank in fetch, decision=decision)
         if path and self.rank == 0:
@@ -207,16 +210,15 @@ class Restarter:
                 dist.recv(mine, holder, group=self.group)
         return mine
 
-    def _drop_newer(self, step: int) -> None:
-        """Every rank deletes its in-memory snapshots newer than ``step`` (-1: all of them) and its durable
-        *candidates* newer than ``step``: they hold the state judged unsafe, or a partial generation, and a
-        later restart must not find them. Verified generations are never deleted here."""
+    def _drop_newer(self, step: int, *, keep_verified: bool = False) -> None:
+        """Every rank deletes its in-memory snapshots and durable generations newer than ``step`` (-1: all
+        of them; ``keep_verified``: durable candidates only)."""
         gone = self.coord.memory.drop_newer(step, self.coord.sources)
         store = self.coord.store
         for gen, role in sorted(store.local_generations(check_bytes=False).items()):
-            if gen > step and role != "verified":
+            if gen > step and not (keep_verified and role == "verified"):
                 store.remove(gen)
-                gone.append(f"durable candidate {gen}")
+                gone.append(f"durable {role} generation {gen}")
         if gone:
             _log.warning("SCOUT resume: rank %d deleted %d in-memory snapshot(s) newer than step %d: %s",
                          self.rank, len(gone), step, ", ".join(gone))
