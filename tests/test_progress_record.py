@@ -87,6 +87,25 @@ def test_no_torn_reads_under_a_concurrent_writer(shm):
     assert reads > 1000
 
 
+def test_a_field_stale_under_a_fresh_sequence_is_never_read(shm):
+    """What a weakly ordered machine (Arm) can show a reader: the new even sequence already visible while
+    one field still holds its old bytes. The sequence lock alone accepts it; the CRC must not."""
+    import struct
+
+    rec = create_record("weak", 0, directory=shm)
+    rec.publish(7, 70, Phase.FORWARD)
+    old_step = bytes(rec._mm[8:16])
+    rec.publish(8, 80, Phase.BACKWARD)
+    reader = ProgressRecord(rec.path, owner=False)
+    assert reader.read().coordinate == (8, 80)
+    rec._mm[8:16] = old_step  # the step field of the previous publish, under the current even sequence
+    assert struct.unpack_from("<Q", rec._mm, 0)[0] % 2 == 0
+    with pytest.raises(RuntimeError, match="kept changing"):
+        reader.read(timeout_s=0.05)  # retries until the write is whole, never returns step 7 with op 80
+    rec._mm[8:16] = struct.pack("<q", 8)  # the store becomes visible
+    assert reader.read().coordinate == (8, 80)
+
+
 def test_stale_segments_of_dead_owners_are_reclaimed(shm):
     pid = os.fork()
     if pid == 0:

@@ -4,16 +4,21 @@ The trainer publishes where it is; its out-of-band observer reads it. The
 record is a small file in ``/dev/shm`` mapped by both processes:
 
 * owner-only permissions (0600), created with ``O_EXCL``;
-* torn-read safe by a sequence lock: the writer makes the sequence odd, writes
-  the fields, then makes it even again; a reader retries until it sees the
-  same even sequence before and after copying the fields;
+* torn-read safe on any memory model: a sequence lock (the writer makes the
+  sequence odd, writes the fields, then makes it even again; a reader retries
+  until it sees the same even sequence before and after copying the fields)
+  plus a CRC-32 of the fields and the fingerprint that the reader validates.
+  The sequence lock alone relies on the stores becoming visible in program
+  order, which x86 gives and Arm does not (Python issues no fences); a reader
+  that sees a stale field under a fresh even sequence finds the CRC wrong and
+  retries;
 * removed at exit by the trainer (``atexit``) or by its observer when the
   trainer is gone; a segment whose owner process no longer exists is reclaimed
   by the next :func:`create_record` on the machine.
 
-Publishing is one ``struct.pack_into`` for the fields plus one for the
-sequence (about a microsecond in CPython). Collective fingerprints are written
-only when a collective is entered.
+Publishing is one ``struct.pack`` for the fields, a CRC-32 over them and two
+``pack_into`` for the sequence (about a microsecond in CPython). Collective
+fingerprints are written only when a collective is entered.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import re
 import struct
 import time
+import zlib
 from dataclasses import dataclass
 
 __all__ = ["pid_alive", "Phase", "ProgressRecord", "ProgressSnapshot", "create_record", "reclaim_stale", "SHM_DIR"]
@@ -34,10 +40,12 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 _PREFIX = "scout-progress"
 _NAME_RE = re.compile(rf"^{_PREFIX}-(?P<run>[A-Za-z0-9_.-]+)-r(?P<rank>\d+)-p(?P<pid>\d+)$")
 
-# seq | step | op_id | phase | pending | t_publish | t_phase | fp_hash | fp_len | owner pid
-_HEAD = struct.Struct("<QqqIIddQII")
+# seq | step | op_id | phase | pending | t_publish | t_phase | fp_hash | fp_len | owner pid | crc32
+_HEAD = struct.Struct("<QqqIIddQIII")
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qqIIddQII")  # _HEAD without the sequence, written at offset 8
+_BODY = struct.Struct("<qqIIddQII")  # the fields: _HEAD without the sequence and the CRC, at offset 8
+_CRC = struct.Struct("<I")
+_CRC_AT = 8 + _BODY.size  # CRC-32 of the fingerprint bytes, then of the fields
 _FP_MAX = 448
 SIZE = _HEAD.size + _FP_MAX
 
@@ -97,6 +105,7 @@ class ProgressRecord:
         self._t_phase = time.monotonic()
         self._fp_hash = 0
         self._fp_len = 0
+        self._fp_crc = zlib.crc32(b"")
         self._pid = os.getpid()
 
     # -- writer ------------------------------------------------------------------------------
@@ -109,9 +118,10 @@ class ProgressRecord:
             self._t_phase = now
         # Sequence odd first, fields, then even: a memcpy may store bytes in any
         # order, so the odd marker must land before any field changes.
+        body = _BODY.pack(step, op_id, phase, pending, now, self._t_phase, self._fp_hash, self._fp_len, self._pid)
         _SEQ.pack_into(self._mm, 0, self._seq + 1)
-        _BODY.pack_into(self._mm, 8, step, op_id, phase, pending, now, self._t_phase,
-                        self._fp_hash, self._fp_len, self._pid)
+        self._mm[8:_CRC_AT] = body
+        _CRC.pack_into(self._mm, _CRC_AT, zlib.crc32(body, self._fp_crc))
         self._seq += 2
         _SEQ.pack_into(self._mm, 0, self._seq)
 
@@ -123,9 +133,12 @@ class ProgressRecord:
         self._t_phase = now
         self._fp_hash = fp_hash
         self._fp_len = len(data)
+        self._fp_crc = zlib.crc32(data)
+        body = _BODY.pack(step, op_id, Phase.COLLECTIVE, True, now, now, fp_hash, len(data), self._pid)
         _SEQ.pack_into(self._mm, 0, self._seq + 1)  # odd: readers retry while we write
         self._mm[_HEAD.size : _HEAD.size + len(data)] = data
-        _BODY.pack_into(self._mm, 8, step, op_id, Phase.COLLECTIVE, True, now, now, fp_hash, len(data), self._pid)
+        self._mm[8:_CRC_AT] = body
+        _CRC.pack_into(self._mm, _CRC_AT, zlib.crc32(body, self._fp_crc))
         self._seq += 2
         _SEQ.pack_into(self._mm, 0, self._seq)
 
@@ -151,7 +164,9 @@ class ProgressRecord:
             fp = bytes(self._mm[_HEAD.size : _HEAD.size + min(fields[8], _FP_MAX)])
             if _SEQ.unpack_from(self._mm, 0)[0] != seq:
                 continue  # the writer moved on while we copied: torn, retry
-            _, step, op_id, phase, pending, t_pub, t_phase, fp_hash, _, pid = fields
+            if seq and zlib.crc32(head[8:_CRC_AT], zlib.crc32(fp)) != fields[10]:
+                continue  # a field not yet visible although the sequence is (weak memory order): retry
+            _, step, op_id, phase, pending, t_pub, t_phase, fp_hash, _, pid, _ = fields
             return ProgressSnapshot(seq, step, op_id, Phase(phase), bool(pending), t_pub, t_phase, fp_hash,
                                     fp.decode(errors="replace"), pid)
 
