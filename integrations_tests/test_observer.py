@@ -127,6 +127,42 @@ def test_observer_exits_and_cleans_up_when_its_trainer_dies(tmp_path):
     assert not os.path.exists(record), "observer left the dead trainer's record behind"
 
 
+def _enable_in_a_thread_then_die(ctx: RankContext):
+    import threading
+
+    box = {}
+    setup = threading.Thread(target=lambda: box.update(_orphan(ctx)))  # enable() from a set-up thread
+    setup.start()
+    setup.join()  # ... which is gone now; the trainer lives on
+    time.sleep(1.5)
+    with open(ctx.args["out"], "w") as fh:
+        fh.write(f"{box['observer']} {box['record']} {int(pid_alive(box['observer']))}")
+    os._exit(0)  # then the trainer dies without clean-up
+
+
+def test_observer_started_from_a_thread_lives_with_the_trainer_not_the_thread(tmp_path):
+    out = tmp_path / "pid"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            from scout_core.launcher import RankContext as Ctx
+            from scout_core.launcher import free_port
+
+            _enable_in_a_thread_then_die(Ctx(rank=0, world_size=1, master_port=free_port(),
+                                             args={"out": str(out)}))
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    observer, record, alive_after_thread = out.read_text().split()
+    assert alive_after_thread == "1", "the observer died with the thread that started it"
+    deadline = time.monotonic() + 5
+    while pid_alive(int(observer)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(int(observer)), "observer outlived its trainer"
+    assert not os.path.exists(record)
+
+
 @pytest.mark.parametrize("bad", ["observer.silence_threshold_s=0", "observer.store_port=-1"])
 def test_bad_observer_config_is_refused(bad):
     from scout_core.config import ConfigError

@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -81,12 +82,17 @@ class _Stopped(Exception):
 def start_observer(spec: ObserverSpec) -> tuple[int, int]:
     """Fork the observer; return ``(pid, read end of its readiness pipe)``."""
     read_fd, write_fd = os.pipe()
+    # Linux's parent-death signal follows the forking THREAD, not the process: forked from a thread that
+    # later exits (enable() called from a set-up thread), the observer would be killed while its trainer
+    # lives on. Only the main thread lives as long as the process; elsewhere the loop's liveness check of
+    # the trainer (at least once a second) is what ends the observer.
+    death_signal = threading.current_thread() is threading.main_thread()
     pid = os.fork()
     if pid == 0:  # observer process: never returns
         os.close(read_fd)
         code = 0
         try:
-            code = _Observer(spec, write_fd).run()
+            code = _Observer(spec, write_fd).run(death_signal=death_signal)
         except SystemExit:
             code = 0  # SIGTERM from a trainer that exited: a normal end
         except BaseException:  # noqa: BLE001 - last resort: never let the observer die silently
@@ -111,8 +117,9 @@ class _Observer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def run(self) -> int:
-        _die_with_parent()
+    def run(self, *, death_signal: bool = True) -> int:
+        if death_signal:
+            _die_with_parent()
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
         try:
