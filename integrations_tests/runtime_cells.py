@@ -57,6 +57,9 @@ def _rank(ctx: RankContext) -> dict[str, Any]:
             "replay.cadence.embedding=1", "replay.cadence.hidden=1", "replay.cadence.output=1",
             "replay.cadence.optimizer=1", "replay.optimizer_slice_elems=256", "observer.silence_threshold_s=30",
             "checkpoint.enabled=true", f"checkpoint.directory={a['workdir']}/store",
+            # In the cell's folder, not /dev/shm: a run that crashes by design (the negative tests) leaves
+            # its snapshots behind, and they must not pile up in a CI machine's RAM.
+            f"checkpoint.memory_dir={a['workdir']}/memory",
             f"report.jsonl_path={a['jsonl']}", "report.log_level=ERROR",
         ])
         handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)

@@ -55,8 +55,10 @@ def test_torchrun_bit_flip_names_that_rank_and_stops(tmp_path, model, layout):
     # Block 1 is sampled at SCOUT steps 2, 5, 8 (the engine rotates over 3 blocks); the script's
     # step 1 is SCOUT's step 2.
     out = tmp_path / "fault"
+    # The stopped job keeps its in-memory snapshots for a restart: in the test's folder, not /dev/shm.
     run = _torchrun(out, "--scout", "--fault-rank", "2", "--fault-from-step", "1",
-                    "--scout-set", "actions.on_verdict=stop", model=model, layout=layout)
+                    "--scout-set", "actions.on_verdict=stop",
+                    "--scout-set", f"checkpoint.memory_dir={tmp_path / 'memory'}", model=model, layout=layout)
     assert run.returncode != 0, "the trainers should have stopped on the verdict"
     assert "exitcode  : 75" in run.stderr or "exitcode: 75" in run.stderr, run.stderr[-3000:]
     incidents = list(read_incidents(out / "incidents.jsonl"))
