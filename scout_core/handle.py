@@ -216,16 +216,19 @@ class ScoutHandle:
             self.stopped = True
             raise ScoutStop(self._stop_code)
 
+    def _caller_state(self) -> dict[str, Any]:
+        """The caller's state objects for a snapshot; a read that fails is reported, never raised (the snapshot
+        must still complete, or persistence waits forever)."""
+        try:
+            return self.adapter.get_state() if self.adapter.get_state else {}
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            self.guard.report(self._step(), "checkpoint", exc, "caller state for the snapshot")
+            return {"unavailable": True}
+
     def _complete_caller_state(self) -> None:
         if self._settle_extra and self.snapshots is not None:
             self._settle_extra = False
-            state: dict[str, Any] = {}
-            try:
-                state = self.adapter.get_state() if self.adapter.get_state else {}
-            except Exception as exc:  # noqa: BLE001 - the snapshot must still complete, or persistence waits forever
-                self.guard.report(self._step(), "checkpoint", exc, "caller state for the snapshot")
-                state = {"unavailable": True}
-            self.snapshots.complete_extra({"caller": state})
+            self.snapshots.complete_extra({"caller": self._caller_state()})
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
         if self.adapter.set_state is not None:
@@ -324,7 +327,7 @@ class ScoutHandle:
         try:
             # The caller's state too: a rolled-back sweep must not leave the scheduler or data position of
             # the rejected state behind.
-            self.snapshots.complete_extra({"caller": self.adapter.get_state() if self.adapter.get_state else {}})
+            self.snapshots.complete_extra({"caller": self._caller_state()})
             return self.snapshots.result()
         finally:
             self.snapshots.release()

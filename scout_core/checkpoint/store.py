@@ -48,14 +48,15 @@ def _fsync_dir(path: str) -> None:
 
 
 class _HashingFile:
-    """A write-only file object that hashes what passes through (torch.save streams into it)."""
+    """A write-only file object (torch.save streams into it) that hashes what passes through, if asked."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd, self.sha, self.bytes = fd, hashlib.sha256(), 0
+    def __init__(self, fd: int, digest: bool) -> None:
+        self.fd, self.sha, self.bytes = fd, hashlib.sha256() if digest else None, 0
 
     def write(self, data: bytes) -> int:
         view = memoryview(data)
-        self.sha.update(view)
+        if self.sha is not None:
+            self.sha.update(view)
         self.bytes += len(view)
         while view:
             view = view[os.write(self.fd, view):]
@@ -65,10 +66,13 @@ class _HashingFile:
         pass
 
 
-def atomic_stream(path: str, emit: Callable[[_HashingFile], None]) -> tuple[str, int]:
+def atomic_stream(path: str, emit: Callable[[_HashingFile], None], *,
+                  digest: bool = False) -> tuple[str | None, int]:
     """Write what ``emit`` streams into a temporary file, fsync, rename, fsync the directory.
 
-    No serialized copy is held in memory. Returns (sha256, bytes). A failure removes the temporary
+    No serialized copy is held in memory. Returns (sha256 if ``digest`` else None, bytes): only the
+    durable store keeps a checksum, and hashing a whole state costs a core for a second per GB or so,
+    so slots and replicas are not hashed. A failure removes the temporary
     file; one left by a killed process is removed by :func:`remove_stale_temporaries` at the next start.
     """
     directory = os.path.dirname(path)
@@ -76,7 +80,7 @@ def atomic_stream(path: str, emit: Callable[[_HashingFile], None]) -> tuple[str,
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         try:
-            out = _HashingFile(fd)
+            out = _HashingFile(fd, digest)
             emit(out)
             os.fsync(fd)
         finally:
@@ -87,7 +91,7 @@ def atomic_stream(path: str, emit: Callable[[_HashingFile], None]) -> tuple[str,
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
-    return out.sha.hexdigest(), out.bytes
+    return (out.sha.hexdigest() if out.sha is not None else None), out.bytes
 
 
 _TMP = re.compile(r".+\.tmp-(\d+)$")
@@ -127,7 +131,7 @@ def remove_stale_temporaries(directory: str, prefix: str = "") -> list[str]:
     return gone
 
 
-def atomic_save(path: str, obj: Any) -> tuple[str, int]:
+def atomic_save(path: str, obj: Any) -> tuple[str | None, int]:
     """``torch.save`` straight into a file, crash-safely (see :func:`atomic_stream`)."""
     return atomic_stream(path, lambda out: torch.save(obj, out))
 
@@ -187,7 +191,7 @@ class DurableStore:
         os.makedirs(directory, exist_ok=True)
         _fsync_dir(self.root)
         shard, sidecar = self._paths(generation)
-        sha, size = atomic_stream(shard, emit)
+        sha, size = atomic_stream(shard, emit, digest=True)
         meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,
                 "sha256": sha, "bytes": size, "time_unix": time.time()}
         atomic_write(sidecar, json.dumps(meta, sort_keys=True).encode())

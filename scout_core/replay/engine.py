@@ -53,7 +53,7 @@ from scout_core.replay.layer import (
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider
 from scout_core.replay.saved import call_from_dict, call_to_dict, to_device
-from scout_core.replay.scratch import Scratch, compute_device, fsdp_module, reserve, unshard_bytes
+from scout_core.replay.scratch import Scratch, fsdp_module, module_compute_device, reserve, unshard_bytes
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
@@ -291,10 +291,10 @@ class ReplayEngine:
         # the first recipe to unshard; each recipe's reservation is its own stage, so a recipe that never
         # fits is the one switched off (replay.health).
         needs = {idx: self._unshard_bytes(idx) for _, idx in due if idx in calls}
-        probe_at = max(needs, key=lambda i: (needs[i] > 0, -due_order(due, i)), default=None)
+        probe_at = next((idx for idx, n in needs.items() if n), None)  # the first recipe to unshard
         for recipe, idx in due:
             if idx in calls:
-                headroom = max(needs.values()) if idx == probe_at and needs[idx] else 0
+                headroom = max(needs.values()) if idx == probe_at else 0
                 guard.run(f"scratch memory of {self.names[idx]}", lambda recipe=recipe, idx=idx, h=headroom:
                           scratch.__setitem__(idx, self._reserve(idx, timed=recipe == "hidden", headroom=h)))
         status = guard.agree_status(step, skip=bool(not_run))
@@ -358,14 +358,17 @@ class ReplayEngine:
         # or LM-head check on its own cadence).
         result.incidents = self._verdicts(result)
 
+    def _owner(self, idx: int) -> torch.nn.Module | None:
+        """The FSDP module that unshards a boundary module (embedding, head); repeated layers have none."""
+        return self.owner if idx >= self.n_hidden else None
+
     def _unshard_bytes(self, idx: int) -> int:
-        return unshard_bytes(self.layers[idx], self.owner if idx >= self.n_hidden else None)
+        return unshard_bytes(self.layers[idx], self._owner(idx))
 
     def _reserve(self, idx: int, *, timed: bool, headroom: int) -> Scratch:
         """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's)."""
         layer = self.layers[idx]
-        owner = self.owner if idx >= self.n_hidden else None
-        return reserve(layer, owner, time_all_reduce=timed and not fsdp_module(layer),
+        return reserve(layer, self._owner(idx), time_all_reduce=timed and not fsdp_module(layer),
                        hsdp_groups=mesh_groups(layer) if timed else None, headroom_bytes=headroom)
 
     def _replay_recipe(self, idx: int, call: ShippedCall, scratch: Scratch, *,
@@ -384,7 +387,7 @@ class ReplayEngine:
             self.guard.run(f"local shard signature of {name}", local_shard)
             if timed and scratch.hsdp is not None:  # the hidden recipe's timings are compared across groups
                 self._hsdp_comm = time_hsdp_collectives(layer, scratch.hsdp)
-        owner = self.owner if idx >= self.n_hidden else None
+        owner = self._owner(idx)
         # Always run (its all-gather is a collective every peer joins), but a local failure (out of memory
         # copying the parameters out after the gather) is kept for the agreement, not raised into training.
         materialized = self.guard.attempt(f"unshard of {name}", lambda: materialize(layer, owner, scratch))
@@ -445,7 +448,7 @@ class ReplayEngine:
             prepared = None
             if item is not None:
                 idx, call = item
-                device = compute_device(next(iter(self.layers[idx].parameters()), torch.empty(0)))
+                device = module_compute_device(self.layers[idx])
                 prepared = self.guard.run(f"sweep inputs of {self.names[idx]}", lambda c=call, d=device, i=idx: (
                     to_device(c, d), self._reserve(i, timed=False, headroom=self._unshard_bytes(i))))
             # One agreement per layer, before its collectives: a local failure (out of memory moving the
@@ -546,11 +549,6 @@ class ReplayEngine:
         self._handles.clear()
         for c in self.captures:
             c.remove()
-
-
-def due_order(due: Sequence[tuple[str, int]], idx: int) -> int:
-    """Position of layer ``idx`` among a check's due recipes (the order they replay in)."""
-    return next(i for i, (_, j) in enumerate(due) if j == idx)
 
 
 def _peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:

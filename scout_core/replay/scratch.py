@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Scratch", "compute_device", "fsdp_module", "managed_parameters", "reserve", "unshard_bytes"]
+__all__ = ["Scratch", "compute_device", "fsdp_module", "managed_parameters", "module_compute_device", "reserve",
+           "unshard_bytes"]
 
 
 @dataclass
@@ -60,6 +61,12 @@ def compute_device(local: torch.Tensor) -> torch.device:
     if local.device.type == "cpu" and torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.device("cuda", torch.cuda.current_device())
     return local.device
+
+
+def module_compute_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes (see :func:`compute_device`); the host for a module without parameters."""
+    local = _first_local(module)
+    return compute_device(local) if local is not None else torch.device("cpu")
 
 
 def _first_local(layer: torch.nn.Module) -> torch.Tensor | None:
