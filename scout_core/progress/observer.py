@@ -138,8 +138,15 @@ class _Observer:
             return OBSERVER_REPORTED_EXIT
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
-            if not pid_alive(self.spec.trainer_pid) and self.record is not None:
+            if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
+
+    def _trainer_gone(self) -> bool:
+        """The trainer (our parent: it forked us) has exited or is exiting.
+
+        Linux reparents us before it delivers the parent-death signal, while the trainer may not be a zombie
+        yet: asking only whether its pid is alive raced with that signal and left its record behind."""
+        return os.getppid() != self.spec.trainer_pid or not pid_alive(self.spec.trainer_pid)
 
     def _connect(self) -> Any:
         from torch.distributed import TCPStore
@@ -162,7 +169,7 @@ class _Observer:
         assert self.record is not None
         diagnosed_seq = -1
         while True:
-            if not pid_alive(self.spec.trainer_pid):
+            if self._trainer_gone():
                 return
             snap = self.record.read()
             threshold = self.spec.silence_threshold_s
