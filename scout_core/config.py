@@ -79,19 +79,33 @@ class ObserverConfig:
 
     enabled: bool = True
     """Start one observer process per rank."""
-    silence_threshold_s: float = _range(60.0, gt=0)
-    """Seconds without visible progress before observers compare records."""
+    silence_threshold_s: float = _range(5.0, gt=0)
+    """Least seconds without visible progress before observers compare records. The threshold in force is
+    the largest of this, ``adaptive_multiple`` x the longest healthy interval between progress marks seen
+    after the warm-up, and ``io_silence_s`` in a data-loader or checkpoint phase."""
+    adaptive_multiple: float = _range(4.0, ge=1)
+    """The threshold is at least this multiple of the longest interval between two progress marks seen
+    from step 1 on (a job with 10 s steps and no marks inside them waits 40 s)."""
     first_step_silence_s: float = _range(300.0, gt=0)
-    """Silence tolerated during the first step of a started or resumed job (lazy initialization, compilation
-    and communicator set-up make it far longer than the others); the larger of this and the threshold
-    applies."""
+    """Silence tolerated during the warm-up (the first two steps of a started or resumed job: lazy
+    initialization, compilation and communicator set-up); also the ceiling of the adaptive threshold."""
+    io_silence_s: float = _range(300.0, gt=0)
+    """Silence tolerated while a rank is in a data-loader fetch or checkpoint I/O (a long save on every
+    rank is not a hang; a rank stuck there while its peers wait is named by its peers' observers)."""
     gather_timeout_s: float = _range(10.0, gt=0)
-    """How long an observer waits for its peers' evidence; peers silent past it are named lost."""
+    """How long a group's leader waits for its members' evidence once an episode opens; members whose
+    observers have not answered by then are named lost (live observers answer within a heartbeat)."""
+    heartbeat_s: float = _range(1.0, gt=0)
+    """How often a healthy observer checks the control store for an open episode (one message); raised
+    to world_size / 20000 s on larger jobs so that the store serves at most 20k checks per second."""
+    control_store: str = ""
+    """host:port of a TCPStore that serves the observers (a launcher's or a cluster service's); empty = the
+    torchrun agent's store under torchrun, else a store daemon rank 0 starts (see docs/hangs.md)."""
     store_addr: str = ""
-    """Host of the observers' control store (a TCPStore served by rank 0's observer, separate from
-    every training process group); empty = MASTER_ADDR, else rank 0's hostname."""
+    """Address the store daemon advertises (jobs without torchrun); empty = MASTER_ADDR, else rank 0's
+    hostname."""
     store_port: int = _range(0, ge=0, le=65535)
-    """Port of the control store; 0 = a free port chosen by rank 0."""
+    """Port the store daemon listens on; 0 = a free port."""
     startup_timeout_s: float = _range(30.0, gt=0)
     """How long the observers may take to rendezvous."""
     layer_backward_marks: bool = False

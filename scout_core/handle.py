@@ -42,9 +42,10 @@ from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ScoutConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
+from scout_core.progress.control import ControlPlane, close_daemon_share
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
 from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer
-from scout_core.progress.record import create_record
+from scout_core.progress.record import Phase, create_record
 from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
@@ -80,6 +81,7 @@ class ScoutHandle:
         self.tracker: ProgressTracker | None = None
         self.observer_pid: int | None = None
         self.observer_startup_s: float | None = None
+        self.control_plane: ControlPlane | None = None
         self.ddp_buckets_visible: bool | None = None
         self.replay: ReplayEngine | None = None
         self.snapshots: SnapshotEngine | None = None
@@ -114,16 +116,20 @@ class ScoutHandle:
 
     # -- building the parts (called by enable_with, in this order) -----------------------------------
 
-    def start_observer(self, store_host: str, store_port: int, on_incident: Callable[[Incident], None] | None) -> None:
+    def start_observer(self, plane: ControlPlane, on_incident: Callable[[Incident], None] | None) -> None:
         cfg = self.config
         tracker = self.tracker = ProgressTracker(create_record(self.run_id, self.rank))
+        self.control_plane = plane
         start = time.monotonic()
+        obs = cfg.observer
         pid, ready_fd = start_observer(ObserverSpec(
             run_id=self.run_id, rank=self.rank, world_size=self.world_size, record_path=tracker.record.path,
-            store_host=store_host, store_port=store_port, peer_groups=[list(g) for g in self.groups.all_peers],
-            hosts=self.hosts, devices=self.devices, silence_threshold_s=cfg.observer.silence_threshold_s,
-            first_step_silence_s=cfg.observer.first_step_silence_s,
-            gather_timeout_s=cfg.observer.gather_timeout_s, startup_timeout_s=cfg.observer.startup_timeout_s,
+            control=plane, peer_groups=[list(g) for g in self.groups.all_peers],
+            hosts=self.hosts, devices=self.devices, silence_threshold_s=obs.silence_threshold_s,
+            first_step_silence_s=obs.first_step_silence_s, io_silence_s=obs.io_silence_s,
+            adaptive_multiple=obs.adaptive_multiple, heartbeat_s=max(obs.heartbeat_s, self.world_size / 20000),
+            gather_timeout_s=max(obs.gather_timeout_s, 3 * max(obs.heartbeat_s, self.world_size / 20000)),
+            startup_timeout_s=obs.startup_timeout_s,
             jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
             on_incident=hang_action(cfg, on_incident), stop_on_verdict=cfg.actions.on_verdict == "stop",
         ))
@@ -139,7 +145,7 @@ class ScoutHandle:
             self.check_observer()
             raise RuntimeError(f"rank {self.rank}: the SCOUT observer {'of another rank ' if ok else ''}did not "
                                f"start within {cfg.observer.startup_timeout_s}s (control store "
-                               f"{store_host}:{store_port})")
+                               f"{plane.host}:{plane.port}, {plane.kind})")
         self.observer_startup_s = time.monotonic() - start
         tracker.install_module_hooks(self.adapter.repeated_layers(), backward=cfg.observer.layer_backward_marks)
         tracker.install_optimizer_hooks(self.adapter.optimizers)
@@ -429,10 +435,14 @@ class ScoutHandle:
                 self._quietly(self.tracker.remove_hooks, "progress hooks")
                 self._quietly(lambda: uninstall_collective_hooks(self.tracker), "collective hooks")
             if self.observer_pid is not None:
+                if self.tracker is not None:  # the observer ends without answering for us
+                    self._quietly(lambda: self.tracker.mark(Phase.CLOSED), "progress record")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.observer_pid, 15)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(self.observer_pid, 0)
+            if self.control_plane is not None:
+                close_daemon_share(self.control_plane)
             if self.tracker is not None:
                 self._quietly(self.tracker.record.unlink, "progress record")
                 self._quietly(self.tracker.record.close, "progress record")

@@ -52,6 +52,8 @@ class IncidentKind(enum.StrEnum):
     OBSERVER_FAILURE = "observer_failure"
     DIAGNOSIS_ERROR = "diagnosis_error"
     """SCOUT's own work failed on this rank; the check was skipped on every peer (not a verdict on the job)."""
+    RESOLVED = "resolved"
+    """Progress resumed after a hang verdict: the stall it named ended by itself."""
 
 
 class IncidentScope(enum.StrEnum):

@@ -33,6 +33,7 @@ from scout_core.adapter import FrameworkAdapter, torch_adapter
 from scout_core.config import ScoutConfig, TopologyConfig, validate
 from scout_core.groups import build_groups
 from scout_core.handle import ScoutHandle
+from scout_core.progress.control import ControlPlane, choose_control_plane
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
 from scout_core.report import Incident, JsonlSink, LoggingSink, Reporter
@@ -110,15 +111,24 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         rank, world = dist.get_rank(), dist.get_world_size()
         groups = build_groups(_resolve_peer_groups(adapter, cfg.topology, world))
         # One start-up exchange while the job is healthy: hosts, devices, run id, the control store's port.
-        store_port = cfg.observer.store_port or (_free_port() if rank == 0 else 0)
-        mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(), "addr": socket.gethostname(),
-                "device": str(device_of(adapter.chunks[0])),
-                "run_id": cfg.report.run_id or uuid.uuid4().hex[:12], "port": store_port}
+        # Rank 0 picks the observers' control plane (starting a store daemon where no launcher serves one).
+        plane, plane_error = None, ""
+        if cfg.observer.enabled and rank == 0:
+            try:
+                plane = choose_control_plane(cfg.observer.control_store, rank=rank, world_size=world,
+                                             bind_port=cfg.observer.store_port, advertise=cfg.observer.store_addr)
+            except Exception as exc:  # every rank raises it after the exchange: none is left waiting
+                plane_error = f"{type(exc).__name__}: {exc}"
+        mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(),
+                "device": str(device_of(adapter.chunks[0])), "run_id": cfg.report.run_id or uuid.uuid4().hex[:12],
+                "control": plane.to_dict() if plane else None, "control_error": plane_error}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)
         hosts = {r: e["host"] for r, e in enumerate(everyone)}
         devices = {r: e["device"] for r, e in enumerate(everyone)}
         run_id = everyone[0]["run_id"]
+        if everyone[0]["control_error"]:
+            raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")
         sinks: list[Any] = [LoggingSink(cfg.report.log_level)]
         if cfg.report.jsonl_path:
             sinks.append(JsonlSink(cfg.report.jsonl_path, fsync=cfg.report.fsync))
@@ -130,8 +140,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
                          hosts=hosts, devices=devices, reporter=reporter)
     try:
         if cfg.observer.enabled:
-            store_host = cfg.observer.store_addr or os.environ.get("MASTER_ADDR") or everyone[0]["addr"]
-            handle.start_observer(store_host, int(everyone[0]["port"]), on_incident)
+            handle.start_observer(ControlPlane(**everyone[0]["control"]), on_incident)
         handle.start_replay()
         handle.start_checkpointing()
         handle.install_step_hooks()
@@ -141,8 +150,4 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
     return handle
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 

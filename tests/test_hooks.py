@@ -23,11 +23,17 @@ class RecordingRecord:
     def __init__(self, log=None):
         self.log = log if log is not None else []
 
-    def publish(self, step, op_id, phase, pending=False):
-        self.log.append(("mark", step, op_id, Phase(phase).name))
+    learning = False
 
-    def publish_collective(self, step, op_id, fp_hash, fp_text):
-        self.log.append(("collective", step, op_id, fp_text.split("|")[0]))
+    def publish(self, step, op_id, phase, pending=False, launched=None, fp=None):
+        launched = op_id if launched is None else launched
+        self.last = (step, op_id, bool(pending), launched)
+        if Phase(phase) is Phase.COLLECTIVE and pending and op_id == launched and fp is not None:
+            self.log.append(("collective", step, op_id, fp[1].split("|")[0]))  # a launch
+        elif Phase(phase) is Phase.COLLECTIVE:
+            self.log.append(("done" if not pending else "waiting", step, op_id, launched))
+        else:
+            self.log.append(("mark", step, op_id, Phase(phase).name))
 
 
 class Net(torch.nn.Module):
@@ -116,8 +122,8 @@ def test_one_training_step_publishes_every_boundary_in_order():
         "CHECKPOINT_WRITE", "COMPUTE",
         "DATALOADER", "COMPUTE",  # the fetch that ends the iteration
     ]
-    op_ids = [e[2] for e in rec.log]
-    assert op_ids == sorted(op_ids) and len(set(op_ids)) == len(op_ids)
+    # marks are the phase, never the coordinate: no collective ran, so the step's sequence stays at 0
+    assert [e[2] for e in rec.log] == [0] * len(rec.log)
     assert rec.log[-1][1] == 1  # step counter advanced once
     tracker.remove_hooks()
     rec.log.clear()
@@ -227,3 +233,86 @@ def test_ddp_comm_hook_publishes_buckets_and_keeps_gradients():
 
 def repeated_layers(chunks):
     return discover_layers(chunks)[0]
+
+
+def _protocol(ctx: RankContext):
+    """What a rank publishes: per-step sequences, extra work on rank 0, foreign threads, async launches."""
+    import threading
+
+    init_gloo(ctx)
+    log = []
+    tracker = ProgressTracker(RecordingRecord(log))
+    install_collective_hooks(tracker)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    tracker.install_module_hooks(repeated_layers([net]))
+    tracker.install_optimizer_hooks([opt])
+    points = []
+    for step in range(2):
+        if ctx.rank == 0:  # rank-0-only evaluation and checkpoint write: phase only
+            with torch.no_grad():
+                net(torch.randn(2, 4))
+            with tracker.checkpoint_io("write"):
+                pass
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        side = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=side_group))
+        if step == 0:
+            side_group = dist.new_group([0, 1])
+        side.start()
+        side.join()  # a user thread's collective: not in the trainer's sequence
+        work = dist.all_reduce(torch.ones(3), async_op=True)
+        work.wait()
+        net(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        points.append((tracker.step, tracker.launched))
+    last_launch = [e for e in log if e[0] == "collective"][-1]
+    uninstall_collective_hooks(tracker)
+    import time
+
+    deadline = time.monotonic() + 5
+    while tracker._inflight and time.monotonic() < deadline:  # gloo's callback thread completes it
+        time.sleep(0.01)
+    return {"points": points, "last_launch": last_launch, "inflight": len(tracker._inflight),
+            "launches": [e[1:3] for e in log if e[0] == "collective"]}
+
+
+def test_coordinates_are_per_step_collective_sequences_that_extra_work_and_threads_do_not_shift():
+    result = launch(_protocol, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    r0, r1 = result.values()
+    assert r0["launches"] == r1["launches"] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert r0["points"] == r1["points"] == [(1, 0), (2, 0)]
+    assert r0["inflight"] == r1["inflight"] == 0  # async completion was published
+
+
+class _Work:
+    def __init__(self):
+        self.done = False
+
+    def is_completed(self):
+        return self.done
+
+
+def test_a_rank_that_launched_and_then_stopped_shows_the_collective_done_not_pending():
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    from scout_core.progress.fingerprint import CollectiveFingerprint
+
+    fp = CollectiveFingerprint("all_reduce", (2, 1), ((4,),), ("float32",), "SUM")
+    key1 = tracker.launch(fp)
+    key2 = tracker.launch(fp)
+    assert rec.last == (0, 1, True, 2)  # the oldest incomplete launch is the point
+    tracker.complete(key1)
+    assert rec.last == (0, 2, True, 2)
+    tracker.complete(key2)
+    assert rec.last == (0, 2, False, 2)  # stopped now, this rank shows bucket 2 done, not pending
+    # a device work completes later than its future: polled at every publish
+    work = _Work()
+    key3 = tracker.launch(fp)
+    tracker._polled.append((key3, work))
+    tracker.mark(Phase.FORWARD)
+    assert rec.last == (0, 3, True, 3) and tracker._inflight
+    work.done = True
+    tracker.mark(Phase.FORWARD)
+    assert not tracker._inflight

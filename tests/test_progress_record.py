@@ -25,13 +25,27 @@ def test_publish_and_read_round_trip(shm):
     snap = reader.read()
     assert (snap.step, snap.op_id, snap.phase, snap.pending) == (7, 120, Phase.BACKWARD, False)
     assert snap.owner_pid == os.getpid()
-    rec.publish_collective(7, 121, 0xABCDEF, "all_reduce|group=16@0,1|shapes=10|dtypes=float32|op=SUM")
+    rec.publish(7, 121, Phase.COLLECTIVE, True, 123,
+                (0xABCDEF, "all_reduce|group=16@0,1|shapes=10|dtypes=float32|op=SUM"))
     snap = reader.read()
     assert snap.pending and snap.phase is Phase.COLLECTIVE and snap.fp_hash == 0xABCDEF
+    assert (snap.op_id, snap.launched) == (121, 123)
     assert snap.fingerprint.startswith("all_reduce|group=16")
     rec.publish(7, 122, Phase.FORWARD)
     snap = reader.read()
     assert not snap.pending and snap.fp_hash == 0xABCDEF  # the last collective stays visible
+
+
+def test_gaps_between_publishes_are_learned_only_once_learning(shm):
+    rec = create_record("gaps", 0, directory=shm)
+    time.sleep(0.05)
+    rec.publish(0, 0, Phase.FORWARD)  # warm-up: not learned
+    reader = ProgressRecord(rec.path, owner=False)
+    assert reader.read().gap_max == 0.0
+    rec.learning = True
+    time.sleep(0.02)
+    rec.publish(1, 0, Phase.FORWARD)
+    assert 0.02 <= reader.read().gap_max < 0.05
 
 
 def test_phase_start_time_only_moves_on_phase_change(shm):
@@ -70,7 +84,7 @@ def test_no_torn_reads_under_a_concurrent_writer(shm):
                 if i % 3:
                     rec.publish(i, i, Phase(i % 9))
                 else:
-                    rec.publish_collective(i, i, i, f"op-{i}" * (1 + i % 7))
+                    rec.publish(i, i, Phase.COLLECTIVE, True, i, (i, f"op-{i}" * (1 + i % 7)))
         finally:
             os._exit(0)
     reader = ProgressRecord(rec.path, owner=False)
@@ -97,13 +111,13 @@ def test_a_field_stale_under_a_fresh_sequence_is_never_read(shm):
     old_step = bytes(rec._mm[8:16])
     rec.publish(8, 80, Phase.BACKWARD)
     reader = ProgressRecord(rec.path, owner=False)
-    assert reader.read().coordinate == (8, 80)
+    assert reader.read().coordinate[:2] == (8, 80)
     rec._mm[8:16] = old_step  # the step field of the previous publish, under the current even sequence
     assert struct.unpack_from("<Q", rec._mm, 0)[0] % 2 == 0
     with pytest.raises(RuntimeError, match="kept changing"):
         reader.read(timeout_s=0.05)  # retries until the write is whole, never returns step 7 with op 80
     rec._mm[8:16] = struct.pack("<q", 8)  # the store becomes visible
-    assert reader.read().coordinate == (8, 80)
+    assert reader.read().coordinate[:2] == (8, 80)
 
 
 def test_stale_segments_of_dead_owners_are_reclaimed(shm):

@@ -1,24 +1,35 @@
 """Hang classification from gathered progress evidence (paper section 7). Pure.
 
-After visible progress has been silent beyond the threshold, every observer
-holds the same gathered evidence and runs :func:`classify`, so every observer
-derives the same verdicts. Per equivalent peer group:
+Once one observer has seen its trainer silent beyond the threshold, an episode
+opens and EVERY observer posts its rank's state, progressing or not. Per
+equivalent peer group (:func:`classify_group`, run by one leader per group):
 
-1. exact C3 over the progress coordinate ``(step, op_id)``;
-2. exact C3 over the pending collective fingerprint.
+1. exact C3 over the progress coordinate ``(step, i, done)``: ``i`` is the
+   rank's point in its step's collective sequence (the oldest collective it
+   launched that has not completed, or the last one launched), ``done`` whether
+   that one completed;
+2. exact C3 over the fingerprint of the collective each rank waits in.
 
 A progress minority is a *lagging* rank when it is behind the majority and
-not inside a collective (frozen host thread, blocked before a collective), a
-*data stall* or *checkpoint stall* when its phase is the data loader or
-checkpoint I/O, and a *protocol mismatch* otherwise (it is ahead of its peers
-or waits in a collective they never entered: control-flow divergence). A
-fingerprint minority at equal progress is a protocol mismatch (same point,
-incompatible collective). Agreement on both is an *equal-progress stall*:
-every peer waits at the same point, so the culprit is below the software, and
-the verdict is group-scoped for device and fabric diagnosis. Ranks whose
-observers did not answer are *lost* and are named as such.
+not inside a collective (frozen host thread, blocked before a collective, or
+still working while its peers wait for it), a *data stall* or *checkpoint
+stall* when its phase is the data loader or checkpoint I/O, and a *protocol
+mismatch* otherwise (it is ahead of its peers or waits in a collective they
+never entered: control-flow divergence). At equal progress, a silent rank
+that is not inside a collective while peers at the same point keep working is
+lagging too, and a fingerprint minority is a protocol mismatch (same point,
+incompatible collective). Agreement on both, with every peer silent, is an
+*equal-progress stall*: the culprit is below the software, and the verdict is
+group-scoped for device and fabric diagnosis. A group whose members all keep
+working has no verdict.
 
-Peer groups in which every member agrees while another group names a culprit
+Ranks whose observers did not answer are *lost*: named per machine when every
+rank of a machine is lost. A rank whose trainer exited while a live peer waits
+is *exited*; if anyone is lost, exited trainers are the victims of that loss
+(on gloo, a peer's death makes the survivors' collectives fail).
+
+:func:`merge` (run by the episode's reporter on the groups' summaries):
+peer groups in which every member agrees while another group names a culprit
 are victims and produce no verdict of their own. So are ranks that are behind
 their peers only because they wait inside a collective (on another group, e.g.
 an HSDP shard group) while a rank elsewhere is named for not reaching one: they
@@ -35,7 +46,7 @@ from typing import Any
 from scout_core.consensus import C3Status, exact
 from scout_core.progress.record import Phase
 
-__all__ = ["Evidence", "HangClass", "HangVerdict", "classify"]
+__all__ = ["Evidence", "HangClass", "HangVerdict", "classify", "classify_group", "merge"]
 
 
 class HangClass(enum.StrEnum):
@@ -45,6 +56,7 @@ class HangClass(enum.StrEnum):
     DATA_STALL = "data_stall"
     CHECKPOINT_STALL = "checkpoint_stall"
     LOST = "lost"
+    EXITED = "exited"
     INCONCLUSIVE = "inconclusive"
 
 
@@ -56,6 +68,7 @@ _KIND_SCOPE = {
     HangClass.DATA_STALL: ("data_stall", "rank"),
     HangClass.CHECKPOINT_STALL: ("checkpoint_stall", "rank"),
     HangClass.LOST: ("hang", "rank"),
+    HangClass.EXITED: ("hang", "rank"),
     HangClass.INCONCLUSIVE: ("hang", "peer_group"),
 }
 
@@ -72,14 +85,20 @@ class Evidence:
     fp_hash: int
     fingerprint: str
     silent_s: float
+    silent: bool = True
+    """Silent past its observer's threshold when posted; False: the rank is still making progress."""
+    alive: bool = True
+    """False once the trainer process is gone (its observer answers for it)."""
+    seq: int = 0
+    """The record's sequence when posted: the same seq in a later episode means the rank has not moved."""
 
     @property
-    def coordinate(self) -> tuple[int, int]:
-        return (self.step, self.op_id)
+    def coordinate(self) -> tuple[int, int, int]:
+        return (self.step, self.op_id, 0 if self.pending else 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Evidence:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -97,9 +116,24 @@ class HangVerdict:
     def kind(self) -> str:
         return _KIND_SCOPE[self.hang_class][0]
 
+    scope_override: str = ""
+    waits_behind: bool = False
+    """Every named rank waits inside a collective behind its group's majority: a victim of a culprit
+    elsewhere (set by :func:`classify_group`, read by :func:`merge`)."""
+
     @property
     def scope(self) -> str:
-        return _KIND_SCOPE[self.hang_class][1]
+        return self.scope_override or _KIND_SCOPE[self.hang_class][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"class": self.hang_class.value, "ranks": list(self.ranks), "peer_group": list(self.peer_group),
+                "reason": self.reason, "evidence": self.evidence, "scope": self.scope_override,
+                "waits_behind": self.waits_behind}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HangVerdict:
+        return cls(HangClass(d["class"]), tuple(d["ranks"]), tuple(d["peer_group"]), d["reason"],
+                   dict(d["evidence"]), d.get("scope", ""), bool(d.get("waits_behind", False)))
 
 
 def _minority_class(e: Evidence, majority: tuple[int, int]) -> HangClass:
@@ -113,19 +147,36 @@ def _minority_class(e: Evidence, majority: tuple[int, int]) -> HangClass:
     return HangClass.PROTOCOL_MISMATCH
 
 
+def _named(cls: HangClass, ranks: list[int], group: Sequence[int], evidence: Mapping[int, Evidence],
+           facts: dict[str, Any], peers: str) -> HangVerdict:
+    where = ", ".join(f"r{r} at {evidence[r].coordinate[:2]} ({Phase(evidence[r].phase).name.lower()}, last "
+                      f"progress {evidence[r].silent_s:.1f} s ago)" for r in ranks)
+    return HangVerdict(cls, tuple(ranks), tuple(group), f"{cls.value.replace('_', ' ')}: {where}; {peers}", facts)
+
+
 def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> list[HangVerdict]:
     members = [r for r in group if r in evidence]
-    if not members:
-        return []
-    ev = [evidence[r] for r in members]
-    facts = {
-        "peer_ranks": members,
+    live = [evidence[r] for r in members if evidence[r].alive]
+    gone = [r for r in members if not evidence[r].alive]
+    waiting = [e for e in live if e.silent]
+    out: list[HangVerdict] = []
+    if gone and waiting:
+        out.append(HangVerdict(HangClass.EXITED, tuple(gone), tuple(group),
+                               f"the trainers of ranks {gone} exited while their peers wait",
+                               {"exited": gone, "waiting": [e.rank for e in waiting]}))
+    if not waiting:
+        return out  # everyone here is working (or gone): nobody in this group waits
+    ev = live
+    ranks = [e.rank for e in ev]
+    facts: dict[str, Any] = {
+        "peer_ranks": ranks,
         "coordinates": [list(e.coordinate) for e in ev],
         "phases": [Phase(e.phase).name.lower() for e in ev],
         "pending": [e.pending for e in ev],
+        "silent": [e.silent for e in ev],
         "fingerprints": [e.fingerprint if e.pending else "" for e in ev],
     }
-    progress = exact([e.coordinate for e in ev], peer_ranks=members, surface="progress")
+    progress = exact([e.coordinate for e in ev], peer_ranks=ranks, surface="progress")
     facts["progress_c3"] = progress.to_dict()
     if progress.status is C3Status.ATTRIBUTED:
         majority = progress.reference
@@ -133,60 +184,82 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         for e in ev:
             if e.rank in progress.outlier_ranks:
                 by_class.setdefault(_minority_class(e, majority), []).append(e.rank)
-        out = []
-        for cls, ranks in by_class.items():
-            where = ", ".join(f"r{r} at {evidence[r].coordinate} ({Phase(evidence[r].phase).name.lower()})"
-                              for r in ranks)
-            out.append(HangVerdict(cls, tuple(ranks), tuple(group),
-                                   f"{cls.value.replace('_', ' ')}: {where}; peers wait at {tuple(majority)}", facts))
+        for cls, named in by_class.items():
+            v = _named(cls, named, group, evidence, facts, f"peers wait at {tuple(majority)[:2]}")
+            behind = cls is HangClass.PROTOCOL_MISMATCH and all(
+                evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in named)
+            out.append(HangVerdict(v.hang_class, v.ranks, v.peer_group, v.reason, v.evidence, waits_behind=behind))
         return out
     if progress.status is C3Status.INCONCLUSIVE:
-        return [HangVerdict(HangClass.INCONCLUSIVE, tuple(members), tuple(group),
-                            "peers stopped at different points without a strict majority", facts)]
-    fps = exact([(e.pending, e.fp_hash if e.pending else 0) for e in ev], peer_ranks=members, surface="fingerprint")
+        return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
+                                  "peers stopped at different points without a strict majority", facts)]
+    stuck = [e.rank for e in waiting if not e.pending]
+    if len(waiting) < len(ev) and stuck:
+        # Same point, but some peers keep working while these are silent outside any collective.
+        by_class = {}
+        for r in stuck:
+            by_class.setdefault(_minority_class(evidence[r], (1 << 62,)), []).append(r)
+        return out + [_named(cls, named, group, evidence, facts, "peers at the same point keep working")
+                      for cls, named in by_class.items()]
+    fps = exact([(e.pending, e.fp_hash if e.pending else 0) for e in ev], peer_ranks=ranks, surface="fingerprint")
     facts["fingerprint_c3"] = fps.to_dict()
     if fps.status is C3Status.ATTRIBUTED:
         bad = fps.outlier_ranks
         what = "; ".join(f"r{r}: {evidence[r].fingerprint or 'not in a collective'}" for r in bad)
-        return [HangVerdict(HangClass.PROTOCOL_MISMATCH, tuple(bad), tuple(group),
-                            f"collective metadata differs from the majority ({what})", facts)]
+        return out + [HangVerdict(HangClass.PROTOCOL_MISMATCH, tuple(bad), tuple(group),
+                                  f"collective metadata differs from the majority ({what})", facts)]
     if fps.status is C3Status.INCONCLUSIVE:
-        return [HangVerdict(HangClass.INCONCLUSIVE, tuple(members), tuple(group),
-                            "fingerprints disagree without a strict majority", facts)]
-    where = f"{tuple(ev[0].coordinate)} in {ev[0].fingerprint or Phase(ev[0].phase).name.lower()}"
-    return [HangVerdict(HangClass.EQUAL_PROGRESS_STALL, tuple(members), tuple(group),
-                        f"every peer waits at the same point {where}: runtime or transport stall", facts)]
+        return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
+                                  "fingerprints disagree without a strict majority", facts)]
+    if len(waiting) < len(ev):
+        return out  # same point, same collective, some still working: not a stall of this group
+    where = f"{tuple(ev[0].coordinate)[:2]} in {ev[0].fingerprint or Phase(ev[0].phase).name.lower()}"
+    return out + [HangVerdict(HangClass.EQUAL_PROGRESS_STALL, tuple(ranks), tuple(group),
+                              f"every peer waits at the same point {where}: runtime or transport stall", facts)]
 
 
-def _waits_behind(v: HangVerdict, evidence: Mapping[int, Evidence]) -> bool:
-    """Every rank of ``v`` sits inside a collective BEHIND its group's majority: it waits for someone."""
-    if v.hang_class is not HangClass.PROTOCOL_MISMATCH:
-        return False
-    majority = v.evidence.get("progress_c3", {}).get("reference")
-    if majority is None:
-        return False
-    return all(evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in v.ranks)
+def classify_group(group: Sequence[int], evidence: Mapping[int, Evidence]) -> dict[str, Any]:
+    """One peer group's summary (what its leader posts): verdicts, lost ranks, the named ranks' seqs."""
+    verdicts = _group_verdicts(group, evidence)
+    named = {str(r): evidence[r].seq for v in verdicts for r in v.ranks if r in evidence}
+    return {"group": list(group), "lost": [r for r in group if r not in evidence],
+            "verdicts": [v.to_dict() for v in verdicts], "named": named}
 
 
-def classify(
-    evidence: Mapping[int, Evidence],
-    peer_groups: Sequence[Sequence[int]],
-) -> list[HangVerdict]:
-    """Verdicts for one stall episode; identical on every observer for identical input."""
-    expected = sorted({r for g in peer_groups for r in g})
-    lost = tuple(r for r in expected if r not in evidence)
-    verdicts: list[HangVerdict] = []
-    if lost:
-        verdicts.append(HangVerdict(
-            HangClass.LOST, lost, tuple(expected),
-            f"no answer from the observers of ranks {list(lost)}: trainer and observer gone or unreachable",
-            {"answered": sorted(evidence)},
-        ))
-    per_group = [_group_verdicts(g, evidence) for g in peer_groups]
+def _lost_verdicts(lost: Sequence[int], hosts: Mapping[int, str], answered: int) -> list[HangVerdict]:
+    by_host: dict[str, list[int]] = {}
+    for r in lost:
+        by_host.setdefault(hosts.get(r, f"rank-{r}"), []).append(r)
+    machine_ranks: dict[str, list[int]] = {}
+    for r, h in hosts.items():
+        machine_ranks.setdefault(h, []).append(r)
+    out, single = [], []
+    for host, ranks in sorted(by_host.items(), key=lambda kv: kv[1][0]):
+        if len(machine_ranks.get(host, [])) > 1 and sorted(ranks) == sorted(machine_ranks[host]):
+            out.append(HangVerdict(HangClass.LOST, tuple(ranks), tuple(ranks),
+                                   f"machine {host} lost: no answer from the observers of any of its ranks "
+                                   f"{list(ranks)}", {"host": host, "answered": answered}, scope_override="machine"))
+        else:
+            single.extend(ranks)
+    if single:
+        out.insert(0, HangVerdict(HangClass.LOST, tuple(sorted(single)), tuple(sorted(single)),
+                                  f"no answer from the observers of ranks {sorted(single)}: trainer and observer "
+                                  "gone or unreachable", {"answered": answered}))
+    return out
+
+
+def merge(summaries: Sequence[Mapping[str, Any]], hosts: Mapping[int, str] | None = None) -> list[HangVerdict]:
+    """The episode's verdicts from every group's summary; identical for identical input."""
+    lost = sorted(r for s in summaries for r in s["lost"])
+    answered = sum(len(s["group"]) - len(s["lost"]) for s in summaries)
+    verdicts = _lost_verdicts(lost, hosts or {}, answered) if lost else []
+    per_group = [[HangVerdict.from_dict(v) for v in s["verdicts"]] for s in summaries]
+    if lost:  # survivors whose trainers died with the lost ones are victims
+        per_group = [[v for v in vs if v.hang_class is not HangClass.EXITED] for vs in per_group]
     culprits = [v for vs in per_group for v in vs
                 if v.hang_class not in (HangClass.EQUAL_PROGRESS_STALL, HangClass.INCONCLUSIVE)]
     if culprits:
-        roots = [v for v in culprits if not _waits_behind(v, evidence)]
+        roots = [v for v in culprits if not v.waits_behind]
         # groups that merely wait are victims of the named ranks, and so are ranks that wait behind
         return verdicts + (roots or culprits)
     if lost:
@@ -195,3 +268,12 @@ def classify(
     if inconclusive:
         return inconclusive
     return [v for vs in per_group for v in vs]
+
+
+def classify(
+    evidence: Mapping[int, Evidence],
+    peer_groups: Sequence[Sequence[int]],
+    hosts: Mapping[int, str] | None = None,
+) -> list[HangVerdict]:
+    """Verdicts for one stall episode; identical on every observer for identical input."""
+    return merge([classify_group(g, evidence) for g in peer_groups], hosts)

@@ -12,8 +12,9 @@ Nothing in the training loop is edited. What is published, and from where:
 * FSDP2 all-gather / reduce-scatter: FSDP2 calls ``dist.all_gather_single``,
   ``dist.reduce_scatter_single`` and ``dist.all_reduce``, which are wrapped.
 
-Intent and fingerprint of a collective are published BEFORE the call, so a
-rank waiting inside it is distinguishable from one that never arrived.
+Launch (with the fingerprint) is published BEFORE the call and completion
+after it, so a rank waiting inside a collective is distinguishable from one
+that never arrived and from one that finished it and stopped later.
 
 Invisible, and therefore diagnosed at group scope only: collectives issued
 from C++ without a Python hook (DDP's own bucket all-reduce when another comm
@@ -24,6 +25,7 @@ inside compiled graphs (``torch.compile``, CUDA graphs). See docs/hangs.md.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -59,14 +61,33 @@ def unobserved() -> Iterator[None]:
 
 
 class ProgressTracker:
-    """Counts steps and operations and publishes them to the rank's record."""
+    """Publishes the rank's point in its step's collective sequence, and its phase, to the record.
+
+    The coordinate is ``(step, i)``: ``i`` counts the collectives the training
+    threads launched in this step and restarts at every optimizer step, so an
+    extra publish on one rank (a rank-0-only evaluation or checkpoint write, a
+    layer hooked twice) never shifts it. Module, data and checkpoint marks only
+    change the phase. Launch and completion are tracked apart: while any
+    launched collective is incomplete the record shows the oldest one and its
+    fingerprint, so a rank that launched a bucket and then stopped in backward
+    shows "done with bucket 1", not "waiting in bucket 1".
+
+    Completion is known from the work's future on CPU transports (gloo), and
+    by polling the work (or a CUDA event recorded behind a blocking call) at
+    every publish on device transports, whose futures complete at launch.
+    """
 
     def __init__(self, record: ProgressRecord) -> None:
         self.record = record
         self.step = 0
-        self.op_id = 0
+        self.launched = 0
+        """Collectives the training threads launched in this step."""
+        self._inflight: dict[tuple[int, int], tuple[int, str]] = {}  # (step, i) -> fingerprint, launch order
+        self._polled: collections.deque[tuple[tuple[int, int], Any]] = collections.deque()
+        self._phase = Phase.STARTING
         self._lock = threading.Lock()  # autograd and comm hooks may run on other threads
         self._local = threading.local()
+        self._trainer = threading.get_ident()
         self._handles: list[Any] = []
         self.closed = False  # set by remove_hooks(): nothing may publish into a closed record
         self.resume_at: int | None = None
@@ -75,35 +96,99 @@ class ProgressTracker:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def mark(self, phase: Phase) -> None:
-        with self._lock:
-            self.op_id += 1
-            self.record.publish(self.step, self.op_id, phase)
+    @property
+    def op_id(self) -> int:
+        return self.launched
 
-    def enter_collective(self, fp: CollectiveFingerprint) -> None:
+    def _publish_locked(self) -> None:
+        if self._polled:
+            self._poll_locked()
+        if self._inflight:
+            (step, i), fp = next(iter(self._inflight.items()))
+            self.record.publish(step, i, self._phase, True, self.launched, fp)
+        else:
+            self.record.publish(self.step, self.launched, self._phase, False, self.launched)
+
+    def _poll_locked(self) -> None:
+        while self._polled:
+            key, handle = self._polled[0]
+            try:
+                done = handle.query() if hasattr(handle, "query") else handle.is_completed()
+            except Exception:  # a failed work is not pending any more
+                done = True
+            if not done:
+                return
+            self._polled.popleft()
+            self._inflight.pop(key, None)
+
+    def mark(self, phase: Phase) -> None:
+        """A phase boundary (layer, data loader, checkpoint, optimizer): the coordinate does not move."""
         with self._lock:
-            self.op_id += 1
-            self.record.publish_collective(self.step, self.op_id, fp.hash64(), fp.text())
+            self._phase = phase
+            self._publish_locked()
+
+    def counts_here(self) -> bool:
+        """Collectives of this thread belong to the training protocol: the training thread's own, and
+        those issued from backward (DDP comm hooks, FSDP2 reduce-scatters run on autograd threads)."""
+        if getattr(_THREAD, "quiet", False):
+            return False
+        return threading.get_ident() == self._trainer or torch._C._current_graph_task_id() != -1
+
+    def launch(self, fp: CollectiveFingerprint) -> tuple[int, int]:
+        """Publish the launch of the next collective of this step; returns its key for :meth:`complete`."""
+        with self._lock:
+            self.launched += 1
+            key = (self.step, self.launched)
+            self._inflight[key] = (fp.hash64(), fp.text())
+            self._phase = Phase.COLLECTIVE
+            self._publish_locked()
+            return key
+
+    def complete(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            if self._inflight.pop(key, None) is not None and not self.closed:
+                self._publish_locked()
+
+    def track(self, key: tuple[int, int], result: Any, tensor: torch.Tensor | None) -> None:
+        """Learn when the collective launched as ``key`` completes, from what its call returned."""
+        on_device = tensor is not None and tensor.device.type not in ("cpu", "meta")
+        if result is not None and hasattr(result, "get_future") and not on_device:
+            # gloo: the future completes with the transport (its callback runs on gloo's thread)
+            result.get_future().add_done_callback(lambda _fut: self.complete(key))
+            return
+        if result is not None and hasattr(result, "is_completed"):
+            handle: Any = result  # a device work: its future completes at launch, the work itself later
+        elif on_device and tensor.device.type == "cuda":
+            handle = torch.cuda.Event()  # a blocking call on CUDA returns at launch too: its stream
+            handle.record()               # waits, and so does this event
+        else:
+            self.complete(key)  # returned: done
+            return
+        with self._lock:
+            if key in self._inflight:
+                self._polled.append((key, handle))
 
     def step_done(self) -> None:
         with self._lock:
             if self.resume_at is not None:
                 self.step, self.resume_at = self.resume_at, None
             self.step += 1
-            self.op_id += 1
-            self.record.publish(self.step, self.op_id, Phase.STEP_END)
+            self.launched = 0
+            self._trainer = threading.get_ident()  # the thread that steps the optimizer trains
+            # Step 0 is warm-up (compilation, lazy init, communicator set-up): its gaps don't count; from
+            # step 1 on they are the job's healthy rhythm, which the observer's threshold adapts to.
+            self.record.learning = True
+            self._phase = Phase.STEP_END
+            self._publish_locked()
 
     @property
     def in_collective(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
 
     @contextlib.contextmanager
-    def collective(self, fp: CollectiveFingerprint) -> Iterator[None]:
-        """Publish intent, then run the body; nested collectives (object collectives call
-        plain ones) are not published again."""
+    def calling(self) -> Iterator[None]:
+        """Inside a published collective: the plain collectives it calls are not published again."""
         depth = getattr(self._local, "depth", 0)
-        if depth == 0:
-            self.enter_collective(fp)
         self._local.depth = depth + 1
         try:
             yield
@@ -195,13 +280,15 @@ class ProgressTracker:
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
             buffer = bucket.buffer()
-            world = dist.get_world_size(group)
+            buffer.div_(dist.get_world_size(group))
             # DDP cannot unregister a comm hook: after close() it stays, averaging as before, silent.
-            published = contextlib.nullcontext() if tracker.closed else tracker.collective(
-                fingerprint_bucket(buffer, group))
-            with published:
-                buffer.div_(world)
+            if tracker.closed:
                 work = dist.all_reduce(buffer, group=group, async_op=True)
+            else:
+                key = tracker.launch(fingerprint_bucket(buffer, group))
+                with tracker.calling():
+                    work = dist.all_reduce(buffer, group=group, async_op=True)
+                tracker.track(key, work, buffer)
             return work.get_future().then(lambda fut: fut.value()[0])
 
         try:
@@ -227,22 +314,35 @@ _C10D = dist.distributed_c10d
 def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _ACTIVE or getattr(_THREAD, "quiet", False):
+        if not _ACTIVE:
             return original(*args, **kwargs)
         tracker = _ACTIVE[-1]
-        local = tracker._local
-        depth = getattr(local, "depth", 0)
-        if depth:  # inside an object collective: its inner calls are not published again
+        # inside a published collective (object collectives call plain ones), or not the training protocol
+        if getattr(tracker._local, "depth", 0) or tracker.closed or not tracker.counts_here():
             return original(*args, **kwargs)
-        tracker.enter_collective(fingerprint_call(name, args, kwargs))
-        local.depth = 1
+        key = tracker.launch(fingerprint_call(name, args, kwargs))
+        tracker._local.depth = 1
         try:
-            return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+        except BaseException:
+            tracker.complete(key)  # it failed: not pending any more
+            raise
         finally:
-            local.depth = 0
+            tracker._local.depth = 0
+        tracker.track(key, result, _first_tensor(args, kwargs))
+        return result
 
     wrapper.__scout_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return value[0]
+    return None
 
 
 def install_collective_hooks(tracker: ProgressTracker) -> None:

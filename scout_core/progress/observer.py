@@ -3,28 +3,39 @@
 The observer is forked from its trainer by :func:`start_observer`, so it starts
 in milliseconds with everything it needs already imported, and from then on
 runs on its own interpreter and GIL: a trainer blocked in a collective, in a
-kernel or in ``SIGSTOP`` cannot block it.
+kernel or in ``SIGSTOP`` cannot block it. Fork safety: the child touches none
+of the trainer's threads, locks, CUDA or communicators. It only maps the
+progress record, opens its own client socket to the control store and writes
+files; ``logging`` re-initialises its locks at fork (CPython's at-fork hooks),
+and nothing else it uses holds a lock another thread of the trainer could have
+held (``tests/test_observer_fork.py`` forks while other threads hold them).
 
-While the job is healthy it sends nothing. It sleeps until the last published
-progress would be ``silence_threshold_s`` old, re-reads the record, and goes
-back to sleep if the trainer moved. Only when the silence has outlasted the
-threshold does it post its evidence to the observers' own control store (a
-``TCPStore`` rendezvoused separately from every training process group, hosted
-by rank 0's observer) and wait for its peers' evidence. Every observer then
-runs the same :func:`~scout_core.progress.classify.classify` on the same
-evidence; one designated observer writes the incident records, and each runs
-the user's callback, even though the trainers stay blocked.
+While the job is healthy it sends one ``check`` per heartbeat to the control
+store (:mod:`scout_core.progress.control`), which no rank serves. When its
+trainer has been silent longer than the silence threshold, it opens an
+episode; every observer then posts its rank's state, working or not, and
+:class:`~scout_core.progress.episode.EpisodeProtocol` turns the evidence into
+one verdict. The reporter writes the records, every observer runs the user's
+callback, even though the trainers stay blocked, and once a stopped rank moves
+again the reporter writes a ``resolved`` record.
 
-Episodes are numbered in the store so that observers entering a stall at
-different moments meet in the same round; the reporter advances the number
-after a verdict, and an observer only re-enters once its trainer has moved.
+The silence threshold adapts to the job: never below
+``observer.silence_threshold_s``, at least ``observer.adaptive_multiple`` times
+the longest healthy interval between two progress marks seen after the
+warm-up (the first two steps, which tolerate ``first_step_silence_s``), and at
+least ``io_silence_s`` while the rank is in a data-loader or checkpoint phase
+(a long save on every rank is not a hang; a rank stuck in one while its peers
+wait is still named, by the peers' observers).
+
+A trainer that exits without :meth:`~scout_core.handle.ScoutHandle.close` is
+answered for by its observer (``alive: false``) in one last episode, so the
+peers of a crashed or killed rank learn who is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -34,11 +45,12 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
-from scout_core.progress.classify import Evidence, HangVerdict, classify
-from scout_core.progress.record import ProgressRecord, pid_alive
+from scout_core.progress.classify import Evidence, HangVerdict
+from scout_core.progress.control import BEAT_KEY, ControlPlane, connect, daemon_key
+from scout_core.progress.episode import EpisodeOutcome, EpisodeProtocol
+from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot, pid_alive
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
 
 __all__ = ["ObserverSpec", "start_observer", "OBSERVER_REPORTED_EXIT"]
@@ -55,13 +67,14 @@ class ObserverSpec:
     rank: int
     world_size: int
     record_path: str
-    store_host: str
-    store_port: int
+    control: ControlPlane
     peer_groups: list[list[int]]
     hosts: dict[int, str]
     devices: dict[int, str]
     silence_threshold_s: float
     first_step_silence_s: float = 300.0
+    io_silence_s: float = 300.0
+    adaptive_multiple: float = 4.0
     gather_timeout_s: float
     startup_timeout_s: float
     jsonl_path: str | None
@@ -71,12 +84,32 @@ class ObserverSpec:
     trainer_pid: int = field(default_factory=os.getpid)
     poll_s: float = 0.05
     """Store polling interval while gathering (only during a stall)."""
+    heartbeat_s: float = 1.0
+    """How often a healthy observer checks whether an episode is open (one store message)."""
     stop_on_verdict: bool = False
     """``actions.on_verdict: stop``: after a hang verdict every observer terminates its trainer."""
 
 
 class _Stopped(Exception):
     """The observer stopped its trainer on a verdict: a deliberate end, not a failure."""
+
+
+_IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
+_WARMUP_STEPS = 2
+"""Steps 0 and 1 tolerate first_step_silence_s; gaps count from step 1 on (see ProgressTracker.step_done)."""
+_DAEMON_BEAT_S = 10.0
+
+
+def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot) -> float:
+    """Seconds of silence after which this observer opens an episode, given its trainer's last publish."""
+    base = spec.silence_threshold_s
+    ceiling = max(base, spec.first_step_silence_s)
+    if snap.step < _WARMUP_STEPS:
+        return ceiling
+    threshold = max(base, min(spec.adaptive_multiple * snap.gap_max, ceiling))
+    if snap.phase in _IO_PHASES and not snap.pending:
+        threshold = max(threshold, spec.io_silence_s)
+    return threshold
 
 
 def start_observer(spec: ObserverSpec) -> tuple[int, int]:
@@ -94,7 +127,7 @@ def start_observer(spec: ObserverSpec) -> tuple[int, int]:
         try:
             code = _Observer(spec, write_fd).run(death_signal=death_signal)
         except SystemExit:
-            code = 0  # SIGTERM from a trainer that exited: a normal end
+            code = 0  # SIGTERM from a trainer that closed: a normal end
         except BaseException:  # noqa: BLE001 - last resort: never let the observer die silently
             traceback.print_exc()
             code = 1
@@ -109,6 +142,7 @@ class _Observer:
         self.spec = spec
         self.ready_fd = ready_fd
         self.record: ProgressRecord | None = None
+        self.proto: EpisodeProtocol | None = None
         self.store: Any = None
         sinks: list[Any] = [LoggingSink(spec.log_level)]
         if spec.jsonl_path:
@@ -120,11 +154,14 @@ class _Observer:
     def run(self, *, death_signal: bool = True) -> int:
         if death_signal:
             _die_with_parent()
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
         try:
             self.record = ProgressRecord(self.spec.record_path, owner=False)
-            self.store = self._connect()
+            self.store = connect(self.spec.control, self.spec.run_id, self.spec.startup_timeout_s)
+            spec = self.spec
+            self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
+                                         gather_timeout_s=spec.gather_timeout_s, poll_s=spec.poll_s)
             os.write(self.ready_fd, b"R")
             os.close(self.ready_fd)
             self._loop()
@@ -141,6 +178,14 @@ class _Observer:
             if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
 
+    def _on_sigterm(self, *_: Any) -> None:
+        # The trainer's close() publishes CLOSED, then terminates us. The parent-death signal is SIGTERM too:
+        # a trainer that died without closing gets one last episode (the loop answers for it), so that
+        # signal must not end us; any other SIGTERM (a launcher tearing the job down) does.
+        if self._trainer_gone() and self.record is not None and self.record.read().phase is not Phase.CLOSED:
+            return
+        sys.exit(0)
+
     def _trainer_gone(self) -> bool:
         """The trainer (our parent: it forked us) has exited or is exiting.
 
@@ -148,106 +193,87 @@ class _Observer:
         yet: asking only whether its pid is alive raced with that signal and left its record behind."""
         return os.getppid() != self.spec.trainer_pid or not pid_alive(self.spec.trainer_pid)
 
-    def _connect(self) -> Any:
-        from torch.distributed import TCPStore
-
-        is_server = self.spec.rank == 0
-        store = TCPStore(
-            self.spec.store_host, self.spec.store_port, self.spec.world_size, is_server,
-            timeout=timedelta(seconds=self.spec.startup_timeout_s), wait_for_workers=False,
-        )
-        if is_server:
-            store.set(self._key("episode"), "0")
-        return store
-
-    def _key(self, *parts: Any) -> str:
-        return "/".join(["scout", self.spec.run_id, *map(str, parts)])
-
     # -- the watch loop ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        assert self.record is not None
+        assert self.record is not None and self.proto is not None
+        spec, proto = self.spec, self.proto
         diagnosed_seq = -1
+        silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
+        watch: tuple[int, list[Incident], float] | None = None  # a reported verdict awaiting its resolution
+        next_beat = next_daemon_beat = 0.0
         while True:
-            if self._trainer_gone():
-                return
+            gone = self._trainer_gone()
             snap = self.record.read()
-            threshold = self.spec.silence_threshold_s
-            # Lazy init, compilation and communicator set-up make the first step of a (re)started job long.
-            # The trainer publishes step 0 until its first step completes, a resumed one too (see
-            # ProgressTracker.resume_at), so step 0 is the warm-up, however the observer samples.
-            if snap.step == 0:
-                threshold = max(threshold, self.spec.first_step_silence_s)
-            silent = time.monotonic() - snap.t_publish
-            if silent < threshold:
-                # Sleep until this publish would be threshold-old; cap it so a dead
-                # trainer is noticed even where PDEATHSIG is unavailable.
-                time.sleep(min(threshold - silent + 0.001, 1.0))
+            if snap.phase is Phase.CLOSED:
+                return
+            now = time.monotonic()
+            threshold = silence_threshold(spec, snap)
+            silent_s = now - snap.t_publish
+            if silent_in is not None and snap.seq != silent_in[1]:
+                proto.moved(silent_in[0])  # our trainer moved after a verdict: progress resumed
+                silent_in = None
+            if spec.control.needs_beats and now >= next_daemon_beat:
+                next_daemon_beat = now + _DAEMON_BEAT_S
+                self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
+            stalled = silent_s >= threshold and snap.seq != diagnosed_seq
+            join = gone or stalled
+            if not join and now >= next_beat:
+                next_beat = now + spec.heartbeat_s
+                if watch is not None and proto.resumed(watch[0]):
+                    self._resolved(*watch)
+                    watch = None
+                join = proto.opened()
+            if join:
+                if gone or stalled:
+                    proto.open()
+                mine = Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
+                                pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
+                                silent_s=round(silent_s, 3), silent=silent_s >= threshold, alive=not gone,
+                                seq=snap.seq)
+                episode = proto.episode
+                outcome = proto.run(mine)
+                if mine.silent:
+                    diagnosed_seq = snap.seq
+                    silent_in = (episode, snap.seq)
+                if outcome is not None and outcome.verdicts and not outcome.repeat:
+                    incidents = self._deliver(outcome, snap, threshold)
+                    if outcome.reporter:
+                        watch = (outcome.episode, incidents, time.monotonic())
+                if gone:
+                    return  # we answered for our dead trainer
                 continue
-            if snap.seq == diagnosed_seq:
-                time.sleep(min(threshold, 1.0))  # same stall, already diagnosed
-                continue
-            if self._episode(snap):
-                diagnosed_seq = snap.seq
+            time.sleep(max(0.001, min(threshold - silent_s + 0.001, spec.heartbeat_s, 1.0)))
 
-    def _episode(self, snap: Any) -> bool:
-        """One round of evidence exchange; False when the round has to be retried."""
-        spec = self.spec
-        episode = int(self.store.get(self._key("episode")))
-        mine = Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
-                        pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
-                        silent_s=round(time.monotonic() - snap.t_publish, 3))
-        self.store.set(self._key("ep", episode, spec.rank), json.dumps(mine.to_dict()))
-        deadline = time.monotonic() + spec.gather_timeout_s
-        keys = {r: self._key("ep", episode, r) for r in range(spec.world_size)}
-        complete = False
-        while time.monotonic() < deadline:
-            if self.store.check(list(keys.values())):
-                complete = True
-                break
-            if self.record.read().seq != snap.seq:
-                return False  # our trainer moved: this was a slow step, not a hang
-            time.sleep(spec.poll_s)
-        if not complete and int(self.store.get(self._key("episode"))) != episode:
-            return False  # we arrived after this episode's verdict; rejoin at the next one
-        present = {r: k for r, k in keys.items() if self.store.check([k])}
-        evidence = {r: Evidence.from_dict(json.loads(self.store.get(k))) for r, k in present.items()}
-        verdicts = classify(evidence, spec.peer_groups)
-        reporter_rank = min(evidence)
+    def _deliver(self, outcome: EpisodeOutcome, snap: ProgressSnapshot, threshold: float) -> list[Incident]:
         t_verdict = time.monotonic()
-        incidents = [self._incident(v, snap, t_verdict, episode) for v in verdicts]
-        if spec.rank == reporter_rank:
+        incidents = [self._incident(v, snap, t_verdict, outcome.episode, threshold) for v in outcome.verdicts]
+        if outcome.reporter:
             for inc in incidents:
                 self.reporter.emit(inc)
-            self.store.compare_set(self._key("episode"), str(episode), str(episode + 1))
-        if spec.on_incident is not None:
+        if self.spec.on_incident is not None:
             for inc in incidents:
                 try:
-                    spec.on_incident(inc)
+                    self.spec.on_incident(inc)
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
-        if spec.stop_on_verdict and incidents:
-            self._stop_trainer(episode, len(present))
-        return True
+        if self.spec.stop_on_verdict and incidents and not self._trainer_gone():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.spec.trainer_pid, signal.SIGTERM)
+            raise _Stopped
+        return incidents
 
-    def _stop_trainer(self, episode: int, n_present: int) -> None:
-        """Terminate our trainer once every observer of this episode has its verdict.
+    def _resolved(self, episode: int, incidents: list[Incident], t_verdict: float) -> None:
+        for inc in incidents:
+            self.reporter.emit(Incident(
+                kind=IncidentKind.RESOLVED, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
+                devices=list(inc.devices), step=inc.step,
+                evidence={"episode": episode, "verdict": inc.kind.value, "class": inc.evidence.get("class"),
+                          "after_s": round(time.monotonic() - t_verdict, 3)},
+                reason=f"progress resumed after episode {episode}'s verdict ({inc.reason})",
+            ))
 
-        Each observer counts itself in, then waits (bounded) for the others, so rank 0's
-        observer, which serves the store, never leaves while a peer still reads from it.
-        """
-        spec = self.spec
-        key = self._key("stopping", episode)
-        with contextlib.suppress(Exception):  # the store may go once everyone counted in
-            self.store.add(key, 1)
-            deadline = time.monotonic() + spec.gather_timeout_s
-            while time.monotonic() < deadline and int(self.store.add(key, 0)) < n_present:
-                time.sleep(spec.poll_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(spec.trainer_pid, signal.SIGTERM)
-        raise _Stopped
-
-    def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int) -> Incident:
+    def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int, threshold: float) -> Incident:
         spec = self.spec
         stall_s = t_verdict - snap.t_publish
         return Incident(
@@ -255,8 +281,8 @@ class _Observer:
             hosts=[spec.hosts.get(r, "?") for r in v.ranks], devices=[spec.devices.get(r, "?") for r in v.ranks],
             step=snap.step, surface=v.evidence.get("fingerprints", [""])[0] if v.scope == "peer_group" else "",
             evidence={"class": v.hang_class.value, "peer_group": list(v.peer_group), "episode": episode,
-                      "stall_s": round(stall_s, 3), "threshold_s": spec.silence_threshold_s, **v.evidence},
-            time_to_verdict_s=round(max(0.0, stall_s - spec.silence_threshold_s), 3),
+                      "stall_s": round(stall_s, 3), "threshold_s": round(threshold, 3), **v.evidence},
+            time_to_verdict_s=round(max(0.0, stall_s - threshold), 3),
             reason=v.reason,
         )
 

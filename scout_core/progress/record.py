@@ -17,8 +17,8 @@ record is a small file in ``/dev/shm`` mapped by both processes:
   by the next :func:`create_record` on the machine.
 
 Publishing is one ``struct.pack`` for the fields, a CRC-32 over them and two
-``pack_into`` for the sequence (about a microsecond in CPython). Collective
-fingerprints are written only when a collective is entered.
+``pack_into`` for the sequence (about a microsecond in CPython). A collective's
+fingerprint is written only when the published one changes.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 _PREFIX = "scout-progress"
 _NAME_RE = re.compile(rf"^{_PREFIX}-(?P<run>[A-Za-z0-9_.-]+)-r(?P<rank>\d+)-p(?P<pid>\d+)$")
 
-# seq | step | op_id | phase | pending | t_publish | t_phase | fp_hash | fp_len | owner pid | crc32
-_HEAD = struct.Struct("<QqqIIddQIII")
+# seq | step | op_id | launched | phase | pending | t_publish | t_phase | gap_max | fp_hash | fp_len | owner pid | crc32
+_HEAD = struct.Struct("<QqqqIIdddQIII")
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qqIIddQII")  # the fields: _HEAD without the sequence and the CRC, at offset 8
+_BODY = struct.Struct("<qqqIIdddQII")  # the fields: _HEAD without the sequence and the CRC, at offset 8
 _CRC = struct.Struct("<I")
 _CRC_AT = 8 + _BODY.size  # CRC-32 of the fingerprint bytes, then of the fields
 _FP_MAX = 448
@@ -63,6 +63,7 @@ class Phase(enum.IntEnum):
     COLLECTIVE = 7
     STEP_END = 8
     COMPUTE = 9  # between hooks (returned from a data or checkpoint phase)
+    CLOSED = 10  # the trainer closed SCOUT: its observer ends without a last episode
 
 
 @dataclass(frozen=True)
@@ -72,20 +73,29 @@ class ProgressSnapshot:
     seq: int
     step: int
     op_id: int
+    """Index (within ``step``) of the oldest launched-but-incomplete collective while ``pending``, else of
+    the last collective launched: the rank's point in its step's collective sequence."""
+    launched: int
+    """Collectives launched so far in ``step`` (equal to ``op_id`` unless older ones are still in flight)."""
     phase: Phase
     pending: bool
-    """True while the last published event is a collective the rank entered."""
+    """True while a collective this rank launched has not completed."""
     t_publish: float
     """``time.monotonic()`` of the last publish (system-wide clock on Linux)."""
     t_phase: float
     """``time.monotonic()`` when the current phase began."""
+    gap_max: float
+    """Longest interval between two publishes the trainer has seen since it started learning (after its
+    warm-up step); the observer derives its adaptive silence threshold from it."""
     fp_hash: int
     fingerprint: str
+    """Fingerprint of the collective at ``op_id`` (the one the rank waits in while ``pending``)."""
     owner_pid: int
 
     @property
-    def coordinate(self) -> tuple[int, int]:
-        return (self.step, self.op_id)
+    def coordinate(self) -> tuple[int, int, int]:
+        """Total order of progress: waiting in collective i < done with i < waiting in i + 1."""
+        return (self.step, self.op_id, 0 if self.pending else 1)
 
 
 class ProgressRecord:
@@ -107,36 +117,35 @@ class ProgressRecord:
         self._fp_len = 0
         self._fp_crc = zlib.crc32(b"")
         self._pid = os.getpid()
+        self._t_last = self._t_phase
+        self._gap_max = 0.0
+        self.learning = False
+        """Set by the tracker once the warm-up step is over: from then on gaps between publishes count."""
 
     # -- writer ------------------------------------------------------------------------------
 
-    def publish(self, step: int, op_id: int, phase: Phase, pending: bool = False) -> None:
-        """Publish a coordinate; the fingerprint of the last collective is kept."""
+    def publish(self, step: int, op_id: int, phase: Phase, pending: bool = False, launched: int | None = None,
+                fp: tuple[int, str] | None = None) -> None:
+        """Publish a point; ``fp`` = ``(hash, text)`` replaces the fingerprint, None keeps the last one."""
         now = time.monotonic()
         if phase != self._phase:
             self._phase = phase
             self._t_phase = now
+        gap = now - self._t_last
+        self._t_last = now
+        if self.learning and gap > self._gap_max:
+            self._gap_max = gap
+        data = None
+        if fp is not None and fp[0] != self._fp_hash:
+            data = fp[1].encode()[:_FP_MAX]
+            self._fp_hash, self._fp_len, self._fp_crc = fp[0], len(data), zlib.crc32(data)
+        body = _BODY.pack(step, op_id, op_id if launched is None else launched, phase, pending, now, self._t_phase,
+                          self._gap_max, self._fp_hash, self._fp_len, self._pid)
         # Sequence odd first, fields, then even: a memcpy may store bytes in any
         # order, so the odd marker must land before any field changes.
-        body = _BODY.pack(step, op_id, phase, pending, now, self._t_phase, self._fp_hash, self._fp_len, self._pid)
         _SEQ.pack_into(self._mm, 0, self._seq + 1)
-        self._mm[8:_CRC_AT] = body
-        _CRC.pack_into(self._mm, _CRC_AT, zlib.crc32(body, self._fp_crc))
-        self._seq += 2
-        _SEQ.pack_into(self._mm, 0, self._seq)
-
-    def publish_collective(self, step: int, op_id: int, fp_hash: int, fp_text: str) -> None:
-        """Publish the intent to enter a collective, with its fingerprint."""
-        data = fp_text.encode()[:_FP_MAX]
-        now = time.monotonic()
-        self._phase = Phase.COLLECTIVE
-        self._t_phase = now
-        self._fp_hash = fp_hash
-        self._fp_len = len(data)
-        self._fp_crc = zlib.crc32(data)
-        body = _BODY.pack(step, op_id, Phase.COLLECTIVE, True, now, now, fp_hash, len(data), self._pid)
-        _SEQ.pack_into(self._mm, 0, self._seq + 1)  # odd: readers retry while we write
-        self._mm[_HEAD.size : _HEAD.size + len(data)] = data
+        if data is not None:
+            self._mm[_HEAD.size : _HEAD.size + len(data)] = data
         self._mm[8:_CRC_AT] = body
         _CRC.pack_into(self._mm, _CRC_AT, zlib.crc32(body, self._fp_crc))
         self._seq += 2
@@ -161,14 +170,14 @@ class ProgressRecord:
             if seq & 1:
                 continue
             fields = _HEAD.unpack(head)
-            fp = bytes(self._mm[_HEAD.size : _HEAD.size + min(fields[8], _FP_MAX)])
+            fp = bytes(self._mm[_HEAD.size : _HEAD.size + min(fields[10], _FP_MAX)])
             if _SEQ.unpack_from(self._mm, 0)[0] != seq:
                 continue  # the writer moved on while we copied: torn, retry
-            if seq and zlib.crc32(head[8:_CRC_AT], zlib.crc32(fp)) != fields[10]:
+            if seq and zlib.crc32(head[8:_CRC_AT], zlib.crc32(fp)) != fields[12]:
                 continue  # a field not yet visible although the sequence is (weak memory order): retry
-            _, step, op_id, phase, pending, t_pub, t_phase, fp_hash, _, pid, _ = fields
-            return ProgressSnapshot(seq, step, op_id, Phase(phase), bool(pending), t_pub, t_phase, fp_hash,
-                                    fp.decode(errors="replace"), pid)
+            _, step, op_id, launched, phase, pending, t_pub, t_phase, gap_max, fp_hash, _, pid, _ = fields
+            return ProgressSnapshot(seq, step, op_id, launched, Phase(phase), bool(pending), t_pub, t_phase,
+                                    gap_max, fp_hash, fp.decode(errors="replace"), pid)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

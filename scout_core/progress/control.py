@@ -1,0 +1,171 @@
+"""The observers' control plane: a key-value store that outlives any rank (paper section 7).
+
+Observers exchange nothing while the job is healthy except a bounded
+heartbeat; in a stall they post their evidence to this store and read their
+peers'. It must survive the death of any trainer, of any observer and of any
+machine but its own, so it is never served by a rank. In order of preference:
+
+1. ``observer.control_store: host:port`` (or ``SCOUT_CONTROL_STORE``): a
+   ``TCPStore`` someone else serves (a launcher, a cluster service);
+2. under ``torchrun``, the elastic agent's rendezvous store
+   (``TORCHELASTIC_USE_AGENT_STORE=True``, at ``MASTER_ADDR:MASTER_PORT``): it is
+   served by the agent on node 0, which outlives its workers, and it is the
+   store the job itself rendezvoused through;
+3. otherwise (jobs started without an agent: ``mpirun``, ``srun``, a bare
+   ``init_process_group``) rank 0 starts a **store daemon**: a process in its
+   own session, so it survives rank 0's trainer and observer being killed, that
+   serves a ``TCPStore`` and exits once every rank has closed SCOUT, or no
+   observer has sent a heartbeat for ``DAEMON_IDLE_EXIT_S`` (the job is gone).
+
+Keys live under ``scout/<run id>/`` so that they never collide with the job's.
+
+The loss of the store's own machine: every observer then loses the store at
+once, and each reports on its own (no exchange is possible) that the control
+plane's host is unreachable, scope ``machine``, naming that host; that is
+what the other machines see when node 0 is gone (see ``observer.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["ControlPlane", "choose_control_plane", "close_daemon_share", "connect", "daemon_key",
+           "start_store_daemon", "CONTROL_STORE_ENV",
+           "DAEMON_IDLE_EXIT_S", "BEAT_KEY", "CLOSED_KEY"]
+
+CONTROL_STORE_ENV = "SCOUT_CONTROL_STORE"
+DAEMON_IDLE_EXIT_S = 120.0
+"""A store daemon with no heartbeat for this long exits (its job is gone)."""
+BEAT_KEY = "beat"
+CLOSED_KEY = "closed"
+"""Each rank adds one when it closes SCOUT; the daemon exits when all have."""
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    host: str
+    port: int
+    kind: str
+    """``configured``, ``agent`` (torchrun's store) or ``daemon`` (started by rank 0)."""
+
+    @property
+    def needs_beats(self) -> bool:
+        """Only a daemon measures its job's life by the observers' heartbeats."""
+        return self.kind == "daemon"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "kind": self.kind}
+
+
+def _parse(address: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be host:port, got {address!r}")
+    return host, int(port)
+
+
+def choose_control_plane(configured: str, *, rank: int, world_size: int, bind_port: int = 0,
+                         advertise: str = "") -> ControlPlane | None:
+    """The control plane this job uses, as far as this rank can tell without talking to the others.
+
+    Returns None on ranks other than 0 when a daemon is needed: rank 0 starts it and shares its address.
+    """
+    address = configured or os.environ.get(CONTROL_STORE_ENV, "")
+    if address:
+        return ControlPlane(*_parse(address, "observer.control_store"), kind="configured")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR"):
+        return ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), kind="agent")
+    if rank != 0:
+        return None
+    import socket
+
+    host = advertise or os.environ.get("MASTER_ADDR") or socket.gethostname()
+    return ControlPlane(host, start_store_daemon(world_size, bind_port), kind="daemon")
+
+
+def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> Any:
+    """A client of the control store, with keys under ``scout/<run_id>/``."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(plane.host, plane.port, None, False, timeout=timedelta(seconds=timeout_s))
+    return PrefixStore(f"scout/{run_id}", store)
+
+
+def close_daemon_share(plane: ControlPlane, timeout_s: float = 2.0) -> None:
+    """Tell a store daemon that this rank closed SCOUT (it exits once every rank has); never raises."""
+    if plane.kind != "daemon":
+        return
+    with contextlib.suppress(Exception):
+        from torch.distributed import TCPStore
+
+        TCPStore(plane.host, plane.port, None, False, timeout=timedelta(seconds=timeout_s)).add(
+            _any_run_key(CLOSED_KEY), 1)
+
+
+def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S) -> int:
+    """Start a store daemon detached from this process; return the port it serves.
+
+    Double fork and ``setsid``: the daemon is nobody's child in the job and in
+    no process group of the job, so killing rank 0 (or its group) leaves it
+    serving. It only runs the store's own server thread and a sleep loop.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        try:
+            os.setsid()
+            if os.fork() == 0:
+                _serve(port, write_fd, world_size, idle_exit_s)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    os.waitpid(pid, 0)  # the intermediate child exits at once; the daemon is re-parented
+    with os.fdopen(read_fd, "rb") as fh:
+        data = fh.read()
+    if not data:
+        raise RuntimeError("the SCOUT control-store daemon did not start")
+    return int(data)
+
+
+def _serve(port: int, ready_fd: int, world_size: int, idle_exit_s: float) -> None:
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
+        with contextlib.suppress(OSError):
+            os.chdir("/")
+        from torch.distributed import TCPStore
+
+        server = TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        os.write(ready_fd, str(server.port).encode())
+        os.close(ready_fd)
+        last, since = None, time.monotonic()
+        while True:
+            time.sleep(min(5.0, idle_exit_s / 4))
+            if int(server.add(_any_run_key(CLOSED_KEY), 0)) >= world_size:
+                time.sleep(1.0)  # let the last closers finish their message
+                break
+            beats = server.add(_any_run_key(BEAT_KEY), 0)
+            if beats != last:
+                last, since = beats, time.monotonic()
+            elif time.monotonic() - since > idle_exit_s:
+                break
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _any_run_key(key: str) -> str:
+    # One daemon serves one job, so its liveness keys need no run id.
+    return f"scout/{key}"
+
+
+def daemon_key(key: str) -> str:
+    """The raw (unprefixed) key of a daemon-wide counter, for ``store.underlying_store``."""
+    return _any_run_key(key)

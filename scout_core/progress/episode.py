@@ -1,0 +1,160 @@
+"""One hang episode over the control store: who posts, who classifies, who reports (paper section 7).
+
+Keys, under the job's prefix (``scout/<run id>/``):
+
+* ``ep``: the current episode number; the reporter advances it after a verdict;
+* ``ep/<n>/open``: set by the first observer whose trainer went silent;
+* ``ep/<n>/r/<rank>``: that rank's evidence; every observer posts one, working or not;
+* ``ep/<n>/g/<gid>/lead`` and ``ep/<n>/g/<gid>``: the first member of peer group ``gid``
+  to post leads it: it reads the group's evidence (waiting at most ``gather_timeout_s``;
+  members still silent then are lost) and posts the group's summary;
+* ``ep/<n>/lead`` and ``ep/<n>/verdict``: the first observer to post reports: it reads
+  the summaries, merges them, writes the records and posts the verdict that every
+  observer reads for its user callback;
+* ``ep/<n>/moved``: counts observers whose trainer moved after the verdict; the reporter
+  writes a ``resolved`` record when it is no longer zero;
+* ``named``: ranks named by the last verdict with their record sequence, so that a later
+  episode over the same stopped ranks (peers that went silent later) does not repeat it.
+
+Costs per episode: every observer posts once and reads the verdict (O(1)); a group leader
+reads its group (O(peer group)); the reporter reads one summary per group. While healthy an
+observer sends one ``check`` of ``ep/<n>/open`` per heartbeat and nothing else.
+
+Leadership is first come, first served (``compare_set`` on an absent key): no observer is
+special, so the death of any rank, rank 0 included, leaves the protocol whole.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from scout_core.progress.classify import Evidence, HangVerdict, classify_group, merge
+
+__all__ = ["EpisodeProtocol", "EpisodeOutcome"]
+
+
+@dataclass
+class EpisodeOutcome:
+    episode: int
+    verdicts: list[HangVerdict]
+    reporter: bool
+    """This observer reported the episode (wrote the records)."""
+    repeat: bool = False
+    """The verdict names the same stopped ranks as the last one: not written again."""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+class EpisodeProtocol:
+    """The store side of one observer; every method is a bounded number of store messages."""
+
+    def __init__(self, store: Any, *, rank: int, peer_groups: Sequence[Sequence[int]], hosts: Mapping[int, str],
+                 gather_timeout_s: float, poll_s: float, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.rank = rank
+        self.groups = [list(g) for g in peer_groups]
+        self.gid = next(i for i, g in enumerate(self.groups) if rank in g)
+        self.hosts = dict(hosts)
+        self.gather_timeout_s = gather_timeout_s
+        self.poll_s = poll_s
+        self.sleep, self.clock = sleep, clock
+        self.episode = int(store.add("ep", 0))
+
+    # -- healthy path ------------------------------------------------------------------------------
+
+    def opened(self) -> bool:
+        """The heartbeat: one ``check``. True when episode ``self.episode`` is open."""
+        return bool(self.store.check([f"ep/{self.episode}/open"]))
+
+    def open(self) -> None:
+        self.store.compare_set(f"ep/{self.episode}/open", "", str(self.rank))
+
+    # -- one episode -----------------------------------------------------------------------------
+
+    def run(self, mine: Evidence) -> EpisodeOutcome | None:
+        """Post our evidence, lead or report if first, and return the verdict (None: no verdict came)."""
+        n = self.episode
+        if self.store.check([f"ep/{n}/verdict"]):  # we arrived after it was decided
+            return self._finish(n, self._read_verdict(n), reporter=False)
+        self.store.set(f"ep/{n}/r/{self.rank}", json.dumps(mine.to_dict()))
+        start = self.clock()
+        if self._claim(f"ep/{n}/g/{self.gid}/lead"):
+            self._lead_group(n, start)
+        if self._claim(f"ep/{n}/lead"):
+            return self._report(n, start)
+        verdict = self._wait_for([f"ep/{n}/verdict"], start + 2 * self.gather_timeout_s + 5 * self.poll_s)
+        if not verdict:
+            # The reporter died mid-episode: move on so that a later stall gets a fresh round.
+            self.store.compare_set("ep", str(n), str(n + 1))
+            self.episode = int(self.store.add("ep", 0))
+            return None
+        return self._finish(n, self._read_verdict(n), reporter=False)
+
+    def _claim(self, key: str) -> bool:
+        return self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode()
+
+    def _wait_for(self, keys: list[str], deadline: float) -> bool:
+        while True:
+            if self.store.check(keys):
+                return True
+            if self.clock() >= deadline:
+                return False
+            self.sleep(self.poll_s)
+
+    def _lead_group(self, n: int, start: float) -> None:
+        group = self.groups[self.gid]
+        keys = [f"ep/{n}/r/{r}" for r in group]
+        if self._wait_for(keys, start + self.gather_timeout_s):
+            present = list(group)
+        else:
+            present = [r for r, k in zip(group, keys, strict=True) if self.store.check([k])]
+        values = self.store.multi_get([f"ep/{n}/r/{r}" for r in present]) if present else []
+        evidence = {r: Evidence.from_dict(json.loads(v)) for r, v in zip(present, values, strict=True)}
+        self.store.set(f"ep/{n}/g/{self.gid}", json.dumps(classify_group(group, evidence)))
+
+    def _report(self, n: int, start: float) -> EpisodeOutcome:
+        keys = [f"ep/{n}/g/{g}" for g in range(len(self.groups))]
+        # Leaders wait at most gather_timeout_s for their members; a group with no live member never posts.
+        if self._wait_for(keys, start + self.gather_timeout_s + 10 * self.poll_s):
+            present = list(range(len(self.groups)))
+        else:
+            present = [g for g, k in enumerate(keys) if self.store.check([k])]
+        values = self.store.multi_get([keys[g] for g in present]) if present else []
+        summaries = [json.loads(v) for v in values]
+        for g in set(range(len(self.groups))) - set(present):
+            summaries.append({"group": self.groups[g], "lost": self.groups[g], "verdicts": [], "named": {}})
+        verdicts = merge(summaries, self.hosts)
+        named = {r: seq for s in summaries for r, seq in s["named"].items()
+                 if any(int(r) in v.ranks for v in verdicts)}
+        lost = sorted(r for v in verdicts if v.hang_class.value == "lost" for r in v.ranks)
+        signature = {"named": named, "lost": lost}
+        previous = self.store.get("named").decode() if self.store.check(["named"]) else ""
+        repeat = bool(verdicts) and json.dumps(signature, sort_keys=True) == previous
+        if verdicts and not repeat:
+            self.store.set("named", json.dumps(signature, sort_keys=True))
+        self.store.set(f"ep/{n}/verdict", json.dumps({"verdicts": [v.to_dict() for v in verdicts],
+                                                      "repeat": repeat, "reporter": self.rank}))
+        self.store.compare_set("ep", str(n), str(n + 1))
+        self.episode = n + 1
+        return EpisodeOutcome(n, verdicts, reporter=True, repeat=repeat)
+
+    def _read_verdict(self, n: int) -> dict[str, Any]:
+        return json.loads(self.store.get(f"ep/{n}/verdict"))
+
+    def _finish(self, n: int, doc: Mapping[str, Any], *, reporter: bool) -> EpisodeOutcome:
+        self.episode = max(self.episode, n + 1, int(self.store.add("ep", 0)))
+        return EpisodeOutcome(n, [HangVerdict.from_dict(v) for v in doc["verdicts"]], reporter=reporter,
+                              repeat=bool(doc.get("repeat")))
+
+    # -- after a verdict ---------------------------------------------------------------------------
+
+    def moved(self, n: int) -> None:
+        """Our trainer moved again after episode ``n``'s verdict."""
+        self.store.add(f"ep/{n}/moved", 1)
+
+    def resumed(self, n: int) -> bool:
+        return int(self.store.add(f"ep/{n}/moved", 0)) > 0
