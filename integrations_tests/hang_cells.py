@@ -27,6 +27,7 @@ from scout_core.config import load
 from scout_core.inject import Injector
 from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.report import JsonlSink, read_incidents
+from scout_core.runtime import HOSTNAME_ENV
 
 # Collectives the injector can hold inside the "transport" (innermost wrapper).
 _HOLDABLE = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast")
@@ -35,17 +36,19 @@ _HOLDABLE = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadc
 def _train_rank(ctx: RankContext) -> dict[str, Any]:
     init_gloo(ctx, timeout_s=600)  # the observers must speak long before gloo would time out
     a = ctx.args
+    per_machine = ctx.world_size // a["machines"]
+    os.environ[HOSTNAME_ENV] = f"node{ctx.rank // per_machine}"  # simulated machines of per_machine ranks
     injector = Injector(a["faults"], seed=a["seed"])
     state = {"step": 0}
     for name in _HOLDABLE:  # before enable(): SCOUT's hooks wrap these, so intent is published first
         setattr(dist, name, injector.wrap_collective(getattr(dist, name), name, rank=ctx.rank,
                                                      step=lambda: state["step"]))
-    par = build(a["layout"], seed=a["seed"])
+    par = build(a["layout"], seed=a["seed"], bucket_cap_mb=a["bucket_cap_mb"])
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     metrics_group = dist.new_group(list(range(ctx.world_size)))
     cfg = load(None, [
-        f"observer.silence_threshold_s={a['threshold_s']}",
-        f"observer.gather_timeout_s={a['gather_timeout_s']}",
+        *([f"observer.silence_threshold_s={a['threshold_s']}"] if a["threshold_s"] else []),
+        *([f"observer.gather_timeout_s={a['gather_timeout_s']}"] if a["gather_timeout_s"] else []),
         f"report.jsonl_path={a['jsonl']}",
         f"report.run_id={a['run_id']}",
         "report.log_level=ERROR",
@@ -56,6 +59,18 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
         fh.write(repr(handle.observer_startup_s))  # hung ranks never return it
     par.inner.layers[1].register_forward_pre_hook(
         lambda *_: injector.freeze("layers.1.forward", rank=ctx.rank, step=state["step"]))
+    # Late in backward: the head's gradient bucket is launched by then, layer 2's and the rest's are not.
+    par.inner.layers[2].fc.weight.register_hook(
+        lambda g: injector.freeze("backward.after_first_bucket", rank=ctx.rank, step=state["step"]))
+    busy = a["busy"]
+
+    def keep_working(seconds: float) -> None:
+        """Evaluation forwards (each publishes its layers) for ``seconds``: working, not silent."""
+        end = time.monotonic() + seconds
+        with torch.no_grad():
+            while time.monotonic() < end:
+                par.inner(torch.zeros(2, 16))
+                time.sleep(0.1)
 
     def data():
         for step, batch in enumerate(batches(ctx.rank, a["steps"], seed=a["seed"])):
@@ -63,8 +78,21 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
             yield batch
 
     loss_fn = torch.nn.MSELoss()
+    lagged = None  # the previous step's asynchronous metrics reduction, waited one step late (async_metrics)
     for step, (x, y) in enumerate(handle.wrap_dataloader(data())):
         state["step"] = step
+        if injector.armed("step.start", "kill", rank=ctx.rank, step=step):
+            os.kill(handle.observer_pid, 9)  # trainer and observer: the whole rank is gone
+            injector.kill("step.start", rank=ctx.rank, step=step)
+        if busy and step == busy["step"] and ctx.rank in busy["ranks"]:
+            keep_working(busy["seconds"])
+        if a["rank0_extra"] and ctx.rank == 0:  # asymmetric work: evaluation and a checkpoint write
+            keep_working(0.0)
+            with torch.no_grad():
+                par.inner(x)
+            with handle.checkpoint_io("write"):
+                torch.save(par.inner.head.state_dict(), os.path.join(a["workdir"], "eval-r0.pt"))
+        time.sleep(a["slow_phase_s"])  # a slow phase on every rank, without marks
         loss = loss_fn(par.model(x), y)
         loss.backward()
         opt.step()
@@ -72,12 +100,17 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
         metric, op = loss.detach().reshape(1), dist.ReduceOp.SUM
         if not injector.skip("metrics.all_reduce", rank=ctx.rank, step=step):
             metric, op = injector.mismatch("metrics.all_reduce", metric, op, rank=ctx.rank, step=step)
-            dist.all_reduce(metric, op=op, group=metrics_group)
+            work = dist.all_reduce(metric, op=op, group=metrics_group, async_op=a["async_metrics"])
+            if lagged is not None:
+                lagged.wait()
+            lagged = work
         if (step + 1) % a["checkpoint_every"] == 0:
             with handle.checkpoint_io("write"):
                 injector.delay("checkpoint.write", rank=ctx.rank, step=step)
                 shard = {k: v.detach().clone() for k, v in par.inner.state_dict().items()}
                 torch.save(shard, os.path.join(a["workdir"], f"ckpt-r{ctx.rank}.pt"))
+    if lagged is not None:
+        lagged.wait()
     dist.barrier()
     handle.close()
     return {"steps": state["step"] + 1}
@@ -104,16 +137,23 @@ def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     expect = [dict(e) for e in p.get("expect", [])]
     args = {
         "faults": list(spec.faults), "seed": spec.seed, "layout": p.get("layout", "ddp"),
-        "steps": int(p.get("steps", 30)), "threshold_s": float(p.get("threshold_s", 2.0)),
-        "gather_timeout_s": float(p.get("gather_timeout_s", 4.0)),
-        "checkpoint_every": int(p.get("checkpoint_every", 4)),
+        "steps": int(p.get("steps", 30)),
+        # None: the shipped default (observer.silence_threshold_s, observer.gather_timeout_s)
+        "threshold_s": p.get("threshold_s", 2.0), "gather_timeout_s": p.get("gather_timeout_s", 4.0),
+        "checkpoint_every": int(p.get("checkpoint_every", 4)), "machines": int(p.get("machines", 1)),
+        "busy": p.get("busy"), "rank0_extra": bool(p.get("rank0_extra", False)),
+        "async_metrics": bool(p.get("async_metrics", False)), "bucket_cap_mb": p.get("bucket_cap_mb"),
+        "slow_phase_s": float(p.get("slow_phase_s", 0.0)),
         "jsonl": jsonl, "run_id": spec.name, "workdir": workdir,
     }
-    stop = _RecordsSettled(jsonl, settle_s=float(p.get("settle_s", 1.5))) if expect else None
-    result = launch(_train_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop)
+    finishes = bool(p.get("finishes", False))  # the stall resolves itself: the job must end normally
+    stop = _RecordsSettled(jsonl, settle_s=float(p.get("settle_s", 1.5))) if expect and not finishes else None
+    # Killed ranks make their gloo peers fail; their observers must have time to answer for them.
+    result = launch(_train_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop,
+                    failure_grace_s=spec.timeout_s, keep_groups=stop is not None)
     incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
     problems = []
-    if expect:
+    if expect and not finishes:
         if not result.stopped:
             problems.append("the job was expected to hang and be diagnosed, but: "
                             + (result.failures() or "it finished"))

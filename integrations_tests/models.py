@@ -51,15 +51,17 @@ class Parallel:
     mesh: Any = None
 
 
-def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4) -> Parallel:
-    """The seeded model wrapped for ``layout`` over the default process group."""
+def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: float | None = None) -> Parallel:
+    """The seeded model wrapped for ``layout`` over the default process group (``bucket_cap_mb``: DDP's
+    bucket size; a small one splits the gradients into several all-reduces, as on a large model)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     torch.manual_seed(seed)
     model = TinyModel()
     world = dist.get_world_size()
     if layout == "ddp":
-        return Parallel(nn.parallel.DistributedDataParallel(model), model, layout)
+        kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        return Parallel(nn.parallel.DistributedDataParallel(model, **kwargs), model, layout)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -220,6 +220,8 @@ class ScoutHandle:
                     self.checkpoint.flush()  # the snapshot of this boundary is written and replicated
             dist.barrier(group=self.groups.world_control)  # rank 0's records are durable before anyone exits
             self.stopped = True
+            if self.tracker is not None:  # a deliberate end: the observer need not answer for a dead trainer
+                self.tracker.mark(Phase.CLOSED)
             raise ScoutStop(self._stop_code)
 
     def _caller_state(self) -> dict[str, Any]:

@@ -157,6 +157,7 @@ class Injector:
         self.seed = seed
         self.log: list[Injection] = []
         self._hold_next_call = False
+        self._stuck_groups: list[Any] = []
 
     def add(self, fault: Fault) -> None:
         self.faults.append(fault)
@@ -284,7 +285,15 @@ class Injector:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._hold_next_call:
+            group = kwargs.get("group")
+            if self._hold_next_call or (group is not None and group in self._stuck_groups):
+                if kwargs.get("async_op"):
+                    # As on NCCL: the launch returns, the work never completes, and neither does any later
+                    # work on that communicator (its stream is stuck behind the mismatched call).
+                    self._hold_next_call = False
+                    if group is not None:
+                        self._stuck_groups.append(group)
+                    return NeverCompletes()
                 _block_forever()
             for fault in self._matching(name, rank, step(), (FaultKind.HOLD,)):
                 self._record(fault, step())
@@ -292,6 +301,25 @@ class Injector:
             return fn(*args, **kwargs)
 
         return wrapper
+
+
+class NeverCompletes:
+    """The work of an asynchronous collective whose transport never completes (a mismatched NCCL call)."""
+
+    def __init__(self) -> None:
+        import torch.futures
+
+        self._future: Any = torch.futures.Future()
+
+    def get_future(self) -> Any:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout: Any = None) -> bool:
+        _block_forever()
+        return False
 
 
 def _block_forever() -> None:

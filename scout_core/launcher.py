@@ -159,6 +159,7 @@ def launch(
     failure_grace_s: float = 5.0,
     stop_when: Callable[[], bool] | None = None,
     poll_s: float = 0.1,
+    keep_groups: bool = False,
 ) -> LaunchResult:
     """Run ``fn(ctx)`` on ``world_size`` forked ranks and collect their results.
 
@@ -166,7 +167,9 @@ def launch(
     :func:`init_gloo`. On timeout every worker's process group is killed.
     ``stop_when`` is polled every ``poll_s`` seconds; once it returns True the
     ranks still running are killed (hang cells end this way: their trainers
-    never return by design).
+    never return by design). With ``keep_groups``, what a rank that exited
+    leaves running in its process group (its observer answering for it) keeps
+    running until ``stop_when`` is satisfied or the timeout.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -196,7 +199,7 @@ def launch(
                 os.setpgid(pid, pid)  # also done in the child; whichever runs first wins
             except (ProcessLookupError, PermissionError):
                 pass
-        while readers:
+        while readers or (keep_groups and stop_when is not None):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
@@ -205,6 +208,9 @@ def launch(
                 stopped = True
                 break
             wait_s = remaining if stop_when is None else min(remaining, poll_s)
+            if not readers:
+                time.sleep(wait_s)
+                continue
             for conn in wait(list(readers), timeout=wait_s):
                 rank = readers.pop(conn)
                 try:

@@ -174,6 +174,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         "phases": [Phase(e.phase).name.lower() for e in ev],
         "pending": [e.pending for e in ev],
         "silent": [e.silent for e in ev],
+        "silent_s": [e.silent_s for e in ev],
         "fingerprints": [e.fingerprint if e.pending else "" for e in ev],
     }
     progress = exact([e.coordinate for e in ev], peer_ranks=ranks, surface="progress")

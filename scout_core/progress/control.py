@@ -140,6 +140,14 @@ def _serve(port: int, ready_fd: int, world_size: int, idle_exit_s: float) -> Non
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
         with contextlib.suppress(OSError):
             os.chdir("/")
+        # Hold none of the trainer's files: a launcher waiting for EOF on the job's pipes (stdout, a
+        # result pipe) must not wait for us.
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        keep = sorted({0, 1, 2, ready_fd})
+        for lo, hi in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")], strict=True):
+            os.closerange(lo + 1, hi)
         from torch.distributed import TCPStore
 
         server = TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)

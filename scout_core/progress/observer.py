@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,23 @@ class ObserverSpec:
 
 class _Stopped(Exception):
     """The observer stopped its trainer on a verdict: a deliberate end, not a failure."""
+
+
+class _ControlPlaneDown(Exception):
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """Store and network failures (the store's machine died, or the job ended and took it) as one type."""
+    from torch.distributed import DistError
+
+    try:
+        yield
+    except (DistError, OSError) as exc:
+        raise _ControlPlaneDown(f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 
 _IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
@@ -144,6 +161,9 @@ class _Observer:
         self.record: ProgressRecord | None = None
         self.proto: EpisodeProtocol | None = None
         self.store: Any = None
+        self._plane_reported = False
+        self._watch: tuple[int, list[Incident], float] | None = None
+        """(episode, incidents, when) of a verdict we reported and whose stall has not ended yet."""
         sinks: list[Any] = [LoggingSink(spec.log_level)]
         if spec.jsonl_path:
             sinks.append(JsonlSink(spec.jsonl_path, fsync=spec.fsync))
@@ -175,6 +195,9 @@ class _Observer:
             return OBSERVER_REPORTED_EXIT
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+            if self._watch is not None and self.record is not None and self.record.read().phase is Phase.CLOSED:
+                with contextlib.suppress(Exception):
+                    self._resolved()  # the trainer went on to close normally: the stall ended
             if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
 
@@ -197,53 +220,89 @@ class _Observer:
 
     def _loop(self) -> None:
         assert self.record is not None and self.proto is not None
-        spec, proto = self.spec, self.proto
+        while True:
+            try:
+                self._watch_once()
+            except _ControlPlaneDown as down:
+                if self._trainer_gone():
+                    return  # the job is over (a launcher's store goes with it): nothing left to answer
+                self._control_plane_lost(down.error)
+
+    def _watch_once(self) -> None:
+        """Watch until the trainer closes or dies; a control-store failure escapes as _ControlPlaneDown."""
+        spec, proto, record = self.spec, self.proto, self.record
+        assert proto is not None and record is not None
         diagnosed_seq = -1
         silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
-        watch: tuple[int, list[Incident], float] | None = None  # a reported verdict awaiting its resolution
         next_beat = next_daemon_beat = 0.0
-        while True:
-            gone = self._trainer_gone()
-            snap = self.record.read()
-            if snap.phase is Phase.CLOSED:
-                return
-            now = time.monotonic()
-            threshold = silence_threshold(spec, snap)
-            silent_s = now - snap.t_publish
-            if silent_in is not None and snap.seq != silent_in[1]:
-                proto.moved(silent_in[0])  # our trainer moved after a verdict: progress resumed
-                silent_in = None
-            if spec.control.needs_beats and now >= next_daemon_beat:
-                next_daemon_beat = now + _DAEMON_BEAT_S
-                self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
-            stalled = silent_s >= threshold and snap.seq != diagnosed_seq
-            join = gone or stalled
-            if not join and now >= next_beat:
-                next_beat = now + spec.heartbeat_s
-                if watch is not None and proto.resumed(watch[0]):
-                    self._resolved(*watch)
-                    watch = None
-                join = proto.opened()
-            if join:
-                if gone or stalled:
-                    proto.open()
-                mine = Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
-                                pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
-                                silent_s=round(silent_s, 3), silent=silent_s >= threshold, alive=not gone,
-                                seq=snap.seq)
-                episode = proto.episode
-                outcome = proto.run(mine)
-                if mine.silent:
-                    diagnosed_seq = snap.seq
-                    silent_in = (episode, snap.seq)
-                if outcome is not None and outcome.verdicts and not outcome.repeat:
-                    incidents = self._deliver(outcome, snap, threshold)
-                    if outcome.reporter:
-                        watch = (outcome.episode, incidents, time.monotonic())
-                if gone:
-                    return  # we answered for our dead trainer
-                continue
-            time.sleep(max(0.001, min(threshold - silent_s + 0.001, spec.heartbeat_s, 1.0)))
+        with _store_errors():
+            while True:
+                gone = self._trainer_gone()
+                snap = record.read()
+                if snap.phase is Phase.CLOSED:
+                    self._resolved()
+                    raise SystemExit(0)
+                now = time.monotonic()
+                threshold = silence_threshold(spec, snap)
+                silent_s = now - snap.t_publish
+                if silent_in is not None and snap.seq != silent_in[1]:
+                    proto.moved(silent_in[0])  # our trainer moved after a verdict: progress resumed
+                    if self._watch is not None and self._watch[0] == silent_in[0]:
+                        self._resolved()
+                    silent_in = None
+                if spec.control.needs_beats and now >= next_daemon_beat:
+                    next_daemon_beat = now + _DAEMON_BEAT_S
+                    self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
+                stalled = silent_s >= threshold and snap.seq != diagnosed_seq
+                join = gone or stalled
+                if not join and now >= next_beat:
+                    next_beat = now + spec.heartbeat_s
+                    if self._watch is not None and proto.resumed(self._watch[0]):
+                        self._resolved()
+                    join = proto.opened()
+                if join:
+                    if gone or stalled:
+                        proto.open()
+                    mine = Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
+                                    pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
+                                    silent_s=round(silent_s, 3), silent=silent_s >= threshold, alive=not gone,
+                                    seq=snap.seq)
+                    episode = proto.episode
+                    outcome = proto.run(mine)
+                    if mine.silent:
+                        diagnosed_seq = snap.seq
+                        silent_in = (episode, snap.seq)
+                    if outcome is not None and outcome.verdicts and not outcome.repeat:
+                        incidents = self._deliver(outcome, snap, threshold)
+                        if outcome.reporter:
+                            self._watch = (outcome.episode, incidents, time.monotonic())
+                    if gone:
+                        raise SystemExit(0)  # we answered for our dead trainer
+                    continue
+                time.sleep(max(0.001, min(threshold - silent_s + 0.001, spec.heartbeat_s, 1.0)))
+
+    def _control_plane_lost(self, error: str) -> None:
+        """The store is unreachable while our trainer lives: its host is probably gone. Say so once (no
+        exchange is possible: every observer says it from its own view), then try to reconnect."""
+        spec = self.spec
+        if not self._plane_reported:
+            self._plane_reported = True
+            host = spec.control.host
+            ranks = sorted(r for r, h in spec.hosts.items() if h == host) or []
+            self.reporter.emit(Incident(
+                kind=IncidentKind.HANG, scope=IncidentScope.MACHINE, ranks=ranks, hosts=[host] * max(1, len(ranks)),
+                devices=[spec.devices.get(r, "?") for r in ranks],
+                reason=f"the observers' control store at {host}:{spec.control.port} ({spec.control.kind}) is "
+                       f"unreachable from rank {spec.rank}: its machine is probably lost ({error})",
+                evidence={"class": "control_plane_lost", "control": spec.control.to_dict(), "error": error},
+            ))
+        deadline = time.monotonic() + spec.gather_timeout_s
+        while time.monotonic() < deadline and not self._trainer_gone():
+            time.sleep(min(1.0, spec.heartbeat_s))
+        with contextlib.suppress(Exception):
+            self.store = connect(spec.control, spec.run_id, spec.gather_timeout_s)
+            self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
+                                         gather_timeout_s=spec.gather_timeout_s, poll_s=spec.poll_s)
 
     def _deliver(self, outcome: EpisodeOutcome, snap: ProgressSnapshot, threshold: float) -> list[Incident]:
         t_verdict = time.monotonic()
@@ -263,7 +322,11 @@ class _Observer:
             raise _Stopped
         return incidents
 
-    def _resolved(self, episode: int, incidents: list[Incident], t_verdict: float) -> None:
+    def _resolved(self) -> None:
+        """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
+        if self._watch is None:
+            return
+        (episode, incidents, t_verdict), self._watch = self._watch, None
         for inc in incidents:
             self.reporter.emit(Incident(
                 kind=IncidentKind.RESOLVED, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
@@ -275,7 +338,8 @@ class _Observer:
 
     def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int, threshold: float) -> Incident:
         spec = self.spec
-        stall_s = t_verdict - snap.t_publish
+        # The stall is the named ranks' silence (the reporter itself may have been working).
+        stall_s = max(v.evidence.get("silent_s") or [t_verdict - snap.t_publish])
         return Incident(
             kind=IncidentKind(v.kind), scope=IncidentScope(v.scope), ranks=list(v.ranks),
             hosts=[spec.hosts.get(r, "?") for r in v.ranks], devices=[spec.devices.get(r, "?") for r in v.ranks],
