@@ -96,13 +96,13 @@ def test_fig3_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
 
 
 def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch):
-    from scout_core.progress import observer as observer_mod
+    from scout_core.progress import episode
     from scout_core.progress.classify import HangClass, HangVerdict
 
-    def blame_rank_zero(evidence, peer_groups):
-        return [HangVerdict(HangClass.LAGGING, (0,), tuple(peer_groups[0]), "wrong on purpose")]
+    def blame_rank_zero(summaries, hosts=None):
+        return [HangVerdict(HangClass.LAGGING, (0,), tuple(summaries[0]["group"]), "wrong on purpose")]
 
-    monkeypatch.setattr(observer_mod, "classify", blame_rank_zero)
+    monkeypatch.setattr(episode, "merge", blame_rank_zero)
     (report,) = run_cells([SPECS["hang-frozen-rank"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected" in report.details
 
@@ -186,3 +186,92 @@ def test_scratch_oom_cell_fails_when_the_allocation_is_not_guarded(monkeypatch):
     monkeypatch.setattr(DiagnosisGuard, "run", unguarded_scratch)
     (report,) = run_cells([SPECS["fsdp2-scratch-oom-isolated"]], root=ROOT)
     assert report.verdict == "FAIL" and "with SCOUT" in report.details
+
+
+# -- the hang cells of real-job conditions turn red for the behaviour each guards ----------------------
+
+
+def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatch):
+    """The first design: the store lived in a rank-0 process and died with it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from scout_core.progress import control
+
+    def in_rank0(world_size, port=0, idle_exit_s=0.0):
+        server = dist.TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+        control._IN_PROCESS = server  # lives (and dies) with rank 0's trainer
+        return server.port
+
+    monkeypatch.setattr(control, "start_store_daemon", in_rank0)
+    (report,) = run_cells([SPECS["hang-rank0-killed"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected" in report.details
+
+
+def test_machine_lost_cell_fails_when_lost_ranks_are_not_grouped_by_machine(monkeypatch):
+    from scout_core.progress import classify
+
+    real = classify._lost_verdicts
+    monkeypatch.setattr(classify, "_lost_verdicts", lambda lost, hosts, answered: real(lost, {}, answered))
+    (report,) = run_cells([SPECS["hang-machine-lost"]], root=ROOT)
+    assert report.verdict == "FAIL" and "'scope': 'rank'" in report.details
+
+
+def test_onset_spread_cell_fails_when_only_silent_observers_answer(monkeypatch):
+    """The first design: working peers did not post, and the frozen rank's observer named them lost."""
+    from scout_core.progress.episode import EpisodeProtocol
+
+    monkeypatch.setattr(EpisodeProtocol, "opened", lambda self: False)
+    (report,) = run_cells([SPECS["hang-onset-spread"]], root=ROOT)
+    assert report.verdict == "FAIL" and "'lost'" in report.details
+
+
+def test_equal_stall_asymmetric_cell_fails_when_marks_move_the_coordinate(monkeypatch):
+    """The first design: every publish advanced one running count, so rank 0's extra work shifted it."""
+    from scout_core.progress.hooks import ProgressTracker
+
+    real = ProgressTracker.mark
+
+    def counting_mark(self, phase):
+        with self._lock:
+            self.launched += 1
+        real(self, phase)
+
+    monkeypatch.setattr(ProgressTracker, "mark", counting_mark)
+    (report,) = run_cells([SPECS["hang-equal-stall-asymmetric"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected" in report.details
+
+
+def test_frozen_after_launch_cell_fails_without_completion_tracking(monkeypatch):
+    """The first design: only the launch was published, so the stopped rank looked pending in its bucket."""
+    from scout_core.progress.hooks import ProgressTracker
+
+    monkeypatch.setattr(ProgressTracker, "track", lambda self, key, result, tensor: None)
+    (report,) = run_cells([SPECS["hang-frozen-after-launch"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected" in report.details
+
+
+def test_mismatch_async_cell_fails_when_only_the_last_launch_is_compared(monkeypatch):
+    from scout_core.progress.hooks import ProgressTracker
+
+    def last_launch_only(self):
+        if self._inflight:
+            (step, i), fp = next(reversed(self._inflight.items()))
+            self.record.publish(step, i, self._phase, True, self.launched, fp)
+        else:
+            self.record.publish(self.step, self.launched, self._phase, False, self.launched)
+
+    monkeypatch.setattr(ProgressTracker, "_publish_locked", last_launch_only)
+    (report,) = run_cells([SPECS["hang-mismatch-async"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected" in report.details
+
+
+def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch):
+    from scout_core.progress import observer as observer_mod
+
+    real = observer_mod.silence_threshold
+    fixed = lambda spec, snap: real(spec, snap) if snap.step < 2 else spec.silence_threshold_s  # noqa: E731
+    monkeypatch.setattr(observer_mod, "silence_threshold", fixed)
+    (report,) = run_cells([SPECS["hang-slow-not-stalled"]], root=ROOT)
+    assert report.verdict == "FAIL"

@@ -39,6 +39,7 @@ wait for that rank.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,28 @@ def _minority_class(e: Evidence, majority: tuple[int, int]) -> HangClass:
     return HangClass.PROTOCOL_MISMATCH
 
 
+_LISTED_MEMBERS = 64
+"""Larger groups post their facts as distinct values with counts: the reporter reads one summary per group,
+and its size must not grow with the group (a 100k-rank job has peer groups of thousands)."""
+
+
+def _compact(facts: dict[str, Any], members: int) -> dict[str, Any]:
+    if members <= _LISTED_MEMBERS:
+        return facts
+    out: dict[str, Any] = {}
+    for key, value in facts.items():
+        if isinstance(value, (list, tuple)) and len(value) == members:
+            counts: dict[str, int] = {}
+            for item in value:
+                text = json.dumps(item)
+                counts[text] = counts.get(text, 0) + 1
+            out[key] = {"distinct": [[json.loads(t), n] for t, n in sorted(counts.items(), key=lambda kv: -kv[1])[:8]],
+                        "members": members}
+        else:
+            out[key] = value
+    return out
+
+
 def _named(cls: HangClass, ranks: list[int], group: Sequence[int], evidence: Mapping[int, Evidence],
            facts: dict[str, Any], peers: str) -> HangVerdict:
     where = ", ".join(f"r{r} at {evidence[r].coordinate[:2]} ({Phase(evidence[r].phase).name.lower()}, last "
@@ -178,7 +201,9 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         "fingerprints": [e.fingerprint if e.pending else "" for e in ev],
     }
     progress = exact([e.coordinate for e in ev], peer_ranks=ranks, surface="progress")
-    facts["progress_c3"] = progress.to_dict()
+    facts["progress_c3"] = _compact(progress.to_dict(), len(ev))
+    if len(ev) > _LISTED_MEMBERS:
+        facts = _compact(facts, len(ev))
     if progress.status is C3Status.ATTRIBUTED:
         majority = progress.reference
         by_class: dict[HangClass, list[int]] = {}
@@ -203,7 +228,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         return out + [_named(cls, named, group, evidence, facts, "peers at the same point keep working")
                       for cls, named in by_class.items()]
     fps = exact([(e.pending, e.fp_hash if e.pending else 0) for e in ev], peer_ranks=ranks, surface="fingerprint")
-    facts["fingerprint_c3"] = fps.to_dict()
+    facts["fingerprint_c3"] = _compact(fps.to_dict(), len(ev))
     if fps.status is C3Status.ATTRIBUTED:
         bad = fps.outlier_ranks
         what = "; ".join(f"r{r}: {evidence[r].fingerprint or 'not in a collective'}" for r in bad)

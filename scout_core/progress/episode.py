@@ -53,12 +53,12 @@ class EpisodeProtocol:
 
     def __init__(self, store: Any, *, rank: int, peer_groups: Sequence[Sequence[int]], hosts: Mapping[int, str],
                  gather_timeout_s: float, poll_s: float, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, gid: int | None = None) -> None:
         self.store = store
         self.rank = rank
-        self.groups = [list(g) for g in peer_groups]
-        self.gid = next(i for i, g in enumerate(self.groups) if rank in g)
-        self.hosts = dict(hosts)
+        self.groups = peer_groups  # shared, never copied: a 100k-rank simulation holds 100k of these
+        self.gid = gid if gid is not None else next(i for i, g in enumerate(peer_groups) if rank in g)
+        self.hosts = hosts
         self.gather_timeout_s = gather_timeout_s
         self.poll_s = poll_s
         self.sleep, self.clock = sleep, clock
@@ -80,14 +80,26 @@ class EpisodeProtocol:
         n = self.episode
         if self.store.check([f"ep/{n}/verdict"]):  # we arrived after it was decided
             return self._finish(n, self._read_verdict(n), reporter=False)
-        self.store.set(f"ep/{n}/r/{self.rank}", json.dumps(mine.to_dict()))
-        start = self.clock()
-        if self._claim(f"ep/{n}/g/{self.gid}/lead"):
-            self._lead_group(n, start)
-        if self._claim(f"ep/{n}/lead"):
-            return self._report(n, start)
-        verdict = self._wait_for([f"ep/{n}/verdict"], start + 2 * self.gather_timeout_s + 5 * self.poll_s)
-        if not verdict:
+        start = self.post(mine)
+        leads, reports = self.claim(n)
+        if leads:
+            self.lead_group(n, start)
+        if reports:
+            return self.report(n, start)
+        return self.await_verdict(n, start)
+
+    # The steps of run(), apart so that the scale simulation can drive thousands of observers in order.
+
+    def post(self, mine: Evidence) -> float:
+        self.store.set(f"ep/{self.episode}/r/{self.rank}", json.dumps(mine.to_dict()))
+        return self.clock()
+
+    def claim(self, n: int) -> tuple[bool, bool]:
+        """First come, first served: (we lead our group, we report the episode)."""
+        return self._claim(f"ep/{n}/g/{self.gid}/lead"), self._claim(f"ep/{n}/lead")
+
+    def await_verdict(self, n: int, start: float) -> EpisodeOutcome | None:
+        if not self._wait_for([f"ep/{n}/verdict"], start + 2 * self.gather_timeout_s + 5 * self.poll_s):
             # The reporter died mid-episode: move on so that a later stall gets a fresh round.
             self.store.compare_set("ep", str(n), str(n + 1))
             self.episode = int(self.store.add("ep", 0))
@@ -105,7 +117,7 @@ class EpisodeProtocol:
                 return False
             self.sleep(self.poll_s)
 
-    def _lead_group(self, n: int, start: float) -> None:
+    def lead_group(self, n: int, start: float) -> None:
         group = self.groups[self.gid]
         keys = [f"ep/{n}/r/{r}" for r in group]
         if self._wait_for(keys, start + self.gather_timeout_s):
@@ -116,7 +128,7 @@ class EpisodeProtocol:
         evidence = {r: Evidence.from_dict(json.loads(v)) for r, v in zip(present, values, strict=True)}
         self.store.set(f"ep/{n}/g/{self.gid}", json.dumps(classify_group(group, evidence)))
 
-    def _report(self, n: int, start: float) -> EpisodeOutcome:
+    def report(self, n: int, start: float) -> EpisodeOutcome:
         keys = [f"ep/{n}/g/{g}" for g in range(len(self.groups))]
         # Leaders wait at most gather_timeout_s for their members; a group with no live member never posts.
         if self._wait_for(keys, start + self.gather_timeout_s + 10 * self.poll_s):
@@ -126,7 +138,8 @@ class EpisodeProtocol:
         values = self.store.multi_get([keys[g] for g in present]) if present else []
         summaries = [json.loads(v) for v in values]
         for g in set(range(len(self.groups))) - set(present):
-            summaries.append({"group": self.groups[g], "lost": self.groups[g], "verdicts": [], "named": {}})
+            summaries.append({"group": list(self.groups[g]), "lost": list(self.groups[g]), "verdicts": [],
+                              "named": {}})
         verdicts = merge(summaries, self.hosts)
         named = {r: seq for s in summaries for r, seq in s["named"].items()
                  if any(int(r) in v.ranks for v in verdicts)}

@@ -339,11 +339,12 @@ class _Observer:
     def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int, threshold: float) -> Incident:
         spec = self.spec
         # The stall is the named ranks' silence (the reporter itself may have been working).
-        stall_s = max(v.evidence.get("silent_s") or [t_verdict - snap.t_publish])
+        stall_s = max(_values(v.evidence.get("silent_s")) or [t_verdict - snap.t_publish])
         return Incident(
             kind=IncidentKind(v.kind), scope=IncidentScope(v.scope), ranks=list(v.ranks),
             hosts=[spec.hosts.get(r, "?") for r in v.ranks], devices=[spec.devices.get(r, "?") for r in v.ranks],
-            step=snap.step, surface=v.evidence.get("fingerprints", [""])[0] if v.scope == "peer_group" else "",
+            step=snap.step,
+            surface=(_values(v.evidence.get("fingerprints")) or [""])[0] if v.scope == "peer_group" else "",
             evidence={"class": v.hang_class.value, "peer_group": list(v.peer_group), "episode": episode,
                       "stall_s": round(stall_s, 3), "threshold_s": round(threshold, 3), **v.evidence},
             time_to_verdict_s=round(max(0.0, stall_s - threshold), 3),
@@ -359,6 +360,13 @@ class _Observer:
                 reason=f"observer of rank {self.spec.rank} failed: {tb.strip().splitlines()[-1]}",
                 evidence={"traceback": tb, "observer_pid": os.getpid()},
             ))
+
+
+def _values(facts: Any) -> list[Any]:
+    """A per-member fact list, or the distinct values (most frequent first) of a large group's summary."""
+    if isinstance(facts, dict):
+        return [value for value, _count in facts.get("distinct", [])]
+    return list(facts or [])
 
 
 def _die_with_parent() -> None:

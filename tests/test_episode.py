@@ -1,0 +1,85 @@
+"""The episode protocol over a store: every observer posts, first-come leaders, lost = did not answer,
+repeats suppressed, and what an episode costs at scale (the in-process simulation of benchmarks/)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from scale_sim import CountingStore, simulate  # noqa: E402
+
+from scout_core.progress.classify import Evidence  # noqa: E402
+from scout_core.progress.episode import EpisodeProtocol  # noqa: E402
+
+GROUPS = [[0, 1, 2, 3], [4, 5, 6, 7]]
+HOSTS = {r: f"node{r // 4}" for r in range(8)}
+
+
+def _observers(store, clock):
+    return [EpisodeProtocol(store, rank=r, peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=10.0, poll_s=0.5,
+                            sleep=lambda s: clock.__setitem__(0, clock[0] + s), clock=lambda: clock[0])
+            for r in range(8)]
+
+
+def _ev(rank, *, coordinate=(3, 2), pending=True, silent=True, alive=True, seq=10):
+    return Evidence(rank=rank, step=coordinate[0], op_id=coordinate[1], phase=7 if pending else 1, pending=pending,
+                    fp_hash=5 if pending else 0, fingerprint="all_reduce" if pending else "", silent_s=6.0,
+                    silent=silent, alive=alive, seq=seq)
+
+
+def _episode(obs, evidence, answering):
+    """Drive one episode: the answering observers post (in order); the rest never do."""
+    starts, roles = {}, {}
+    for r in answering:
+        starts[r] = obs[r].post(evidence[r])
+        roles[r] = obs[r].claim(obs[r].episode)
+    n = obs[answering[0]].episode
+    for r in answering:
+        if roles[r][0]:
+            obs[r].lead_group(n, starts[r])
+    reporter = next(r for r in answering if roles[r][1])
+    outcome = obs[reporter].report(n, starts[reporter])
+    others = [obs[r].await_verdict(n, starts[r]) for r in answering if r != reporter]
+    return outcome, others
+
+
+def test_a_working_rank_is_named_by_its_waiting_peers_and_nobody_is_lost():
+    store, clock = CountingStore(), [0.0]
+    obs = _observers(store, clock)
+    ev = {r: _ev(r) for r in range(8)}
+    ev[0] = _ev(0, coordinate=(3, 1), pending=False, silent=False)  # rank 0 still evaluating
+    outcome, others = _episode(obs, ev, [3, 1, 2, 0, 4, 5, 6, 7])
+    assert [(v.hang_class.value, v.ranks) for v in outcome.verdicts] == [("lagging", (0,))]
+    assert all([v.ranks for v in o.verdicts] == [(0,)] for o in others)
+
+
+def test_only_observers_that_never_answer_are_lost_and_a_whole_machine_is_named():
+    store, clock = CountingStore(), [0.0]
+    obs = _observers(store, clock)
+    ev = {r: _ev(r, alive=False) for r in range(4)}  # their trainers crashed when the peers died
+    outcome, _ = _episode(obs, ev, [0, 1, 2, 3])
+    assert [(v.hang_class.value, v.scope, v.ranks) for v in outcome.verdicts] == [
+        ("lost", "machine", (4, 5, 6, 7))]
+
+
+def test_a_later_episode_over_the_same_stopped_ranks_is_not_reported_again():
+    store, clock = CountingStore(), [0.0]
+    obs = _observers(store, clock)
+    ev = {r: _ev(r) for r in range(8)}
+    ev[5] = _ev(5, coordinate=(3, 1), pending=False, seq=44)
+    first, _ = _episode(obs, ev, list(range(8)))
+    assert not first.repeat and [v.ranks for v in first.verdicts] == [(5,)]
+    ev = {r: _ev(r, coordinate=(3, 3), seq=11) for r in range(8)}  # peers moved on and wait again
+    ev[5] = _ev(5, coordinate=(3, 1), pending=False, seq=44)  # rank 5 has not moved
+    second, _ = _episode(obs, ev, list(range(8)))
+    assert second.repeat and [v.ranks for v in second.verdicts] == [(5,)]
+
+
+def test_an_episode_costs_each_observer_a_constant_and_a_leader_its_group():
+    small, large = simulate(512, mp=8), simulate(4096, mp=8)
+    assert small["verdict"] == large["verdict"] == [("lagging", [9])]
+    assert small["observer"]["messages_max"] == large["observer"]["messages_max"] <= 8
+    assert small["reporter"]["messages_max"] == large["reporter"]["messages_max"]  # one multi_get per group
+    assert large["store_messages"] <= 8 * 4096
