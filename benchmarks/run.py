@@ -31,6 +31,10 @@ from scout_core.consensus import exact, statistical  # noqa: E402
 from scout_core.signature import fold, sign_many, signature  # noqa: E402
 from scout_core.topology import GroupTiming, axis_groups, localize_slow_groups, peer_groups  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import hang as hang_bench  # noqa: E402
+import scale_sim  # noqa: E402
+
 
 def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
     fn()
@@ -225,7 +229,7 @@ def bench_hang(repeats: int) -> dict:
         s = time.perf_counter()
         for _ in range(k):
             fp = fingerprint_call("all_reduce", (t,), {})
-            tracker.enter_collective(fp)
+            tracker.complete(tracker.launch(fp))
         intent_us = (time.perf_counter() - s) / k * 1e6
         # Three measurements, reported by their median and range: on this shared machine the first
         # minute of a process reads consistently higher than later ones.
@@ -512,6 +516,7 @@ def markdown(results: dict) -> str:
             f"/ observer start-up (max rank) | {row['beyond_threshold_s']:.2f} s "
             f"/ {row['observer_startup_max_s']:.2f} s "
             f"| {latency_goal} |")
+    lines += _hang_real_rows(results)
     ck = results["checkpoint"]
     capture_goal = _goal(f"<= {ck['goal_ratio'] * 100:.0f} % at the default cadence",
                          ck["blocking_ratio_at_cadence_20"] <= ck["goal_ratio"])
@@ -543,6 +548,43 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _hang_real_rows(results: dict) -> list[str]:
+    rows = []
+    real = results.get("hang_real")
+    if real:
+        goal = real["goal_ratio"]
+        for layout in ("ddp", "fsdp2"):
+            r = real[layout]
+            scout = r.get("scout_overhead_median")
+            figure = (f"{scout * 100:+.2f} % ({r['scout_overhead_range'][0] * 100:+.2f} .. "
+                      f"{r['scout_overhead_range'][1] * 100:+.2f} %)") if scout is not None else "failed"
+            rows.append(f"| hang path through `enable()` on real {layout.upper()} ({real['world_size']} ranks, "
+                        f"{r['plain_step_ms']:.0f} ms step, {real['repeats']} interleaved A/B jobs): median (range) "
+                        f"| {figure} | {_goal(f'<= {goal * 100:.1f} %', scout is not None and scout <= goal)} |")
+            detail = r.get("detail_overhead_median")
+            detail_fig = (f"{detail * 100:+.1f} % ({r['detail_overhead_range'][0] * 100:+.1f} .. "
+                          f"{r['detail_overhead_range'][1] * 100:+.1f} %)") if detail is not None else (
+                f"crashed: {r['failed'].get('detail', '?')}")
+            rows.append(f"| same job under `TORCH_DISTRIBUTED_DEBUG=DETAIL` (built-in checker) | {detail_fig} | - |")
+    stall = results.get("stall_to_verdict")
+    if stall:
+        for row in stall["rows"]:
+            goal = _goal(f"<= {stall['goal_s_for_1s_steps']:.0f} s", (row["stall_to_verdict_s"] or 1e9)
+                         <= stall["goal_s_for_1s_steps"]) if row["step_s"] == 1.0 else "-"
+            rows.append(f"| stall to verdict at the shipped defaults, {row['step_s']:g} s steps (threshold in force "
+                        f"{row['threshold_s']} s) | {row['stall_to_verdict_s']} s | {goal} |")
+    for sim in results.get("scale", []):
+        rows.append(
+            f"| one hang episode at {sim['world']:,} ranks (simulated; peer groups of {sim['peer_group_size']}): "
+            f"messages / bytes per observer, group leader, reporter; store total "
+            f"| {sim['observer']['messages_max']} / {sim['observer']['bytes_max'] / 1e3:.1f} kB, "
+            f"{sim['group_leader']['messages_max']} / {sim['group_leader']['bytes_max'] / 1e6:.2f} MB, "
+            f"{sim['reporter']['messages_max']} / {sim['reporter']['bytes_max'] / 1e6:.2f} MB; "
+            f"{sim['store_messages']:,} msgs, {sim['store_bytes'] / 1e6:.0f} MB "
+            f"(healthy: {sim['healthy_store_messages_per_s']:,} checks/s) | O(1) per observer |")
+    return rows
+
+
 def update_readme(path: Path, table: str) -> None:
     text = path.read_text()
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -560,9 +602,19 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="tensor size for the fold benchmark")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS),
+                        help="re-measure these sections and keep the others from --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.only:
+        with open(args.out, encoding="utf-8") as fh:
+            results = json.load(fh)
+        for name in args.only:
+            results[name] = SECTIONS[name](args, device)
+        results["machine"]["time_unix"] = time.time()
+        _write(results, args)
+        return
     results = {
         "version": __version__,
         "machine": {
@@ -580,6 +632,24 @@ def main() -> None:
         "snapshot_ab": bench_snapshot_ab(args.repeats),
         "replay": bench_replay(args.repeats),
     }
+    for name in ("hang_real", "stall_to_verdict", "scale"):
+        results[name] = SECTIONS[name](args, device)
+    _write(results, args)
+
+
+SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
+    "signature": lambda a, d: bench_signature(d, a.mib, a.repeats),
+    "hang": lambda a, d: bench_hang(a.repeats),
+    "checkpoint": lambda a, d: bench_checkpoint(a.repeats),
+    "snapshot_ab": lambda a, d: bench_snapshot_ab(a.repeats),
+    "replay": lambda a, d: bench_replay(a.repeats),
+    "hang_real": lambda a, d: hang_bench.bench_real_overhead(repeats=max(5, a.repeats // 2 + 2)),
+    "stall_to_verdict": lambda a, d: hang_bench.bench_stall_to_verdict(),
+    "scale": lambda a, d: scale_sim.scale_table(),
+}
+
+
+def _write(results: dict, args: Any) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=2)
