@@ -137,12 +137,20 @@ class HangVerdict:
                    dict(d["evidence"]), d.get("scope", ""), bool(d.get("waits_behind", False)))
 
 
-def _minority_class(e: Evidence, majority: tuple[int, int]) -> HangClass:
+def _stopped_class(e: Evidence) -> HangClass:
+    """A rank that is not where its peers wait, and not inside a collective: by the phase it stopped in."""
     phase = Phase(e.phase)
     if phase is Phase.DATALOADER:
         return HangClass.DATA_STALL
     if phase in (Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE):
         return HangClass.CHECKPOINT_STALL
+    return HangClass.LAGGING
+
+
+def _minority_class(e: Evidence, majority: tuple[int, int, int]) -> HangClass:
+    phase = Phase(e.phase)
+    if phase in (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE):
+        return _stopped_class(e)
     if e.coordinate < majority and not e.pending:
         return HangClass.LAGGING
     return HangClass.PROTOCOL_MISMATCH
@@ -224,7 +232,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         # Same point, but some peers keep working while these are silent outside any collective.
         by_class = {}
         for r in stuck:
-            by_class.setdefault(_minority_class(evidence[r], (1 << 62,)), []).append(r)
+            by_class.setdefault(_stopped_class(evidence[r]), []).append(r)
         return out + [_named(cls, named, group, evidence, facts, "peers at the same point keep working")
                       for cls, named in by_class.items()]
     fps = exact([(e.pending, e.fp_hash if e.pending else 0) for e in ev], peer_ranks=ranks, surface="fingerprint")

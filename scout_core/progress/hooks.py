@@ -29,6 +29,7 @@ import collections
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -42,6 +43,8 @@ from scout_core.replay.calls import tensor_leaves
 __all__ = ["ProgressTracker", "install_collective_hooks", "uninstall_collective_hooks", "unobserved"]
 
 _THREAD = threading.local()
+POLL_QUIET_S = 0.05
+"""The poller thread looks at in-flight collectives only after the training thread was this quiet."""
 
 
 @contextlib.contextmanager
@@ -89,6 +92,7 @@ class ProgressTracker:
         self._local = threading.local()
         self._trainer = threading.get_ident()
         self._handles: list[Any] = []
+        self._poller: threading.Thread | None = None
         self.closed = False  # set by remove_hooks(): nothing may publish into a closed record
         self.resume_at: int | None = None
         """A resumed job's restored step: published from its first completed step on (until then the
@@ -150,23 +154,42 @@ class ProgressTracker:
                 self._publish_locked()
 
     def track(self, key: tuple[int, int], result: Any, tensor: torch.Tensor | None) -> None:
-        """Learn when the collective launched as ``key`` completes, from what its call returned."""
+        """Learn when the collective launched as ``key`` completes, from what its call returned.
+
+        Completion is polled (``work.is_completed()``, or a CUDA event recorded behind a blocking call on a
+        device, whose call returns at launch), never learned from a Python callback on the future: that
+        callback runs on the transport's own thread, which then waits for the GIL before it can start the
+        next collective (measured: +4 % step time under FSDP2 on gloo). The poll runs at every publish of the
+        training thread and, while collectives are in flight and the training thread has been quiet for
+        ``POLL_QUIET_S``, on a small poller thread, so a rank that stopped after a launch still shows it done.
+        """
         on_device = tensor is not None and tensor.device.type not in ("cpu", "meta")
-        if result is not None and hasattr(result, "get_future") and not on_device:
-            # gloo: the future completes with the transport (its callback runs on gloo's thread)
-            result.get_future().add_done_callback(lambda _fut: self.complete(key))
-            return
         if result is not None and hasattr(result, "is_completed"):
-            handle: Any = result  # a device work: its future completes at launch, the work itself later
+            handle: Any = result
         elif on_device and tensor.device.type == "cuda":
-            handle = torch.cuda.Event()  # a blocking call on CUDA returns at launch too: its stream
-            handle.record()               # waits, and so does this event
+            handle = torch.cuda.Event()
+            handle.record()
         else:
-            self.complete(key)  # returned: done
+            self.complete(key)  # a blocking call on the host returned: done
             return
         with self._lock:
-            if key in self._inflight:
-                self._polled.append((key, handle))
+            if key not in self._inflight:
+                return
+            self._polled.append((key, handle))
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll_while_quiet, name="scout-completion", daemon=True)
+                self._poller.start()
+
+    def _poll_while_quiet(self) -> None:
+        while not self.closed:
+            time.sleep(POLL_QUIET_S)
+            if not self._polled or time.monotonic() - self.record.last_publish < POLL_QUIET_S:
+                continue  # nothing in flight, or the training thread publishes (and polls) itself
+            with self._lock:
+                before = len(self._inflight)
+                self._poll_locked()
+                if len(self._inflight) != before and not self.closed:
+                    self._publish_locked()
 
     def step_done(self) -> None:
         with self._lock:

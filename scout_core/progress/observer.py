@@ -234,6 +234,8 @@ class _Observer:
         assert proto is not None and record is not None
         diagnosed_seq = -1
         silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
+        gone_until: float | None = None  # our trainer died without closing: answer for it until then
+        gone_opened = False
         next_beat = next_daemon_beat = 0.0
         with _store_errors():
             while True:
@@ -253,16 +255,22 @@ class _Observer:
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
                     self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
+                if gone and gone_until is None:
+                    # Answer for the dead trainer until an episode names someone: its peers may only go silent
+                    # later (on NCCL they wait in a collective; on gloo theirs fail at once).
+                    gone_until = now + (max(threshold, spec.silence_threshold_s) + 2 * spec.gather_timeout_s
+                                        if spec.world_size > 1 else 0.0)
                 stalled = silent_s >= threshold and snap.seq != diagnosed_seq
-                join = gone or stalled
+                join = (gone and not gone_opened) or stalled
                 if not join and now >= next_beat:
                     next_beat = now + spec.heartbeat_s
                     if self._watch is not None and proto.resumed(self._watch[0]):
                         self._resolved()
                     join = proto.opened()
                 if join:
-                    if gone or stalled:
+                    if (gone and not gone_opened) or stalled:
                         proto.open()
+                        gone_opened = gone_opened or gone
                     mine = Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
                                     pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
                                     silent_s=round(silent_s, 3), silent=silent_s >= threshold, alive=not gone,
@@ -276,10 +284,15 @@ class _Observer:
                         incidents = self._deliver(outcome, snap, threshold)
                         if outcome.reporter:
                             self._watch = (outcome.episode, incidents, time.monotonic())
-                    if gone:
-                        raise SystemExit(0)  # we answered for our dead trainer
+                    if gone and outcome is not None and outcome.verdicts:
+                        raise SystemExit(0)  # we answered for our dead trainer, and a verdict came
                     continue
-                time.sleep(max(0.001, min(threshold - silent_s + 0.001, spec.heartbeat_s, 1.0)))
+                if gone_until is not None and now >= gone_until:
+                    raise SystemExit(0)  # nobody waited for our dead trainer (the job ended, or all crashed)
+                # Until the publish would be threshold-old (capped: a dead trainer is noticed where PDEATHSIG is
+                # unavailable); once past it (diagnosed, waiting for progress), at the heartbeat.
+                wake = threshold - silent_s + 0.001 if silent_s < threshold else spec.heartbeat_s
+                time.sleep(max(0.001, min(wake, spec.heartbeat_s, 1.0)))
 
     def _control_plane_lost(self, error: str) -> None:
         """The store is unreachable while our trainer lives: its host is probably gone. Say so once (no

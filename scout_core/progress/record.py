@@ -151,6 +151,11 @@ class ProgressRecord:
         self._seq += 2
         _SEQ.pack_into(self._mm, 0, self._seq)
 
+    @property
+    def last_publish(self) -> float:
+        """``time.monotonic()`` of this writer's last publish."""
+        return self._t_last
+
     # -- reader ------------------------------------------------------------------------------
 
     def read(self, timeout_s: float = 1.0) -> ProgressSnapshot:
