@@ -4,7 +4,8 @@ The real :class:`~scout_core.progress.episode.EpisodeProtocol` runs for every
 simulated observer against a counting in-memory store (no processes, no
 sockets): every observer posts, the first of each peer group leads it, the
 first overall reports, everyone reads the verdict. Each store call is one
-message; bytes are keys plus values both ways. The job is a model-parallel
+message (waits are served by the store: ``TCPStore.wait``, one request and
+one answer, not a polling loop); bytes are keys plus values both ways. The job is a model-parallel
 partition of ``mp`` ranks (tensor x pipeline) replicated ``world / mp`` times,
 so a peer group (the replicas of one model-parallel position) has
 ``world / mp`` members. One rank is frozen; the rest wait.
@@ -71,6 +72,15 @@ class CountingStore:
             return desired.encode()
         return current if current is not None else expected.encode()
 
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        """Served by the store: one request, one answer when the keys exist (the simulation runs in order, so
+        a missing key means the wait would time out)."""
+        from torch.distributed import DistStoreError
+
+        self._count(*keys)
+        if not all(k in self.data for k in keys):
+            raise DistStoreError("timeout")
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         values = [self.data[k] for k in keys]
         self._count(*keys, *values)
@@ -87,8 +97,8 @@ def simulate(world: int, mp: int = 64, frozen: int = 9) -> dict[str, Any]:
     for r in range(world):
         store.client = r
         observers.append(EpisodeProtocol(store, rank=r, peer_groups=groups, hosts=hosts, gather_timeout_s=10.0,
-                                         poll_s=0.05, sleep=lambda s: clock.__setitem__(0, clock[0] + s),
-                                         clock=lambda: clock[0], gid=r % mp))
+                                         heartbeat_s=max(1.0, world / HEARTBEAT_CAP_PER_S), clock=lambda: clock[0],
+                                         gid=r % mp))
     for r in range(world):  # the set-up read is not part of the episode
         store.messages[r] = store.bytes[r] = 0
     start = time.perf_counter()

@@ -49,6 +49,7 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
     cfg = load(None, [
         *([f"observer.silence_threshold_s={a['threshold_s']}"] if a["threshold_s"] else []),
         *([f"observer.gather_timeout_s={a['gather_timeout_s']}"] if a["gather_timeout_s"] else []),
+        *([f"observer.io_silence_s={a['io_silence_s']}"] if a["io_silence_s"] else []),
         f"report.jsonl_path={a['jsonl']}",
         f"report.run_id={a['run_id']}",
         "report.log_level=ERROR",
@@ -143,7 +144,7 @@ def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         "checkpoint_every": int(p.get("checkpoint_every", 4)), "machines": int(p.get("machines", 1)),
         "busy": p.get("busy"), "rank0_extra": bool(p.get("rank0_extra", False)),
         "async_metrics": bool(p.get("async_metrics", False)), "bucket_cap_mb": p.get("bucket_cap_mb"),
-        "slow_phase_s": float(p.get("slow_phase_s", 0.0)),
+        "slow_phase_s": float(p.get("slow_phase_s", 0.0)), "io_silence_s": p.get("io_silence_s"),
         "jsonl": jsonl, "run_id": spec.name, "workdir": workdir,
     }
     finishes = bool(p.get("finishes", False))  # the stall resolves itself: the job must end normally

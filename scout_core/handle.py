@@ -12,6 +12,7 @@ record and process group it created.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -44,7 +45,7 @@ from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
 from scout_core.progress.control import ControlPlane, close_daemon_share
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
-from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer
+from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer, steady_threshold
 from scout_core.progress.record import Phase, create_record
 from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
@@ -82,6 +83,8 @@ class ScoutHandle:
         self.observer_pid: int | None = None
         self.observer_startup_s: float | None = None
         self.control_plane: ControlPlane | None = None
+        self.launch_id = ""
+        """Rank 0's nonce for this launch: the observers' store keys of a restarted job never collide."""
         self.ddp_buckets_visible: bool | None = None
         self.replay: ReplayEngine | None = None
         self.snapshots: SnapshotEngine | None = None
@@ -122,9 +125,14 @@ class ScoutHandle:
         self.control_plane = plane
         start = time.monotonic()
         obs = cfg.observer
+        # The trainer learns only gaps below the threshold the observer would apply: longer ones were stalls.
+        steady = functools.partial(steady_threshold, obs.silence_threshold_s, obs.adaptive_multiple,
+                                   obs.first_step_silence_s)
+        warmup = max(obs.silence_threshold_s, obs.first_step_silence_s)
+        tracker.record.learn_below = lambda published: steady(published) if published > 0 else warmup
         pid, ready_fd = start_observer(ObserverSpec(
-            run_id=self.run_id, rank=self.rank, world_size=self.world_size, record_path=tracker.record.path,
-            control=plane, peer_groups=[list(g) for g in self.groups.all_peers],
+            run_id=self.run_id, launch=self.launch_id, rank=self.rank, world_size=self.world_size,
+            record_path=tracker.record.path, control=plane, peer_groups=[list(g) for g in self.groups.all_peers],
             hosts=self.hosts, devices=self.devices, silence_threshold_s=obs.silence_threshold_s,
             first_step_silence_s=obs.first_step_silence_s, io_silence_s=obs.io_silence_s,
             adaptive_multiple=obs.adaptive_multiple, heartbeat_s=max(obs.heartbeat_s, self.world_size / 20000),
@@ -369,6 +377,21 @@ class ScoutHandle:
     def checkpoint_io(self, kind: str = "write") -> contextlib.AbstractContextManager[None]:
         return self.tracker.checkpoint_io(kind) if self.tracker else contextlib.nullcontext()
 
+    OBSERVER_EXIT_S = 5.0
+    """close() waits this long for the observer (inside a store call, or a user callback) before killing it."""
+
+    def _reap_observer(self) -> None:
+        deadline = time.monotonic() + self.OBSERVER_EXIT_S
+        try:
+            while os.waitpid(self.observer_pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(self.observer_pid, 9)
+                    os.waitpid(self.observer_pid, 0)
+                    return
+                time.sleep(0.01)
+        except (ChildProcessError, ProcessLookupError):
+            pass
+
     # -- observer health -----------------------------------------------------------------------------
 
     def check_observer(self) -> bool:
@@ -441,8 +464,7 @@ class ScoutHandle:
                     self._quietly(lambda: self.tracker.mark(Phase.CLOSED), "progress record")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.observer_pid, 15)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(self.observer_pid, 0)
+                self._reap_observer()
             if self.control_plane is not None:
                 close_daemon_share(self.control_plane)
             if self.tracker is not None:

@@ -121,7 +121,8 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
                 plane_error = f"{type(exc).__name__}: {exc}"
         mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(),
                 "device": str(device_of(adapter.chunks[0])), "run_id": cfg.report.run_id or uuid.uuid4().hex[:12],
-                "control": plane.to_dict() if plane else None, "control_error": plane_error}
+                "control": plane.to_dict() if plane else None, "control_error": plane_error,
+                "launch": uuid.uuid4().hex[:8]}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)
         hosts = {r: e["host"] for r, e in enumerate(everyone)}
@@ -138,6 +139,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         raise
     handle = ScoutHandle(config=cfg, adapter=adapter, rank=rank, world_size=world, run_id=run_id, groups=groups,
                          hosts=hosts, devices=devices, reporter=reporter)
+    handle.launch_id = everyone[0]["launch"]
     try:
         if cfg.observer.enabled:
             handle.start_observer(ControlPlane(**everyone[0]["control"]), on_incident)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from scout_core.progress.classify import Evidence, HangClass, classify
 from scout_core.progress.record import Phase
 
@@ -70,7 +72,7 @@ def test_equal_progress_stall_is_group_scoped():
 
 
 def test_two_peers_disagreeing_are_inconclusive_never_named():
-    ev = {0: _ev(0), 1: _ev(1, op=10, pending=False)}
+    ev = {0: _ev(0), 1: _ev(1, op=10)}  # both inside (different) collectives: neither waits for the other
     v = _one(classify(ev, [[0, 1]]))
     assert v.hang_class is HangClass.INCONCLUSIVE and v.scope == "peer_group" and v.ranks == (0, 1)
 
@@ -126,3 +128,23 @@ def test_rank_waiting_behind_inside_a_collective_is_a_victim_of_a_rank_named_els
     # Without a rank named elsewhere, a rank behind inside a collective is still reported.
     alone = classify({r: e for r, e in evidence.items() if r in (0, 2, 4, 6)}, [[0, 2, 4, 6]])
     assert [v.ranks for v in alone] == [(4,)]
+
+
+def test_a_save_in_progress_is_not_a_hang():
+    """Rank 0 saves alone (within the I/O tolerance) while its peers wait at a barrier; or a rank finished its
+    shard first and waits in the next collective while the others still write."""
+    ev = {r: _ev(r, op=5) for r in range(8)}
+    ev[0] = dataclasses.replace(_ev(0, op=4, phase=Phase.CHECKPOINT_WRITE, pending=False), silent=False)
+    assert classify(ev, [WORLD]) == []
+    ev = {r: dataclasses.replace(_ev(r, op=4, phase=Phase.CHECKPOINT_WRITE, pending=False), silent=False)
+          for r in range(8)}
+    ev[3] = _ev(3, op=5)
+    assert classify(ev, [WORLD]) == []
+
+
+def test_two_peers_name_the_one_the_other_waits_for():
+    ev = {0: _ev(0, op=5), 1: _ev(1, op=4, phase=Phase.FORWARD, pending=False)}
+    v = _one(classify(ev, [[0, 1]]))
+    assert (v.hang_class, v.ranks) == (HangClass.LAGGING, (1,))
+    ev = {0: _ev(0, op=5), 1: _ev(1, op=5, fp=("all_reduce|other", 9))}
+    assert _one(classify(ev, [[0, 1]])).hang_class is HangClass.INCONCLUSIVE

@@ -18,8 +18,8 @@ HOSTS = {r: f"node{r // 4}" for r in range(8)}
 
 
 def _observers(store, clock):
-    return [EpisodeProtocol(store, rank=r, peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=10.0, poll_s=0.5,
-                            sleep=lambda s: clock.__setitem__(0, clock[0] + s), clock=lambda: clock[0])
+    return [EpisodeProtocol(store, rank=r, peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=10.0,
+                            clock=lambda: clock[0])
             for r in range(8)]
 
 
@@ -83,3 +83,18 @@ def test_an_episode_costs_each_observer_a_constant_and_a_leader_its_group():
     assert small["observer"]["messages_max"] == large["observer"]["messages_max"] <= 8
     assert small["reporter"]["messages_max"] == large["reporter"]["messages_max"]  # one multi_get per group
     assert large["store_messages"] <= 8 * 4096
+
+
+def test_a_group_whose_leader_never_posts_is_read_by_the_reporter_not_named_lost():
+    """Several groups, one member of group 1 dead, and group 1's leader died after posting its evidence."""
+    store, clock = CountingStore(), [0.0]
+    obs = _observers(store, clock)
+    ev = {r: _ev(r) for r in range(8)}
+    ev[2] = _ev(2, coordinate=(3, 1), pending=False)  # the frozen rank
+    answering = [0, 1, 2, 3, 4, 5, 6]  # rank 7's observer is gone
+    starts = {r: obs[r].post(ev[r]) for r in answering}
+    roles = {r: obs[r].claim(0) for r in answering}
+    assert roles[4] == (True, False)
+    obs[0].lead_group(0, starts[0])  # group 0's leader posts; group 1's leader (rank 4) dies here
+    outcome = obs[0].report(0, starts[0])
+    assert sorted((v.hang_class.value, v.ranks) for v in outcome.verdicts) == [("lagging", (2,)), ("lost", (7,))]

@@ -25,6 +25,9 @@ class RecordingRecord:
 
     learning = False
 
+    def commit_gaps(self):
+        pass
+
     def publish(self, step, op_id, phase, pending=False, launched=None, fp=None):
         launched = op_id if launched is None else launched
         self.last = (step, op_id, bool(pending), launched)
@@ -248,7 +251,8 @@ def _protocol(ctx: RankContext):
     tracker.install_module_hooks(repeated_layers([net]))
     tracker.install_optimizer_hooks([opt])
     points = []
-    for step in range(2):
+    side_group = dist.new_group([0, 1])
+    for _step in range(2):
         if ctx.rank == 0:  # rank-0-only evaluation and checkpoint write: phase only
             with torch.no_grad():
                 net(torch.randn(2, 4))
@@ -257,8 +261,6 @@ def _protocol(ctx: RankContext):
         t = torch.ones(2)
         dist.all_reduce(t)
         side = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=side_group))
-        if step == 0:
-            side_group = dist.new_group([0, 1])
         side.start()
         side.join()  # a user thread's collective: not in the trainer's sequence
         work = dist.all_reduce(torch.ones(3), async_op=True)

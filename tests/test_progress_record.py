@@ -45,7 +45,20 @@ def test_gaps_between_publishes_are_learned_only_once_learning(shm):
     rec.learning = True
     time.sleep(0.02)
     rec.publish(1, 0, Phase.FORWARD)
+    assert reader.read().gap_max == 0.0  # learned, not yet published: the step is not complete
+    rec.commit_gaps()
+    rec.publish(1, 0, Phase.FORWARD)
     assert 0.02 <= reader.read().gap_max < 0.05
+    rec.publish(2, 0, Phase.CHECKPOINT_WRITE)
+    time.sleep(0.06)
+    rec.publish(2, 0, Phase.COMPUTE)  # a gap spent in checkpoint I/O is not the training rhythm
+    rec.learn_below = lambda published: 0.05  # nor is a gap past the threshold in force (a stall)
+    rec.publish(2, 0, Phase.FORWARD)
+    time.sleep(0.06)
+    rec.publish(2, 0, Phase.FORWARD)
+    rec.commit_gaps()
+    rec.publish(3, 0, Phase.FORWARD)
+    assert reader.read().gap_max < 0.05
 
 
 def test_phase_start_time_only_moves_on_phase_change(shm):

@@ -137,6 +137,9 @@ class HangVerdict:
                    dict(d["evidence"]), d.get("scope", ""), bool(d.get("waits_behind", False)))
 
 
+_IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
+
+
 def _stopped_class(e: Evidence) -> HangClass:
     """A rank that is not where its peers wait, and not inside a collective: by the phase it stopped in."""
     phase = Phase(e.phase)
@@ -197,6 +200,10 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
                                {"exited": gone, "waiting": [e.rank for e in waiting]}))
     if not waiting:
         return out  # everyone here is working (or gone): nobody in this group waits
+    if any(not e.silent and not e.pending and Phase(e.phase) in _IO_PHASES for e in live):
+        # A member is still in a data-loader fetch or a checkpoint read/write, within the silence tolerated
+        # there: a rank-0-only save with its peers at a barrier, or a rank that finished its shard first.
+        return out
     ev = live
     ranks = [e.rank for e in ev]
     facts: dict[str, Any] = {
@@ -224,6 +231,13 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
                 evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in named)
             out.append(HangVerdict(v.hang_class, v.ranks, v.peer_group, v.reason, v.evidence, waits_behind=behind))
         return out
+    if progress.status is C3Status.INCONCLUSIVE and len(ev) == 2:
+        # Two peers (HSDP with 2 replicas, DP 2 under TP/PP) have no majority, but one that waits silently
+        # in a collective while the other is behind it outside any collective waits for that other one.
+        a, b = sorted(ev, key=lambda e: e.coordinate)
+        if b.pending and b.silent and not a.pending:
+            return out + [_named(_stopped_class(a), [a.rank], group, evidence, facts,
+                                 f"r{b.rank} waits for it at {b.coordinate[:2]}")]
     if progress.status is C3Status.INCONCLUSIVE:
         return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
                                   "peers stopped at different points without a strict majority", facts)]

@@ -12,9 +12,9 @@ machine but its own, so it is never served by a rank. In order of preference:
    served by the agent on node 0, which outlives its workers, and it is the
    store the job itself rendezvoused through;
 3. otherwise (jobs started without an agent: ``mpirun``, ``srun``, a bare
-   ``init_process_group``) rank 0 starts a **store daemon**: a process in its
-   own session, so it survives rank 0's trainer and observer being killed, that
-   serves a ``TCPStore`` and exits once every rank has closed SCOUT, or no
+   ``init_process_group``) rank 0 starts a **store daemon**: a fresh
+   interpreter in its own session, so it survives rank 0's trainer and
+   observer being killed, that serves a ``TCPStore`` and exits once every rank has closed SCOUT, or no
    observer has sent a heartbeat for ``DAEMON_IDLE_EXIT_S`` (the job is gone).
 
 Keys live under ``scout/<run id>/`` so that they never collide with the job's.
@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,65 +111,58 @@ def close_daemon_share(plane: ControlPlane, timeout_s: float = 2.0) -> None:
             _any_run_key(CLOSED_KEY), 1)
 
 
+DAEMON_START_S = 60.0
+"""How long rank 0 waits for the daemon's port (a fresh interpreter importing torch)."""
+_DAEMONS: list[subprocess.Popen] = []  # reaped by subprocess's own clean-up at the next Popen
+
+
 def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S) -> int:
     """Start a store daemon detached from this process; return the port it serves.
 
-    Double fork and ``setsid``: the daemon is nobody's child in the job and in
-    no process group of the job, so killing rank 0 (or its group) leaves it
-    serving. It only runs the store's own server thread and a sleep loop.
+    A fresh interpreter (``python -m scout_core.progress.control``), not a fork: the trainer may run CUDA,
+    NCCL and threads whose locks a forked child would inherit held. ``start_new_session``: the daemon is in
+    no process group or session of the job, so killing rank 0 (or its group) leaves it serving; it holds
+    none of the trainer's files (``close_fds``, no inherited stdin or stderr).
     """
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_fd)
-        try:
-            os.setsid()
-            if os.fork() == 0:
-                _serve(port, write_fd, world_size, idle_exit_s)
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    os.waitpid(pid, 0)  # the intermediate child exits at once; the daemon is re-parented
-    with os.fdopen(read_fd, "rb") as fh:
-        data = fh.read()
-    if not data:
-        raise RuntimeError("the SCOUT control-store daemon did not start")
-    return int(data)
+    import scout_core
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scout_core.progress.control", str(port), str(world_size), str(idle_exit_s)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        close_fds=True, env=env, cwd="/",
+    )
+    _DAEMONS.append(proc)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], DAEMON_START_S)
+    line = proc.stdout.readline() if ready else b""
+    proc.stdout.close()
+    if not line.strip().isdigit():
+        proc.kill()
+        raise RuntimeError(f"the SCOUT control-store daemon did not start within {DAEMON_START_S:.0f} s")
+    return int(line)
 
 
-def _serve(port: int, ready_fd: int, world_size: int, idle_exit_s: float) -> None:
-    code = 1
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
-        with contextlib.suppress(OSError):
-            os.chdir("/")
-        # Hold none of the trainer's files: a launcher waiting for EOF on the job's pipes (stdout, a
-        # result pipe) must not wait for us.
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        keep = sorted({0, 1, 2, ready_fd})
-        for lo, hi in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")], strict=True):
-            os.closerange(lo + 1, hi)
-        from torch.distributed import TCPStore
+def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
+    from torch.distributed import TCPStore
 
-        server = TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-        os.write(ready_fd, str(server.port).encode())
-        os.close(ready_fd)
-        last, since = None, time.monotonic()
-        while True:
-            time.sleep(min(5.0, idle_exit_s / 4))
-            if int(server.add(_any_run_key(CLOSED_KEY), 0)) >= world_size:
-                time.sleep(1.0)  # let the last closers finish their message
-                break
-            beats = server.add(_any_run_key(BEAT_KEY), 0)
-            if beats != last:
-                last, since = beats, time.monotonic()
-            elif time.monotonic() - since > idle_exit_s:
-                break
-        code = 0
-    finally:
-        os._exit(code)
+    server = TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    print(server.port, flush=True)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
+    last, since = None, time.monotonic()
+    while True:
+        time.sleep(min(5.0, idle_exit_s / 4))
+        if int(server.add(_any_run_key(CLOSED_KEY), 0)) >= world_size:
+            time.sleep(1.0)  # let the last closers finish their message
+            return
+        beats = server.add(_any_run_key(BEAT_KEY), 0)
+        if beats != last:
+            last, since = beats, time.monotonic()
+        elif time.monotonic() - since > idle_exit_s:
+            return
 
 
 def _any_run_key(key: str) -> str:
@@ -177,3 +173,7 @@ def _any_run_key(key: str) -> str:
 def daemon_key(key: str) -> str:
     """The raw (unprefixed) key of a daemon-wide counter, for ``store.underlying_store``."""
     return _any_run_key(key)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]))

@@ -30,7 +30,10 @@ import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
+
+from torch.distributed import DistStoreError
 
 from scout_core.progress.classify import Evidence, HangVerdict, classify_group, merge
 
@@ -52,16 +55,19 @@ class EpisodeProtocol:
     """The store side of one observer; every method is a bounded number of store messages."""
 
     def __init__(self, store: Any, *, rank: int, peer_groups: Sequence[Sequence[int]], hosts: Mapping[int, str],
-                 gather_timeout_s: float, poll_s: float, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic, gid: int | None = None) -> None:
+                 gather_timeout_s: float, heartbeat_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 gid: int | None = None) -> None:
         self.store = store
         self.rank = rank
         self.groups = peer_groups  # shared, never copied: a 100k-rank simulation holds 100k of these
         self.gid = gid if gid is not None else next(i for i, g in enumerate(peer_groups) if rank in g)
         self.hosts = hosts
         self.gather_timeout_s = gather_timeout_s
-        self.poll_s = poll_s
-        self.sleep, self.clock = sleep, clock
+        self.heartbeat_s = heartbeat_s
+        # Observers learn of an episode up to one heartbeat apart; a leader waits gather_timeout_s from its own
+        # post, so whoever waits for a leader allows that much more (and a margin for the leader's own work).
+        self.leader_slack_s = 2 * heartbeat_s + 2.0
+        self.clock = clock
         self.episode = int(store.add("ep", 0))
 
     # -- healthy path ------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ class EpisodeProtocol:
         return self._claim(f"ep/{n}/g/{self.gid}/lead"), self._claim(f"ep/{n}/lead")
 
     def await_verdict(self, n: int, start: float) -> EpisodeOutcome | None:
-        if not self._wait_for([f"ep/{n}/verdict"], start + 2 * self.gather_timeout_s + 5 * self.poll_s):
+        if not self._wait_for([f"ep/{n}/verdict"], start + 2 * (self.gather_timeout_s + self.leader_slack_s)):
             # The reporter died mid-episode: move on so that a later stall gets a fresh round.
             self.store.compare_set("ep", str(n), str(n + 1))
             self.episode = int(self.store.add("ep", 0))
@@ -110,36 +116,43 @@ class EpisodeProtocol:
         return self.store.compare_set(key, "", str(self.rank)) == str(self.rank).encode()
 
     def _wait_for(self, keys: list[str], deadline: float) -> bool:
-        while True:
-            if self.store.check(keys):
-                return True
-            if self.clock() >= deadline:
-                return False
-            self.sleep(self.poll_s)
+        """Block until every key exists (one ``wait``, served by the store, not a polling loop) or the deadline."""
+        remaining = deadline - self.clock()
+        if remaining <= 0:
+            return bool(self.store.check(keys))
+        try:
+            self.store.wait(keys, timedelta(seconds=remaining))
+            return True
+        except DistStoreError:  # the timeout
+            return bool(self.store.check(keys))
 
     def lead_group(self, n: int, start: float) -> None:
-        group = self.groups[self.gid]
+        self.store.set(f"ep/{n}/g/{self.gid}", json.dumps(self._summarize(n, self.gid, start + self.gather_timeout_s)))
+
+    def _summarize(self, n: int, gid: int, deadline: float) -> dict[str, Any]:
+        group = self.groups[gid]
         keys = [f"ep/{n}/r/{r}" for r in group]
-        if self._wait_for(keys, start + self.gather_timeout_s):
+        if self._wait_for(keys, deadline):
             present = list(group)
         else:
             present = [r for r, k in zip(group, keys, strict=True) if self.store.check([k])]
         values = self.store.multi_get([f"ep/{n}/r/{r}" for r in present]) if present else []
         evidence = {r: Evidence.from_dict(json.loads(v)) for r, v in zip(present, values, strict=True)}
-        self.store.set(f"ep/{n}/g/{self.gid}", json.dumps(classify_group(group, evidence)))
+        return classify_group(group, evidence)
 
     def report(self, n: int, start: float) -> EpisodeOutcome:
         keys = [f"ep/{n}/g/{g}" for g in range(len(self.groups))]
-        # Leaders wait at most gather_timeout_s for their members; a group with no live member never posts.
-        if self._wait_for(keys, start + self.gather_timeout_s + 10 * self.poll_s):
+        # Leaders wait at most gather_timeout_s for their members, from their own post (up to a heartbeat
+        # after ours); a group whose leader died, or that has no live member, never posts: we read its
+        # members' evidence ourselves (none at all: every member is lost).
+        if self._wait_for(keys, start + self.gather_timeout_s + self.leader_slack_s):
             present = list(range(len(self.groups)))
         else:
             present = [g for g, k in enumerate(keys) if self.store.check([k])]
         values = self.store.multi_get([keys[g] for g in present]) if present else []
         summaries = [json.loads(v) for v in values]
-        for g in set(range(len(self.groups))) - set(present):
-            summaries.append({"group": list(self.groups[g]), "lost": list(self.groups[g]), "verdicts": [],
-                              "named": {}})
+        for g in sorted(set(range(len(self.groups))) - set(present)):
+            summaries.append(self._summarize(n, g, self.clock()))
         verdicts = merge(summaries, self.hosts)
         named = {r: seq for s in summaries for r, seq in s["named"].items()
                  if any(int(r) in v.ranks for v in verdicts)}

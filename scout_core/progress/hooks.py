@@ -199,7 +199,9 @@ class ProgressTracker:
             self.launched = 0
             self._trainer = threading.get_ident()  # the thread that steps the optimizer trains
             # Step 0 is warm-up (compilation, lazy init, communicator set-up): its gaps don't count; from
-            # step 1 on they are the job's healthy rhythm, which the observer's threshold adapts to.
+            # step 1 on they are the job's healthy rhythm, which the observer's threshold adapts to (published
+            # once step 1 completed: until then the observer tolerates the warm-up silence).
+            self.record.commit_gaps()
             self.record.learning = True
             self._phase = Phase.STEP_END
             self._publish_locked()
@@ -325,6 +327,8 @@ class ProgressTracker:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join(timeout=1.0)  # it sleeps at most POLL_QUIET_S between looks at `closed`
 
 
 # -- torch.distributed wrappers (process-wide, reference counted) ----------------------------------

@@ -64,6 +64,9 @@ _PR_SET_PDEATHSIG = 1
 @dataclass(kw_only=True)
 class ObserverSpec:
     run_id: str
+    """The job's run id; store keys live under ``scout/<run_id>/<launch>``."""
+    launch: str = ""
+    """A per-launch nonce (rank 0's): a restarted job with the same run id never reads the last one's keys."""
     rank: int
     world_size: int
     record_path: str
@@ -82,8 +85,6 @@ class ObserverSpec:
     log_level: str = "WARNING"
     on_incident: Callable[[Incident], None] | None = None
     trainer_pid: int = field(default_factory=os.getpid)
-    poll_s: float = 0.05
-    """Store polling interval while gathering (only during a stall)."""
     heartbeat_s: float = 1.0
     """How often a healthy observer checks whether an episode is open (one store message)."""
     stop_on_verdict: bool = False
@@ -112,18 +113,24 @@ def _store_errors() -> Iterator[None]:
 
 
 _IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
-_WARMUP_STEPS = 2
-"""Steps 0 and 1 tolerate first_step_silence_s; gaps count from step 1 on (see ProgressTracker.step_done)."""
 _DAEMON_BEAT_S = 10.0
 
 
+def steady_threshold(base: float, multiple: float, ceiling: float, gap_max: float) -> float:
+    """The threshold after the warm-up: at least ``base``, at least ``multiple`` x the longest healthy gap,
+    at most the warm-up tolerance (a gap that long is a stall whatever the rhythm)."""
+    return max(base, min(multiple * gap_max, max(base, ceiling)))
+
+
 def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot) -> float:
-    """Seconds of silence after which this observer opens an episode, given its trainer's last publish."""
-    base = spec.silence_threshold_s
-    ceiling = max(base, spec.first_step_silence_s)
-    if snap.step < _WARMUP_STEPS:
-        return ceiling
-    threshold = max(base, min(spec.adaptive_multiple * snap.gap_max, ceiling))
+    """Seconds of silence after which this observer opens an episode, given its trainer's last publish.
+
+    The warm-up lasts until the trainer has completed its first two steps (of this launch, resumed or not):
+    until then no rhythm is published (``gap_max`` is 0) and ``first_step_silence_s`` applies."""
+    if snap.gap_max <= 0.0:
+        return max(spec.silence_threshold_s, spec.first_step_silence_s)
+    threshold = steady_threshold(spec.silence_threshold_s, spec.adaptive_multiple, spec.first_step_silence_s,
+                                 snap.gap_max)
     if snap.phase in _IO_PHASES and not snap.pending:
         threshold = max(threshold, spec.io_silence_s)
     return threshold
@@ -178,10 +185,10 @@ class _Observer:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
         try:
             self.record = ProgressRecord(self.spec.record_path, owner=False)
-            self.store = connect(self.spec.control, self.spec.run_id, self.spec.startup_timeout_s)
+            self.store = connect(self.spec.control, self._namespace(), self.spec.startup_timeout_s)
             spec = self.spec
             self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                                         gather_timeout_s=spec.gather_timeout_s, poll_s=spec.poll_s)
+                                         gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
             os.write(self.ready_fd, b"R")
             os.close(self.ready_fd)
             self._loop()
@@ -200,6 +207,9 @@ class _Observer:
                     self._resolved()  # the trainer went on to close normally: the stall ended
             if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
+
+    def _namespace(self) -> str:
+        return f"{self.spec.run_id}/{self.spec.launch}" if self.spec.launch else self.spec.run_id
 
     def _on_sigterm(self, *_: Any) -> None:
         # The trainer's close() publishes CLOSED, then terminates us. The parent-death signal is SIGTERM too:
@@ -277,7 +287,7 @@ class _Observer:
                                     seq=snap.seq)
                     episode = proto.episode
                     outcome = proto.run(mine)
-                    if mine.silent:
+                    if mine.silent and outcome is not None:  # no verdict came (the reporter died): try again
                         diagnosed_seq = snap.seq
                         silent_in = (episode, snap.seq)
                     if outcome is not None and outcome.verdicts and not outcome.repeat:
@@ -295,27 +305,36 @@ class _Observer:
                 time.sleep(max(0.001, min(wake, spec.heartbeat_s, 1.0)))
 
     def _control_plane_lost(self, error: str) -> None:
-        """The store is unreachable while our trainer lives: its host is probably gone. Say so once (no
-        exchange is possible: every observer says it from its own view), then try to reconnect."""
+        """The store is unreachable while our trainer lives. Wait a grace period first: under torchrun the
+        agent's store goes with a job that is being torn down (a worker failed, the agent exits and the
+        trainers are terminated); only if our trainer outlives the grace is the store's machine reported
+        lost, once per machine (by the observer of its lowest rank: no exchange is possible), and then the
+        store is tried again."""
         spec = self.spec
-        if not self._plane_reported:
+        deadline = time.monotonic() + spec.gather_timeout_s + 2 * spec.heartbeat_s
+        while time.monotonic() < deadline:
+            if self._trainer_gone():
+                return
+            time.sleep(min(1.0, spec.heartbeat_s))
+        with contextlib.suppress(Exception):
+            self.store = connect(spec.control, self._namespace(), spec.gather_timeout_s)
+            self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
+                                         gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+            return  # it is back
+        mine = spec.hosts.get(spec.rank)
+        first_here = min((r for r, h in spec.hosts.items() if h == mine), default=spec.rank) == spec.rank
+        if not self._plane_reported and first_here:
             self._plane_reported = True
             host = spec.control.host
-            ranks = sorted(r for r, h in spec.hosts.items() if h == host) or []
+            ranks = sorted(r for r, h in spec.hosts.items() if h == host)
             self.reporter.emit(Incident(
                 kind=IncidentKind.HANG, scope=IncidentScope.MACHINE, ranks=ranks, hosts=[host] * max(1, len(ranks)),
                 devices=[spec.devices.get(r, "?") for r in ranks],
-                reason=f"the observers' control store at {host}:{spec.control.port} ({spec.control.kind}) is "
-                       f"unreachable from rank {spec.rank}: its machine is probably lost ({error})",
+                reason=f"the observers' control store at {host}:{spec.control.port} ({spec.control.kind}) has been "
+                       f"unreachable from {mine} for {spec.gather_timeout_s:.0f} s while the trainers there run: "
+                       f"its machine is probably lost ({error})",
                 evidence={"class": "control_plane_lost", "control": spec.control.to_dict(), "error": error},
             ))
-        deadline = time.monotonic() + spec.gather_timeout_s
-        while time.monotonic() < deadline and not self._trainer_gone():
-            time.sleep(min(1.0, spec.heartbeat_s))
-        with contextlib.suppress(Exception):
-            self.store = connect(spec.control, spec.run_id, spec.gather_timeout_s)
-            self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                                         gather_timeout_s=spec.gather_timeout_s, poll_s=spec.poll_s)
 
     def _deliver(self, outcome: EpisodeOutcome, snap: ProgressSnapshot, threshold: float) -> list[Incident]:
         t_verdict = time.monotonic()

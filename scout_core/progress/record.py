@@ -32,6 +32,7 @@ import re
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["pid_alive", "Phase", "ProgressRecord", "ProgressSnapshot", "create_record", "reclaim_stale", "SHM_DIR"]
@@ -66,6 +67,9 @@ class Phase(enum.IntEnum):
     CLOSED = 10  # the trainer closed SCOUT: its observer ends without a last episode
 
 
+_IO_PHASES = frozenset({Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE})
+
+
 @dataclass(frozen=True)
 class ProgressSnapshot:
     """One consistent read of a record."""
@@ -85,8 +89,8 @@ class ProgressSnapshot:
     t_phase: float
     """``time.monotonic()`` when the current phase began."""
     gap_max: float
-    """Longest interval between two publishes the trainer has seen since it started learning (after its
-    warm-up step); the observer derives its adaptive silence threshold from it."""
+    """Longest healthy interval between two publishes, over the completed steps since the first one; 0.0
+    until the second step completes (the warm-up). The observer's adaptive threshold is derived from it."""
     fp_hash: int
     fingerprint: str
     """Fingerprint of the collective at ``op_id`` (the one the rank waits in while ``pending``)."""
@@ -118,9 +122,13 @@ class ProgressRecord:
         self._fp_crc = zlib.crc32(b"")
         self._pid = os.getpid()
         self._t_last = self._t_phase
-        self._gap_max = 0.0
+        self._gap_max = 0.0  # published: committed at step ends
+        self._gap_seen = 0.0  # learned in the current step
         self.learning = False
         """Set by the tracker once the warm-up step is over: from then on gaps between publishes count."""
+        self.learn_below: Callable[[float], float] = lambda published: float("inf")
+        """Given the published gap, the silence threshold in force: longer gaps were stalls (a verdict may have
+        named them) and are not learned as healthy."""
 
     # -- writer ------------------------------------------------------------------------------
 
@@ -128,13 +136,15 @@ class ProgressRecord:
                 fp: tuple[int, str] | None = None) -> None:
         """Publish a point; ``fp`` = ``(hash, text)`` replaces the fingerprint, None keeps the last one."""
         now = time.monotonic()
+        gap = now - self._t_last
+        self._t_last = now
+        # A gap spent in a data-loader fetch or checkpoint I/O is judged by its own tolerance, not learned.
+        if self.learning and gap > self._gap_seen and self._phase not in _IO_PHASES \
+                and gap < self.learn_below(self._gap_max):
+            self._gap_seen = gap
         if phase != self._phase:
             self._phase = phase
             self._t_phase = now
-        gap = now - self._t_last
-        self._t_last = now
-        if self.learning and gap > self._gap_max:
-            self._gap_max = gap
         data = None
         if fp is not None and fp[0] != self._fp_hash:
             data = fp[1].encode()[:_FP_MAX]
@@ -150,6 +160,11 @@ class ProgressRecord:
         _CRC.pack_into(self._mm, _CRC_AT, zlib.crc32(body, self._fp_crc))
         self._seq += 2
         _SEQ.pack_into(self._mm, 0, self._seq)
+
+    def commit_gaps(self) -> None:
+        """A step completed: its healthy gaps become part of the published rhythm (from the next publish)."""
+        if self.learning:
+            self._gap_max = max(self._gap_max, self._gap_seen)
 
     @property
     def last_publish(self) -> float:
