@@ -30,7 +30,7 @@ def _params():
 def test_cell_passes(name):
     (report,) = run_cells([SPECS[name]], root=ROOT)
     assert report.verdict == "PASS", report.details
-    if SPECS[name].faults:
+    if SPECS[name].faults or SPECS[name].params.get("expect"):
         assert report.reported, "a faulty cell must report something"
     else:
         assert report.reported == [], "a clean cell must report nothing"
@@ -205,7 +205,8 @@ def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatc
         return server.port
 
     monkeypatch.setattr(control, "start_store_daemon", in_rank0)
-    (report,) = run_cells([SPECS["hang-rank0-killed"]], root=ROOT)
+    # Without a store nobody can report: the cell times out (shortened; the real cell passes in ~20 s).
+    (report,) = run_cells([dataclasses.replace(SPECS["hang-rank0-killed"], timeout_s=45)], root=ROOT)
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
@@ -249,7 +250,9 @@ def test_frozen_after_launch_cell_fails_without_completion_tracking(monkeypatch)
 
     monkeypatch.setattr(ProgressTracker, "track", lambda self, key, result, tensor: None)
     (report,) = run_cells([SPECS["hang-frozen-after-launch"]], root=ROOT)
-    assert report.verdict == "FAIL" and "'class': 'protocol_mismatch'" in report.details  # r9, wrongly classed
+    # every collective then looks pending forever: rank 9 is no longer told apart as the one stopped outside
+    assert report.verdict == "FAIL" and not any(
+        i["ranks"] == [9] and i["evidence"].get("class") == "lagging" for i in report.reported)
 
 
 def test_mismatch_async_cell_fails_when_only_the_last_launch_is_compared(monkeypatch):

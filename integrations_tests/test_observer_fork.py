@@ -42,9 +42,13 @@ def _busy_trainer(ctx: RankContext) -> float:
             a = torch.tanh(a @ a)
 
     def blocked_in_store() -> None:
-        store = dist.distributed_c10d._get_default_store()
+        from datetime import timedelta
+
+        # Its own client of the job's store (the default store's client is shared: blocking it would block
+        # enable()'s own group creation, which is not what this test is about).
+        store = dist.TCPStore("127.0.0.1", ctx.master_port, None, False, timeout=timedelta(seconds=60))
         try:
-            store.wait([f"never-{ctx.rank}"], __import__("datetime").timedelta(seconds=60))
+            store.wait([f"never-{ctx.rank}"], timedelta(seconds=60))
         except Exception:
             pass
 

@@ -67,3 +67,33 @@ def test_torchrun_bit_flip_names_that_rank_and_stops(tmp_path, model, layout):
     assert excluded["ranks"] == [2]
     decision = json.loads((out / "checkpoints" / "decisions.jsonl").read_text().splitlines()[-1])
     assert (decision["source"], decision["generation"]) == ("verified", 1)
+
+
+def test_torchrun_hang_is_diagnosed_through_the_agents_store(tmp_path):
+    """Under torchrun the observers talk through the elastic agent's rendezvous store (no daemon, no rank
+    serves it); a rank whose training thread stops is named with the shipped observer defaults."""
+    import signal
+    import time
+
+    out = tmp_path / "hang"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
+           "--model", "gpt2", "--layout", "ddp", "--steps", "40", "--out", str(out), "--scout", "--preset",
+           "defaults", "--freeze-rank", "2", "--freeze-step", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    jsonl = out / "incidents.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (jsonl.exists() and list(read_incidents(jsonl))):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+            time.sleep(0.5)
+        time.sleep(1.0)  # a duplicate would show by now
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    incidents = list(read_incidents(jsonl)) if jsonl.exists() else []
+    assert [(i.kind.value, i.scope.value, i.ranks, i.evidence["class"]) for i in incidents] == [
+        ("hang", "rank", [2], "lagging")]
+    assert incidents[0].evidence["control_plane"] == "agent"

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=None)
     p.add_argument("--fault-from-step", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--freeze-rank", type=int, default=None, help="this rank's training thread stops ...")
+    p.add_argument("--freeze-step", type=int, default=4, help="... at the start of this step (a hang)")
     p.add_argument("--scout-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra SCOUT config overrides (e.g. actions.on_verdict=stop)")
     p.add_argument("--preset", choices=("every-step", "defaults"), default="every-step",
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     step_s = []
     for step, (input_ids, labels) in enumerate(batches):
         state["step"] = step
+        if args.freeze_rank == rank and step == args.freeze_step:
+            while True:  # the training thread stops; the process and its peers' collectives stay up
+                time.sleep(3600)
         start = time.perf_counter()
         loss = model(input_ids.to(device), labels=labels.to(device)).loss
         loss.backward()

@@ -113,7 +113,6 @@ def close_daemon_share(plane: ControlPlane, timeout_s: float = 2.0) -> None:
 
 DAEMON_START_S = 60.0
 """How long rank 0 waits for the daemon's port (a fresh interpreter importing torch)."""
-_DAEMONS: list[subprocess.Popen] = []  # reaped by subprocess's own clean-up at the next Popen
 
 
 def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S) -> int:
@@ -128,18 +127,20 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scout_core.progress.control", str(port), str(world_size), str(idle_exit_s)],
+    # Through a shell that backgrounds it and exits at once: the daemon is then nobody's child in the job
+    # (re-parented to init), so no trainer has to reap it and none counts it among its processes.
+    shell = subprocess.Popen(
+        ["/bin/sh", "-c", '"$@" &', "sh", sys.executable, "-m", "scout_core.progress.control", str(port),
+         str(world_size), str(idle_exit_s)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         close_fds=True, env=env, cwd="/",
     )
-    _DAEMONS.append(proc)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], DAEMON_START_S)
-    line = proc.stdout.readline() if ready else b""
-    proc.stdout.close()
+    shell.wait()
+    assert shell.stdout is not None
+    ready, _, _ = select.select([shell.stdout], [], [], DAEMON_START_S)
+    line = shell.stdout.readline() if ready else b""
+    shell.stdout.close()
     if not line.strip().isdigit():
-        proc.kill()
         raise RuntimeError(f"the SCOUT control-store daemon did not start within {DAEMON_START_S:.0f} s")
     return int(line)
 

@@ -14,7 +14,8 @@ Keys, under the job's prefix (``scout/<run id>/``):
 * ``ep/<n>/moved``: counts observers whose trainer moved after the verdict; the reporter
   writes a ``resolved`` record when it is no longer zero;
 * ``named``: ranks named by the last verdict with their record sequence, so that a later
-  episode over the same stopped ranks (peers that went silent later) does not repeat it.
+  episode over the same stopped ranks (peers that went silent later) does not repeat it;
+* ``closed/<rank>``: that rank's trainer closed SCOUT: a leader counts it gone, not lost.
 
 Costs per episode: every observer posts once and reads the verdict (O(1)); a group leader
 reads its group (O(peer group)); the reporter reads one summary per group. While healthy an
@@ -138,6 +139,10 @@ class EpisodeProtocol:
             present = [r for r, k in zip(group, keys, strict=True) if self.store.check([k])]
         values = self.store.multi_get([f"ep/{n}/r/{r}" for r in present]) if present else []
         evidence = {r: Evidence.from_dict(json.loads(v)) for r, v in zip(present, values, strict=True)}
+        for r in group:  # a member whose trainer closed SCOUT (after its collective failed) is gone, not lost
+            if r not in evidence and self.store.check([f"closed/{r}"]):
+                evidence[r] = Evidence(rank=r, step=-1, op_id=0, phase=0, pending=False, fp_hash=0, fingerprint="",
+                                       silent_s=0.0, silent=True, alive=False)
         return classify_group(group, evidence)
 
     def report(self, n: int, start: float) -> EpisodeOutcome:

@@ -95,6 +95,10 @@ class _Stopped(Exception):
     """The observer stopped its trainer on a verdict: a deliberate end, not a failure."""
 
 
+class _Closing(Exception):
+    """The trainer closed SCOUT (published CLOSED, then SIGTERM)."""
+
+
 class _ControlPlaneDown(Exception):
     def __init__(self, error: str) -> None:
         super().__init__(error)
@@ -181,6 +185,11 @@ class _Observer:
     def run(self, *, death_signal: bool = True) -> int:
         if death_signal:
             _die_with_parent()
+        # None of the trainer's files: its communicator sockets above all. Held open here they would keep a
+        # dead trainer's connections alive (its gloo peers would wait instead of failing) and pin its files.
+        keep = sorted({0, 1, 2, self.ready_fd})
+        for lo, hi in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
+            os.closerange(lo + 1, hi)
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
         try:
@@ -195,6 +204,9 @@ class _Observer:
             return 0
         except _Stopped:
             return OBSERVER_REPORTED_EXIT
+        except _Closing:  # closed during start-up or while the store was away
+            self._answer_closed()
+            return 0
         except SystemExit:
             return 0
         except BaseException:
@@ -212,12 +224,34 @@ class _Observer:
         return f"{self.spec.run_id}/{self.spec.launch}" if self.spec.launch else self.spec.run_id
 
     def _on_sigterm(self, *_: Any) -> None:
-        # The trainer's close() publishes CLOSED, then terminates us. The parent-death signal is SIGTERM too:
-        # a trainer that died without closing gets one last episode (the loop answers for it), so that
-        # signal must not end us; any other SIGTERM (a launcher tearing the job down) does.
-        if self._trainer_gone() and self.record is not None and self.record.read().phase is not Phase.CLOSED:
+        # The trainer's close() publishes CLOSED, then terminates us: we still answer an open episode (a
+        # trainer that closes after its collective failed is gone for its waiting peers, not lost). The
+        # parent-death signal is SIGTERM too: a trainer that died without closing gets one last episode
+        # (the loop answers for it), so that signal must not end us; any other SIGTERM (a launcher tearing
+        # the job down) does.
+        closed = self.record is not None and self.record.read().phase is Phase.CLOSED
+        if closed:
+            raise _Closing
+        if self._trainer_gone():
             return
         sys.exit(0)
+
+    def _answer_closed(self) -> None:
+        """Our trainer closed: mark it closed (a leader counts a closed member as gone, not lost) and answer an
+        open episode that it is gone (bounded; never raises)."""
+        spec = self.spec
+        with contextlib.suppress(Exception):
+            # A fresh client: the signal may have interrupted the old one mid-message.
+            store = connect(spec.control, self._namespace(), 2.0)
+            store.set(f"closed/{spec.rank}", "1")
+            proto = EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
+                                    gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+            if proto.opened() and self.record is not None:
+                snap = self.record.read()
+                proto.post(Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
+                                    pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
+                                    silent_s=round(time.monotonic() - snap.t_publish, 3), silent=True, alive=False,
+                                    seq=snap.seq))
 
     def _trainer_gone(self) -> bool:
         """The trainer (our parent: it forked us) has exited or is exiting.
@@ -233,6 +267,10 @@ class _Observer:
         while True:
             try:
                 self._watch_once()
+            except _Closing:
+                self._resolved()
+                self._answer_closed()
+                return
             except _ControlPlaneDown as down:
                 if self._trainer_gone():
                     return  # the job is over (a launcher's store goes with it): nothing left to answer
@@ -252,8 +290,7 @@ class _Observer:
                 gone = self._trainer_gone()
                 snap = record.read()
                 if snap.phase is Phase.CLOSED:
-                    self._resolved()
-                    raise SystemExit(0)
+                    raise _Closing
                 now = time.monotonic()
                 threshold = silence_threshold(spec, snap)
                 silent_s = now - snap.t_publish
@@ -378,6 +415,7 @@ class _Observer:
             step=snap.step,
             surface=(_values(v.evidence.get("fingerprints")) or [""])[0] if v.scope == "peer_group" else "",
             evidence={"class": v.hang_class.value, "peer_group": list(v.peer_group), "episode": episode,
+                      "control_plane": spec.control.kind,
                       "stall_s": round(stall_s, 3), "threshold_s": round(threshold, 3), **v.evidence},
             time_to_verdict_s=round(max(0.0, stall_s - threshold), 3),
             reason=v.reason,
