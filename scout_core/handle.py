@@ -43,7 +43,7 @@ from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ScoutConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
-from scout_core.progress.control import ControlPlane, close_daemon_share
+from scout_core.progress.control import ControlPlane
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
 from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer, steady_threshold
 from scout_core.progress.record import Phase, create_record
@@ -465,8 +465,6 @@ class ScoutHandle:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.observer_pid, 15)
                 self._reap_observer()
-            if self.control_plane is not None:
-                close_daemon_share(self.control_plane)
             if self.tracker is not None:
                 self._quietly(self.tracker.record.unlink, "progress record")
                 self._quietly(self.tracker.record.close, "progress record")

@@ -27,7 +27,6 @@ what the other machines see when node 0 is gone (see ``observer.py``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ControlPlane", "choose_control_plane", "close_daemon_share", "connect", "daemon_key",
+__all__ = ["ControlPlane", "choose_control_plane", "connect", "daemon_key",
            "start_store_daemon", "CONTROL_STORE_ENV",
            "DAEMON_IDLE_EXIT_S", "BEAT_KEY", "CLOSED_KEY"]
 
@@ -47,7 +46,7 @@ DAEMON_IDLE_EXIT_S = 120.0
 """A store daemon with no heartbeat for this long exits (its job is gone)."""
 BEAT_KEY = "beat"
 CLOSED_KEY = "closed"
-"""Each rank adds one when it closes SCOUT; the daemon exits when all have."""
+"""Each rank's observer adds one when its trainer closes SCOUT; the daemon exits when all have."""
 
 
 @dataclass(frozen=True)
@@ -98,17 +97,6 @@ def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> Any:
 
     store = TCPStore(plane.host, plane.port, None, False, timeout=timedelta(seconds=timeout_s))
     return PrefixStore(f"scout/{run_id}", store)
-
-
-def close_daemon_share(plane: ControlPlane, timeout_s: float = 2.0) -> None:
-    """Tell a store daemon that this rank closed SCOUT (it exits once every rank has); never raises."""
-    if plane.kind != "daemon":
-        return
-    with contextlib.suppress(Exception):
-        from torch.distributed import TCPStore
-
-        TCPStore(plane.host, plane.port, None, False, timeout=timedelta(seconds=timeout_s)).add(
-            _any_run_key(CLOSED_KEY), 1)
 
 
 DAEMON_START_S = 60.0

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scout_core.progress.classify import Evidence, HangVerdict
-from scout_core.progress.control import BEAT_KEY, ControlPlane, connect, daemon_key
+from scout_core.progress.control import BEAT_KEY, CLOSED_KEY, ControlPlane, connect, daemon_key
 from scout_core.progress.episode import EpisodeOutcome, EpisodeProtocol
 from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot, pid_alive
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
@@ -173,6 +173,9 @@ class _Observer:
         self.proto: EpisodeProtocol | None = None
         self.store: Any = None
         self._plane_reported = False
+        self._critical = False
+        """Inside an episode or the delivery of its verdict: a closing trainer's SIGTERM waits until it ends."""
+        self._close_pending = False
         self._watch: tuple[int, list[Incident], float] | None = None
         """(episode, incidents, when) of a verdict we reported and whose stall has not ended yet."""
         sinks: list[Any] = [LoggingSink(spec.log_level)]
@@ -231,27 +234,44 @@ class _Observer:
         # the job down) does.
         closed = self.record is not None and self.record.read().phase is Phase.CLOSED
         if closed:
+            if self._critical:
+                self._close_pending = True  # finish the episode and the callbacks first (close() waits 5 s)
+                return
             raise _Closing
         if self._trainer_gone():
             return
         sys.exit(0)
 
     def _answer_closed(self) -> None:
-        """Our trainer closed: mark it closed (a leader counts a closed member as gone, not lost) and answer an
-        open episode that it is gone (bounded; never raises)."""
+        """Our trainer closed: mark it closed (a leader counts a closed member as gone, not lost), answer an
+        open episode that it is gone, and count it out with a store daemon (which exits once every rank
+        has). Over our own connection (the trainer's close() waits for us, briefly); a fresh one only if
+        that fails (the signal may have interrupted it mid-message). Never raises."""
+        for attempt in range(2):
+            try:
+                self._closed_messages(self.store if attempt == 0 else
+                                      connect(self.spec.control, self._namespace(), 2.0))
+                return
+            except Exception:  # noqa: BLE001 - best effort; the store may be gone with the job
+                continue
+
+    def _closed_messages(self, store: Any) -> None:
         spec = self.spec
-        with contextlib.suppress(Exception):
-            # A fresh client: the signal may have interrupted the old one mid-message.
-            store = connect(spec.control, self._namespace(), 2.0)
-            store.set(f"closed/{spec.rank}", "1")
-            proto = EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                                    gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
-            if proto.opened() and self.record is not None:
-                snap = self.record.read()
-                proto.post(Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
-                                    pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
-                                    silent_s=round(time.monotonic() - snap.t_publish, 3), silent=True, alive=False,
-                                    seq=snap.seq))
+        if store is None:
+            raise RuntimeError("no store")
+        store.set(f"closed/{spec.rank}", "1")
+        if spec.control.needs_beats:
+            store.underlying_store.add(daemon_key(CLOSED_KEY), 1)
+        if self.record is None or not store.check([f"ep/{self.proto.episode if self.proto else 0}/open"]):
+            return
+        proto = EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
+                                gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+        proto.episode = self.proto.episode if self.proto else proto.episode
+        snap = self.record.read()
+        proto.post(Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
+                            pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
+                            silent_s=round(time.monotonic() - snap.t_publish, 3), silent=True, alive=False,
+                            seq=snap.seq))
 
     def _trainer_gone(self) -> bool:
         """The trainer (our parent: it forked us) has exited or is exiting.
@@ -323,14 +343,20 @@ class _Observer:
                                     silent_s=round(silent_s, 3), silent=silent_s >= threshold, alive=not gone,
                                     seq=snap.seq)
                     episode = proto.episode
-                    outcome = proto.run(mine)
-                    if mine.silent and outcome is not None:  # no verdict came (the reporter died): try again
-                        diagnosed_seq = snap.seq
-                        silent_in = (episode, snap.seq)
-                    if outcome is not None and outcome.verdicts and not outcome.repeat:
-                        incidents = self._deliver(outcome, snap, threshold)
-                        if outcome.reporter:
-                            self._watch = (outcome.episode, incidents, time.monotonic())
+                    self._critical = True
+                    try:
+                        outcome = proto.run(mine)
+                        if mine.silent and outcome is not None:  # no verdict came (the reporter died): retry
+                            diagnosed_seq = snap.seq
+                            silent_in = (episode, snap.seq)
+                        if outcome is not None and outcome.verdicts and not outcome.repeat:
+                            incidents = self._deliver(outcome, snap, threshold)
+                            if outcome.reporter:
+                                self._watch = (outcome.episode, incidents, time.monotonic())
+                    finally:
+                        self._critical = False
+                    if self._close_pending:
+                        raise _Closing
                     if gone and outcome is not None and outcome.verdicts:
                         raise SystemExit(0)  # we answered for our dead trainer, and a verdict came
                     continue
