@@ -89,7 +89,11 @@ class MemorySlots:
         """Slots of this job's earlier incarnation at another world size: no resume of this size can use
         them (shards differ), and on a RAM-backed filesystem they would hold memory for good."""
         for d in self._dirs():
-            for n in os.listdir(d):
+            try:
+                names = os.listdir(d)
+            except FileNotFoundError:  # a peer removed that (emptied) directory meanwhile
+                continue
+            for n in names:
                 m = _SLOT.match(n)
                 if m and int(m.group(4)) != self.world:
                     with contextlib.suppress(FileNotFoundError):
@@ -176,7 +180,11 @@ class MemorySlots:
         """Path -> (kind, owner, step) of every complete slot of a job of this size on this machine."""
         out = {}
         for d in self._dirs():
-            for n in os.listdir(d):
+            try:
+                names = os.listdir(d)
+            except FileNotFoundError:  # a peer removed that (emptied) directory meanwhile
+                continue
+            for n in names:
                 m = _SLOT.match(n)
                 if m and int(m.group(4)) == self.world:
                     out[os.path.join(d, n)] = (m.group(1), int(m.group(2)), int(m.group(3)))
