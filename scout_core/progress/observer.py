@@ -198,9 +198,7 @@ class _Observer:
         try:
             self.record = ProgressRecord(self.spec.record_path, owner=False)
             self.store = connect(self.spec.control, self._namespace(), self.spec.startup_timeout_s)
-            spec = self.spec
-            self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                                         gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+            self.proto = self._protocol(self.store)
             os.write(self.ready_fd, b"R")
             os.close(self.ready_fd)
             self._loop()
@@ -222,6 +220,17 @@ class _Observer:
                     self._resolved()  # the trainer went on to close normally: the stall ended
             if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
+
+    def _protocol(self, store: Any) -> EpisodeProtocol:
+        spec = self.spec
+        return EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
+                               gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+
+    def _evidence(self, snap: ProgressSnapshot, silent_s: float, *, silent: bool, alive: bool) -> Evidence:
+        """What we post for our rank, from one read of its record."""
+        return Evidence(rank=self.spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
+                        pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
+                        silent_s=round(silent_s, 3), silent=silent, alive=alive, seq=snap.seq)
 
     def _namespace(self) -> str:
         return f"{self.spec.run_id}/{self.spec.launch}" if self.spec.launch else self.spec.run_id
@@ -264,14 +273,10 @@ class _Observer:
             store.underlying_store.add(daemon_key(CLOSED_KEY), 1)
         if self.record is None or not store.check([f"ep/{self.proto.episode if self.proto else 0}/open"]):
             return
-        proto = EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                                gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+        proto = self._protocol(store)
         proto.episode = self.proto.episode if self.proto else proto.episode
         snap = self.record.read()
-        proto.post(Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
-                            pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
-                            silent_s=round(time.monotonic() - snap.t_publish, 3), silent=True, alive=False,
-                            seq=snap.seq))
+        proto.post(self._evidence(snap, time.monotonic() - snap.t_publish, silent=True, alive=False))
 
     def _trainer_gone(self) -> bool:
         """The trainer (our parent: it forked us) has exited or is exiting.
@@ -338,10 +343,7 @@ class _Observer:
                     if (gone and not gone_opened) or stalled:
                         proto.open()
                         gone_opened = gone_opened or gone
-                    mine = Evidence(rank=spec.rank, step=snap.step, op_id=snap.op_id, phase=int(snap.phase),
-                                    pending=snap.pending, fp_hash=snap.fp_hash, fingerprint=snap.fingerprint,
-                                    silent_s=round(silent_s, 3), silent=silent_s >= threshold, alive=not gone,
-                                    seq=snap.seq)
+                    mine = self._evidence(snap, silent_s, silent=silent_s >= threshold, alive=not gone)
                     episode = proto.episode
                     self._critical = True
                     try:
@@ -381,8 +383,7 @@ class _Observer:
             time.sleep(min(1.0, spec.heartbeat_s))
         with contextlib.suppress(Exception):
             self.store = connect(spec.control, self._namespace(), spec.gather_timeout_s)
-            self.proto = EpisodeProtocol(self.store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                                         gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+            self.proto = self._protocol(self.store)
             return  # it is back
         mine = spec.hosts.get(spec.rank)
         first_here = min((r for r, h in spec.hosts.items() if h == mine), default=spec.rank) == spec.rank
