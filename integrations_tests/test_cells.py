@@ -275,7 +275,7 @@ def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch)
     from scout_core.progress import observer as observer_mod
 
     real = observer_mod.silence_threshold
-    fixed = lambda spec, snap: real(spec, snap) if snap.step < 2 else spec.silence_threshold_s  # noqa: E731
+    fixed = lambda spec, snap, learned=0.0: real(spec, snap, learned) if snap.step < 2 else spec.silence_threshold_s  # noqa: E731,E501
     monkeypatch.setattr(observer_mod, "silence_threshold", fixed)
     (report,) = run_cells([SPECS["hang-slow-not-stalled"]], root=ROOT)
     assert report.verdict == "FAIL" and any(i["kind"] == "hang" for i in report.reported)  # a false hang

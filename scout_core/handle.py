@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import os
-import select
+import selectors
 import sys
 import threading
 import time
@@ -81,6 +81,7 @@ class ScoutHandle:
         self.guard = DiagnosisGuard(groups.world_control, rank=rank, reporter=reporter, hosts=hosts)
         self.tracker: ProgressTracker | None = None
         self.observer_pid: int | None = None
+        self._episode_bound_s = 0.0
         self.observer_startup_s: float | None = None
         self.control_plane: ControlPlane | None = None
         self.launch_id = ""
@@ -130,21 +131,26 @@ class ScoutHandle:
                                    obs.first_step_silence_s)
         warmup = max(obs.silence_threshold_s, obs.first_step_silence_s)
         tracker.record.learn_below = lambda published: steady(published) if published > 0 else warmup
+        heartbeat_s = max(obs.heartbeat_s, self.world_size / 20000)
+        gather_timeout_s = max(obs.gather_timeout_s, 3 * heartbeat_s)
+        # An episode's longest wait (a member's wait for the verdict: EpisodeProtocol.await_verdict), with room
+        # for its records and callbacks: how long close() lets a busy observer finish.
+        self._episode_bound_s = 2 * (gather_timeout_s + 2 * heartbeat_s + 2.0) + self.OBSERVER_EXIT_S
         pid, ready_fd = start_observer(ObserverSpec(
             run_id=self.run_id, launch=self.launch_id, rank=self.rank, world_size=self.world_size,
             record_path=tracker.record.path, control=plane, peer_groups=[list(g) for g in self.groups.all_peers],
             hosts=self.hosts, devices=self.devices, silence_threshold_s=obs.silence_threshold_s,
             first_step_silence_s=obs.first_step_silence_s, io_silence_s=obs.io_silence_s,
-            adaptive_multiple=obs.adaptive_multiple, heartbeat_s=max(obs.heartbeat_s, self.world_size / 20000),
-            gather_timeout_s=max(obs.gather_timeout_s, 3 * max(obs.heartbeat_s, self.world_size / 20000)),
+            adaptive_multiple=obs.adaptive_multiple, heartbeat_s=heartbeat_s, gather_timeout_s=gather_timeout_s,
             startup_timeout_s=obs.startup_timeout_s,
             jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
             on_incident=hang_action(cfg, on_incident), stop_on_verdict=cfg.actions.on_verdict == "stop",
         ))
         self.observer_pid = pid
         try:
-            ready, _, _ = select.select([ready_fd], [], [], cfg.observer.startup_timeout_s)
-            ok = bool(ready) and os.read(ready_fd, 1) == b"R"
+            with selectors.DefaultSelector() as sel:  # not select(): a trainer's fds may be numbered past 1023
+                sel.register(ready_fd, selectors.EVENT_READ)
+                ok = bool(sel.select(cfg.observer.startup_timeout_s)) and os.read(ready_fd, 1) == b"R"
         finally:
             os.close(ready_fd)
         everyone = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -378,13 +384,16 @@ class ScoutHandle:
         return self.tracker.checkpoint_io(kind) if self.tracker else contextlib.nullcontext()
 
     OBSERVER_EXIT_S = 5.0
-    """close() waits this long for the observer (inside a store call, or a user callback) before killing it."""
+    """close() waits this long for an idle observer (inside a store call, or a user callback) before killing it;
+    one inside an episode (it says so in the record) gets until the episode's own bound, plus this."""
 
     def _reap_observer(self) -> None:
-        deadline = time.monotonic() + self.OBSERVER_EXIT_S
+        tracker = self.tracker
+        start = time.monotonic()
         try:
             while os.waitpid(self.observer_pid, os.WNOHANG)[0] == 0:
-                if time.monotonic() > deadline:
+                busy = tracker is not None and tracker.record.observer_busy
+                if time.monotonic() - start > (self._episode_bound_s if busy else self.OBSERVER_EXIT_S):
                     os.kill(self.observer_pid, 9)
                     os.waitpid(self.observer_pid, 0)
                     return
@@ -459,7 +468,7 @@ class ScoutHandle:
             if self.tracker is not None:
                 self._quietly(self.tracker.remove_hooks, "progress hooks")
                 self._quietly(lambda: uninstall_collective_hooks(self.tracker), "collective hooks")
-            if self.observer_pid is not None:
+            if self.observer_pid is not None and not self._observer_reported:  # not reaped: its pid is still ours
                 if self.tracker is not None:  # the observer ends without answering for us
                     self._quietly(lambda: self.tracker.mark(Phase.CLOSED), "progress record")
                 with contextlib.suppress(ProcessLookupError):

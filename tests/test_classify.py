@@ -148,3 +148,14 @@ def test_two_peers_name_the_one_the_other_waits_for():
     assert (v.hang_class, v.ranks) == (HangClass.LAGGING, (1,))
     ev = {0: _ev(0, op=5), 1: _ev(1, op=5, fp=("all_reduce|other", 9))}
     assert _one(classify(ev, [[0, 1]])).hang_class is HangClass.INCONCLUSIVE
+
+
+def test_exited_only_when_a_live_peer_waits_in_a_collective():
+    """A rank that closed SCOUT is named `exited` only if someone waits in a collective it will never join; a
+    peer silent outside any collective (stuck on its own) does not make an ordinary exit a culprit."""
+    gone = dataclasses.replace(_ev(4), alive=False, step=-1, pending=False)
+    waiting = {**_healthy(), 4: gone}
+    assert HangClass.EXITED in {v.hang_class for v in classify(waiting, [WORLD])}
+    stuck = {r: _ev(r, phase=Phase.FORWARD, pending=False) for r in WORLD}
+    stuck[4] = gone
+    assert HangClass.EXITED not in {v.hang_class for v in classify(stuck, [WORLD])}

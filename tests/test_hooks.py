@@ -143,6 +143,21 @@ def test_backward_marks_are_optional():
     assert [e[3] for e in rec.log] == ["FORWARD", "FORWARD"]
 
 
+def test_nothing_but_closed_is_published_after_close():
+    """A loop that still iterates a wrapped loader after close() must not write into a record whose observer
+    has read CLOSED as the trainer's last word (nor crash on a record close() unmapped)."""
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    tracker.remove_hooks()
+    for _ in tracker.wrap_dataloader([1, 2]):
+        tracker.step_done()
+    with tracker.checkpoint_io("write"):
+        pass
+    assert rec.log == []
+    tracker.mark(Phase.CLOSED)
+    assert [e[3] for e in rec.log] == ["CLOSED"]
+
+
 def test_hooks_leave_training_bitwise_unchanged():
     def run(hooked):
         torch.manual_seed(0)

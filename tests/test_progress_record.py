@@ -156,3 +156,17 @@ def test_segment_removed_at_normal_exit(shm):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = out.stdout.strip()
     assert path.startswith(shm) and not os.path.exists(path)
+
+
+def test_the_observers_busy_byte_is_apart_from_the_trainers_fields(shm):
+    """close() reads it to let an observer in an episode finish; writing it never tears the trainer's record."""
+    rec = create_record("busy", 0, directory=shm)
+    rec.publish(3, 7, Phase.COLLECTIVE, True, 7, (5, "all_reduce"))
+    observer = ProgressRecord(rec.path, owner=False)
+    assert not rec.observer_busy
+    observer.set_observer_busy(True)
+    assert rec.observer_busy
+    snap = observer.read()  # the CRC still validates: the byte is outside what it covers
+    assert (snap.step, snap.op_id, snap.fingerprint) == (3, 7, "all_reduce")
+    observer.set_observer_busy(False)
+    assert not rec.observer_busy

@@ -24,7 +24,7 @@ group-scoped for device and fabric diagnosis. A group whose members all keep
 working has no verdict.
 
 Ranks whose observers did not answer are *lost*: named per machine when every
-rank of a machine is lost. A rank whose trainer exited while a live peer waits
+rank of a machine is lost. A rank whose trainer exited while a live peer waits in a collective
 is *exited*; if anyone is lost, exited trainers are the victims of that loss
 (on gloo, a peer's death makes the survivors' collectives fail).
 
@@ -194,7 +194,9 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
     gone = [r for r in members if not evidence[r].alive]
     waiting = [e for e in live if e.silent]
     out: list[HangVerdict] = []
-    if gone and waiting:
+    # Named only when a live member waits in a collective (that the gone ranks will never join): a member
+    # silent outside any collective is stuck on its own, and the exit was an ordinary one.
+    if gone and any(e.pending for e in waiting):
         out.append(HangVerdict(HangClass.EXITED, tuple(gone), tuple(group),
                                f"the trainers of ranks {gone} exited while their peers wait",
                                {"exited": gone, "waiting": [e.rank for e in waiting]}))

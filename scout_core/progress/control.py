@@ -27,11 +27,13 @@ what the other machines see when node 0 is gone (see ``observer.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
-import select
+import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,34 +108,47 @@ DAEMON_START_S = 60.0
 def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S) -> int:
     """Start a store daemon detached from this process; return the port it serves.
 
-    A fresh interpreter (``python -m scout_core.progress.control``), not a fork: the trainer may run CUDA,
-    NCCL and threads whose locks a forked child would inherit held. ``start_new_session``: the daemon is in
-    no process group or session of the job, so killing rank 0 (or its group) leaves it serving; it holds
-    none of the trainer's files (``close_fds``, no inherited stdin or stderr).
+    A fresh interpreter (``python -m scout_core.progress.control``), not a fork of the trainer: the trainer
+    may run CUDA, NCCL and threads whose locks a forked child would inherit held. It forks once more at
+    once (a fresh interpreter has no threads, so that fork is safe) and its first process exits: the daemon
+    is then nobody's child in the job (re-parented to init), so no trainer has to reap it and none counts
+    it among its processes. ``start_new_session``: it is in no process group or session of the job, so
+    killing rank 0 (or its group) leaves it serving. It holds none of the trainer's files (``close_fds``);
+    what it writes to stderr before it serves is kept in a file and quoted if it fails to start.
     """
     import scout_core
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    # Through a shell that backgrounds it and exits at once: the daemon is then nobody's child in the job
-    # (re-parented to init), so no trainer has to reap it and none counts it among its processes.
-    shell = subprocess.Popen(
-        ["/bin/sh", "-c", '"$@" &', "sh", sys.executable, "-m", "scout_core.progress.control", str(port),
-         str(world_size), str(idle_exit_s)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-        close_fds=True, env=env, cwd="/",
-    )
-    shell.wait()
-    assert shell.stdout is not None
-    ready, _, _ = select.select([shell.stdout], [], [], DAEMON_START_S)
-    line = shell.stdout.readline() if ready else b""
-    shell.stdout.close()
-    if not line.strip().isdigit():
-        raise RuntimeError(f"the SCOUT control-store daemon did not start within {DAEMON_START_S:.0f} s")
+    with tempfile.TemporaryFile(prefix="scout-control-") as log:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "scout_core.progress.control", str(port), str(world_size), str(idle_exit_s)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+            close_fds=True, env=env, cwd="/",
+        )
+        assert first.stdout is not None
+        line = b""
+        with selectors.DefaultSelector() as sel:  # not select(): the pipe's number may be above 1023
+            sel.register(first.stdout, selectors.EVENT_READ)
+            if sel.select(DAEMON_START_S):
+                line = first.stdout.readline()
+        first.stdout.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            first.wait(timeout=5.0)  # it exits right after forking the daemon
+        if not line.strip().isdigit():
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+            log.seek(0)
+            tail = log.read()[-2000:].decode(errors="replace").strip()
+            raise RuntimeError(f"the SCOUT control-store daemon did not start within {DAEMON_START_S:.0f} s"
+                               + (f": {tail}" if tail else ""))
     return int(line)
 
 
 def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
+    if os.fork() > 0:  # detach: our parent (rank 0) reaps this first process at once
+        os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
     from torch.distributed import TCPStore
 
@@ -141,6 +156,7 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     print(server.port, flush=True)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
+    os.dup2(null, 2)  # nor to the start-up log
     last, since = None, time.monotonic()
     while True:
         time.sleep(min(5.0, idle_exit_s / 4))

@@ -128,6 +128,8 @@ class ProgressTracker:
     def mark(self, phase: Phase) -> None:
         """A phase boundary (layer, data loader, checkpoint, optimizer): the coordinate does not move."""
         with self._lock:
+            if self.closed and phase is not Phase.CLOSED:
+                return  # after close() (a loop still iterating a wrapped loader): CLOSED was the last word
             self._phase = phase
             self._publish_locked()
 
@@ -141,6 +143,8 @@ class ProgressTracker:
     def launch(self, fp: CollectiveFingerprint) -> tuple[int, int]:
         """Publish the launch of the next collective of this step; returns its key for :meth:`complete`."""
         with self._lock:
+            if self.closed:
+                return (self.step, 0)  # a wrapper that outlived close(): nothing may publish into a closed record
             self.launched += 1
             key = (self.step, self.launched)
             self._inflight[key] = (fp.hash64(), fp.text())
@@ -177,10 +181,18 @@ class ProgressTracker:
                 return
             self._polled.append((key, handle))
             if self._poller is None:
-                self._poller = threading.Thread(target=self._poll_while_quiet, name="scout-completion", daemon=True)
+                # The trainer's device, not device 0: a CUDA call on a thread that never set it would create a
+                # context on GPU 0 (hundreds of MiB there, from every rank of the machine).
+                device = None
+                if on_device and tensor.device.type == "cuda":
+                    device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+                self._poller = threading.Thread(target=self._poll_while_quiet, args=(device,),
+                                                name="scout-completion", daemon=True)
                 self._poller.start()
 
-    def _poll_while_quiet(self) -> None:
+    def _poll_while_quiet(self, cuda_device: int | None = None) -> None:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
         while not self.closed:
             time.sleep(POLL_QUIET_S)
             if not self._polled or time.monotonic() - self.record.last_publish < POLL_QUIET_S:
@@ -193,6 +205,8 @@ class ProgressTracker:
 
     def step_done(self) -> None:
         with self._lock:
+            if self.closed:
+                return
             if self.resume_at is not None:
                 self.step, self.resume_at = self.resume_at, None
             self.step += 1

@@ -95,8 +95,9 @@ class _Stopped(Exception):
     """The observer stopped its trainer on a verdict: a deliberate end, not a failure."""
 
 
-class _Closing(Exception):
-    """The trainer closed SCOUT (published CLOSED, then SIGTERM)."""
+class _Closing(BaseException):
+    """The trainer closed SCOUT (published CLOSED, then SIGTERM). A BaseException: it is raised from a signal
+    handler anywhere, and no ``except Exception`` on the way (a user callback's guard) may swallow it."""
 
 
 class _ControlPlaneDown(Exception):
@@ -126,15 +127,16 @@ def steady_threshold(base: float, multiple: float, ceiling: float, gap_max: floa
     return max(base, min(multiple * gap_max, max(base, ceiling)))
 
 
-def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot) -> float:
+def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot, learned_gap: float = 0.0) -> float:
     """Seconds of silence after which this observer opens an episode, given its trainer's last publish.
 
     The warm-up lasts until the trainer has completed its first two steps (of this launch, resumed or not):
-    until then no rhythm is published (``gap_max`` is 0) and ``first_step_silence_s`` applies."""
+    until then no rhythm is published (``gap_max`` is 0) and ``first_step_silence_s`` applies.
+    ``learned_gap``: the longest silence an episode found healthy (the observer's own learning)."""
     if snap.gap_max <= 0.0:
         return max(spec.silence_threshold_s, spec.first_step_silence_s)
     threshold = steady_threshold(spec.silence_threshold_s, spec.adaptive_multiple, spec.first_step_silence_s,
-                                 snap.gap_max)
+                                 max(snap.gap_max, learned_gap))
     if snap.phase in _IO_PHASES and not snap.pending:
         threshold = max(threshold, spec.io_silence_s)
     return threshold
@@ -176,6 +178,8 @@ class _Observer:
         self._critical = False
         """Inside an episode or the delivery of its verdict: a closing trainer's SIGTERM waits until it ends."""
         self._close_pending = False
+        self._learned_gap = 0.0
+        """The longest silence an episode found healthy (no verdict): the threshold adapts to it too."""
         self._watch: tuple[int, list[Incident], float] | None = None
         """(episode, incidents, when) of a verdict we reported and whose stall has not ended yet."""
         sinks: list[Any] = [LoggingSink(spec.log_level)]
@@ -188,11 +192,7 @@ class _Observer:
     def run(self, *, death_signal: bool = True) -> int:
         if death_signal:
             _die_with_parent()
-        # None of the trainer's files: its communicator sockets above all. Held open here they would keep a
-        # dead trainer's connections alive (its gloo peers would wait instead of failing) and pin its files.
-        keep = sorted({0, 1, 2, self.ready_fd})
-        for lo, hi in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")], strict=True):
-            os.closerange(lo + 1, hi)
+        _release_inherited_files(keep={0, 1, 2, self.ready_fd})
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
         try:
@@ -221,6 +221,23 @@ class _Observer:
             if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
 
+    @contextlib.contextmanager
+    def _critical_section(self) -> Iterator[None]:
+        """An episode or the delivery of its records: a closing trainer's SIGTERM waits until it ends, and the
+        trainer's close() sees (one byte of the record) that it must wait for us rather than kill us."""
+        self._critical = True
+        if self.record is not None:
+            self.record.set_observer_busy(True)
+        try:
+            yield
+        finally:
+            self._critical = False
+            if self.record is not None:
+                self.record.set_observer_busy(False)
+        if self._close_pending:
+            self._close_pending = False
+            raise _Closing
+
     def _protocol(self, store: Any) -> EpisodeProtocol:
         spec = self.spec
         return EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
@@ -244,7 +261,7 @@ class _Observer:
         closed = self.record is not None and self.record.read().phase is Phase.CLOSED
         if closed:
             if self._critical:
-                self._close_pending = True  # finish the episode and the callbacks first (close() waits 5 s)
+                self._close_pending = True  # finish the episode and the callbacks first (close() waits)
                 return
             raise _Closing
         if self._trainer_gone():
@@ -256,6 +273,7 @@ class _Observer:
         open episode that it is gone, and count it out with a store daemon (which exits once every rank
         has). Over our own connection (the trainer's close() waits for us, briefly); a fresh one only if
         that fails (the signal may have interrupted it mid-message). Never raises."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt these messages
         for attempt in range(2):
             try:
                 self._closed_messages(self.store if attempt == 0 else
@@ -268,8 +286,8 @@ class _Observer:
         spec = self.spec
         if store is None:
             raise RuntimeError("no store")
-        store.set(f"closed/{spec.rank}", "1")
-        if spec.control.needs_beats:
+        # Counted once, even if a first attempt was cut off after this message: the daemon exits at world size.
+        if int(store.add(f"closed/{spec.rank}", 1)) == 1 and spec.control.needs_beats:
             store.underlying_store.add(daemon_key(CLOSED_KEY), 1)
         if self.record is None or not store.check([f"ep/{self.proto.episode if self.proto else 0}/open"]):
             return
@@ -293,6 +311,7 @@ class _Observer:
             try:
                 self._watch_once()
             except _Closing:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # closing now: a second SIGTERM changes nothing
                 self._resolved()
                 self._answer_closed()
                 return
@@ -309,6 +328,7 @@ class _Observer:
         silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
         gone_until: float | None = None  # our trainer died without closing: answer for it until then
         gone_opened = False
+        healthy_since: float | None = None  # publish time of a silence that an episode found healthy
         next_beat = next_daemon_beat = 0.0
         with _store_errors():
             while True:
@@ -317,13 +337,17 @@ class _Observer:
                 if snap.phase is Phase.CLOSED:
                     raise _Closing
                 now = time.monotonic()
-                threshold = silence_threshold(spec, snap)
+                threshold = silence_threshold(spec, snap, self._learned_gap)
                 silent_s = now - snap.t_publish
                 if silent_in is not None and snap.seq != silent_in[1]:
                     proto.moved(silent_in[0])  # our trainer moved after a verdict: progress resumed
                     if self._watch is not None and self._watch[0] == silent_in[0]:
                         self._resolved()
                     silent_in = None
+                    if healthy_since is not None:  # learn that silence (at most a heartbeat too long)
+                        self._learned_gap = max(self._learned_gap, now - healthy_since)
+                        healthy_since = None
+                        threshold = silence_threshold(spec, snap, self._learned_gap)
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
                     self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
@@ -345,20 +369,20 @@ class _Observer:
                         gone_opened = gone_opened or gone
                     mine = self._evidence(snap, silent_s, silent=silent_s >= threshold, alive=not gone)
                     episode = proto.episode
-                    self._critical = True
-                    try:
+                    with self._critical_section():
                         outcome = proto.run(mine)
                         if mine.silent and outcome is not None:  # no verdict came (the reporter died): retry
                             diagnosed_seq = snap.seq
                             silent_in = (episode, snap.seq)
+                            if not outcome.verdicts:
+                                # Every peer group found its members progressing or alike: our silence was
+                                # the job's rhythm (a phase longer than the threshold without marks, that
+                                # the trainer cannot learn because it was over the threshold in force).
+                                healthy_since = snap.t_publish
                         if outcome is not None and outcome.verdicts and not outcome.repeat:
                             incidents = self._deliver(outcome, snap, threshold)
                             if outcome.reporter:
                                 self._watch = (outcome.episode, incidents, time.monotonic())
-                    finally:
-                        self._critical = False
-                    if self._close_pending:
-                        raise _Closing
                     if gone and outcome is not None and outcome.verdicts:
                         raise SystemExit(0)  # we answered for our dead trainer, and a verdict came
                     continue
@@ -422,6 +446,11 @@ class _Observer:
         """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
         if self._watch is None:
             return
+        with self._critical_section():  # a closing trainer's SIGTERM must not cut these records short
+            self._emit_resolved()
+
+    def _emit_resolved(self) -> None:
+        assert self._watch is not None
         (episode, incidents, t_verdict), self._watch = self._watch, None
         for inc in incidents:
             self.reporter.emit(Incident(
@@ -464,6 +493,27 @@ def _values(facts: Any) -> list[Any]:
     if isinstance(facts, dict):
         return [value for value, _count in facts.get("distinct", [])]
     return list(facts or [])
+
+
+def _release_inherited_files(keep: set[int]) -> None:
+    """Point every file descriptor inherited from the trainer, but ``keep``, at /dev/null.
+
+    Its communicator sockets above all: held open here they would keep a dead trainer's connections alive
+    (its gloo peers would wait instead of failing) and pin its files. Not closed: Python objects inherited
+    from the trainer still hold those numbers, and one finalized later would close whatever file of ours
+    had reused its number (the store's socket, the incident log)."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: the low numbers, where a process's files are
+        fds = list(range(3, 4096))
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in fds:
+        if fd in keep or fd == null:
+            continue
+        with contextlib.suppress(OSError):
+            os.fstat(fd)
+            os.dup2(null, fd)
+    os.close(null)
 
 
 def _die_with_parent() -> None:

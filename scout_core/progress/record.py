@@ -48,7 +48,10 @@ _BODY = struct.Struct("<qqqIIdddQII")  # the fields: _HEAD without the sequence 
 _CRC = struct.Struct("<I")
 _CRC_AT = 8 + _BODY.size  # CRC-32 of the fingerprint bytes, then of the fields
 _FP_MAX = 448
-SIZE = _HEAD.size + _FP_MAX
+_BUSY_AT = _HEAD.size + _FP_MAX
+"""One byte the OBSERVER writes (the rest is the trainer's): 1 while it is inside an episode or the delivery of
+its verdict, so that the trainer's close() waits for it to finish instead of killing it half-way."""
+SIZE = _BUSY_AT + 8
 
 
 class Phase(enum.IntEnum):
@@ -198,6 +201,16 @@ class ProgressRecord:
             _, step, op_id, launched, phase, pending, t_pub, t_phase, gap_max, fp_hash, _, pid, _ = fields
             return ProgressSnapshot(seq, step, op_id, launched, Phase(phase), bool(pending), t_pub, t_phase,
                                     gap_max, fp_hash, fp.decode(errors="replace"), pid)
+
+    # -- the observer's byte -------------------------------------------------------------------
+
+    def set_observer_busy(self, busy: bool) -> None:
+        self._mm[_BUSY_AT] = 1 if busy else 0
+
+    @property
+    def observer_busy(self) -> bool:
+        """The observer is inside an episode (a single byte: no tearing, no ordering to rely on)."""
+        return self._mm[_BUSY_AT] == 1
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
