@@ -222,7 +222,8 @@ class ScoutHandle:
         written and replicated (a pending stop is carried out here too)."""
         self.settle()
         if self.checkpoint is not None:
-            self.checkpoint.flush()
+            with self._checkpoint_io("write"):
+                self.checkpoint.flush()
 
     def settle(self) -> None:
         """End of the training step, as seen from the next data fetch or the next optimizer step: the
@@ -388,15 +389,31 @@ class ScoutHandle:
     one inside an episode (it says so in the record) gets until the episode's own bound, plus this."""
 
     def _reap_observer(self) -> None:
-        tracker = self.tracker
-        start = time.monotonic()
+        """Wait for the observer we terminated: ``OBSERVER_EXIT_S`` from close() or from the end of its last
+        busy stretch (an episode, its records, its closing messages), at most ``_episode_bound_s`` busy; then
+        kill it. Never blocks for good: a process stuck in uninterruptible I/O (an fsync on a hung file
+        system) is left behind after one more ``OBSERVER_EXIT_S``."""
+        record = self.tracker.record if self.tracker is not None else None
+        idle_since = busy_since = time.monotonic()
+        killed_at: float | None = None
         try:
             while os.waitpid(self.observer_pid, os.WNOHANG)[0] == 0:
-                busy = tracker is not None and tracker.record.observer_busy
-                if time.monotonic() - start > (self._episode_bound_s if busy else self.OBSERVER_EXIT_S):
-                    os.kill(self.observer_pid, 9)
-                    os.waitpid(self.observer_pid, 0)
-                    return
+                now = time.monotonic()
+                if killed_at is not None:
+                    if now - killed_at > self.OBSERVER_EXIT_S:
+                        _log.warning("rank %d: the SCOUT observer (pid %d) does not exit even when killed",
+                                     self.rank, self.observer_pid)
+                        return
+                elif record is not None and record.observer_busy:
+                    idle_since = now
+                    if now - busy_since > self._episode_bound_s:
+                        killed_at = now
+                        os.kill(self.observer_pid, 9)
+                else:
+                    busy_since = now
+                    if now - idle_since > self.OBSERVER_EXIT_S:
+                        killed_at = now
+                        os.kill(self.observer_pid, 9)
                 time.sleep(0.01)
         except (ChildProcessError, ProcessLookupError):
             pass
@@ -457,7 +474,11 @@ class ScoutHandle:
                 self._quietly(h.remove, "hook removal")
             self._hooks.clear()
             if self.checkpoint is not None:
-                self._quietly(lambda: self.checkpoint.flush(CRASH_FLUSH_S if failing else None), "snapshot flush")
+                def final_flush() -> None:
+                    with self._checkpoint_io("write"):  # a long last write is I/O for the observer, not a stall
+                        self.checkpoint.flush(CRASH_FLUSH_S if failing else None)
+
+                self._quietly(final_flush, "snapshot flush")
                 if discard_snapshots:
                     self._quietly(lambda: self.checkpoint.memory.remove_mine(self.checkpoint.sources),
                                   "snapshot removal")

@@ -264,6 +264,12 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
     if len(waiting) < len(ev):
         return out  # same point, same collective, some still working: not a stall of this group
     where = f"{tuple(ev[0].coordinate)[:2]} in {ev[0].fingerprint or Phase(ev[0].phase).name.lower()}"
+    if gone and not any(e.pending for e in ev):
+        # They may wait for the exited ranks outside any collective we see (a store wait, a file barrier):
+        # "below the software" would send the operator to the hardware.
+        return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
+                                  f"every live peer is silent at the same point {where}, outside any collective, "
+                                  f"while the trainers of ranks {gone} exited", {**facts, "exited": gone})]
     return out + [HangVerdict(HangClass.EQUAL_PROGRESS_STALL, tuple(ranks), tuple(group),
                               f"every peer waits at the same point {where}: runtime or transport stall", facts)]
 

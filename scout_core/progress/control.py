@@ -120,7 +120,11 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    with tempfile.TemporaryFile(prefix="scout-control-") as log:
+    try:
+        log: Any = tempfile.TemporaryFile(prefix="scout-control-")
+    except OSError:  # no writable temporary directory (a read-only container): start-up errors go unquoted
+        log = open(os.devnull, "wb")  # noqa: SIM115 - closed by the with below
+    with log:
         first = subprocess.Popen(
             [sys.executable, "-m", "scout_core.progress.control", str(port), str(world_size), str(idle_exit_s)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
@@ -136,11 +140,13 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
         with contextlib.suppress(subprocess.TimeoutExpired):
             first.wait(timeout=5.0)  # it exits right after forking the daemon
         if not line.strip().isdigit():
-            if first.poll() is None:
-                first.kill()
-                first.wait()
-            log.seek(0)
-            tail = log.read()[-2000:].decode(errors="replace").strip()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(first.pid, signal.SIGKILL)  # its session's group: the forked daemon too
+            first.wait()
+            tail = ""
+            with contextlib.suppress(OSError):
+                log.seek(0)
+                tail = log.read()[-2000:].decode(errors="replace").strip()
             raise RuntimeError(f"the SCOUT control-store daemon did not start within {DAEMON_START_S:.0f} s"
                                + (f": {tail}" if tail else ""))
     return int(line)

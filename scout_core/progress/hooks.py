@@ -93,6 +93,8 @@ class ProgressTracker:
         self._trainer = threading.get_ident()
         self._handles: list[Any] = []
         self._poller: threading.Thread | None = None
+        self._cuda_device: int | None = None
+        """The device of the CUDA collectives in flight: the poller thread sets it before it polls them."""
         self.closed = False  # set by remove_hooks(): nothing may publish into a closed record
         self.resume_at: int | None = None
         """A resumed job's restored step: published from its first completed step on (until then the
@@ -180,24 +182,25 @@ class ProgressTracker:
             if key not in self._inflight:
                 return
             self._polled.append((key, handle))
+            if on_device and tensor.device.type == "cuda":
+                # The poller polls on this device, not device 0: a CUDA call on a thread that never set it
+                # would create a context on GPU 0 (hundreds of MiB there, from every rank of the machine).
+                self._cuda_device = tensor.device.index if tensor.device.index is not None \
+                    else torch.cuda.current_device()
             if self._poller is None:
-                # The trainer's device, not device 0: a CUDA call on a thread that never set it would create a
-                # context on GPU 0 (hundreds of MiB there, from every rank of the machine).
-                device = None
-                if on_device and tensor.device.type == "cuda":
-                    device = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-                self._poller = threading.Thread(target=self._poll_while_quiet, args=(device,),
-                                                name="scout-completion", daemon=True)
+                self._poller = threading.Thread(target=self._poll_while_quiet, name="scout-completion", daemon=True)
                 self._poller.start()
 
-    def _poll_while_quiet(self, cuda_device: int | None = None) -> None:
-        if cuda_device is not None:
-            torch.cuda.set_device(cuda_device)
+    def _poll_while_quiet(self) -> None:
+        device: int | None = None
         while not self.closed:
             time.sleep(POLL_QUIET_S)
             if not self._polled or time.monotonic() - self.record.last_publish < POLL_QUIET_S:
                 continue  # nothing in flight, or the training thread publishes (and polls) itself
             with self._lock:
+                if self._cuda_device is not None and self._cuda_device != device:  # set with the handles, above
+                    device = self._cuda_device
+                    torch.cuda.set_device(device)
                 before = len(self._inflight)
                 self._poll_locked()
                 if len(self._inflight) != before and not self.closed:

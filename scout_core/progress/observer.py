@@ -127,16 +127,19 @@ def steady_threshold(base: float, multiple: float, ceiling: float, gap_max: floa
     return max(base, min(multiple * gap_max, max(base, ceiling)))
 
 
-def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot, learned_gap: float = 0.0) -> float:
+def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot) -> float:
     """Seconds of silence after which this observer opens an episode, given its trainer's last publish.
 
     The warm-up lasts until the trainer has completed its first two steps (of this launch, resumed or not):
     until then no rhythm is published (``gap_max`` is 0) and ``first_step_silence_s`` applies.
-    ``learned_gap``: the longest silence an episode found healthy (the observer's own learning)."""
+
+    Only the trainer learns the rhythm, and only from gaps below the threshold in force: an observer that
+    learned silences its episode found without a verdict would learn rank 0's saves (its peers wait within
+    the I/O tolerance) and the stall of whichever rank reached a collective first."""
     if snap.gap_max <= 0.0:
         return max(spec.silence_threshold_s, spec.first_step_silence_s)
     threshold = steady_threshold(spec.silence_threshold_s, spec.adaptive_multiple, spec.first_step_silence_s,
-                                 max(snap.gap_max, learned_gap))
+                                 snap.gap_max)
     if snap.phase in _IO_PHASES and not snap.pending:
         threshold = max(threshold, spec.io_silence_s)
     return threshold
@@ -178,8 +181,6 @@ class _Observer:
         self._critical = False
         """Inside an episode or the delivery of its verdict: a closing trainer's SIGTERM waits until it ends."""
         self._close_pending = False
-        self._learned_gap = 0.0
-        """The longest silence an episode found healthy (no verdict): the threshold adapts to it too."""
         self._watch: tuple[int, list[Incident], float] | None = None
         """(episode, incidents, when) of a verdict we reported and whose stall has not ended yet."""
         sinks: list[Any] = [LoggingSink(spec.log_level)]
@@ -222,9 +223,10 @@ class _Observer:
                 self.record.unlink()  # the trainer died without cleaning up
 
     @contextlib.contextmanager
-    def _critical_section(self) -> Iterator[None]:
+    def _critical_section(self, *, closing: bool = False) -> Iterator[None]:
         """An episode or the delivery of its records: a closing trainer's SIGTERM waits until it ends, and the
-        trainer's close() sees (one byte of the record) that it must wait for us rather than kill us."""
+        trainer's close() sees (one byte of the record) that it must wait for us rather than kill us.
+        ``closing``: our closing messages; the byte stays set until we exit."""
         self._critical = True
         if self.record is not None:
             self.record.set_observer_busy(True)
@@ -232,10 +234,11 @@ class _Observer:
             yield
         finally:
             self._critical = False
-            if self.record is not None:
+            if self.record is not None and not closing:
                 self.record.set_observer_busy(False)
-        if self._close_pending:
-            self._close_pending = False
+            pending, self._close_pending = self._close_pending, False  # moot if we leave by an exception
+        if pending:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # closing now: a second SIGTERM changes nothing
             raise _Closing
 
     def _protocol(self, store: Any) -> EpisodeProtocol:
@@ -263,6 +266,7 @@ class _Observer:
             if self._critical:
                 self._close_pending = True  # finish the episode and the callbacks first (close() waits)
                 return
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # closing now: a second SIGTERM changes nothing
             raise _Closing
         if self._trainer_gone():
             return
@@ -274,13 +278,14 @@ class _Observer:
         has). Over our own connection (the trainer's close() waits for us, briefly); a fresh one only if
         that fails (the signal may have interrupted it mid-message). Never raises."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt these messages
-        for attempt in range(2):
-            try:
-                self._closed_messages(self.store if attempt == 0 else
-                                      connect(self.spec.control, self._namespace(), 2.0))
-                return
-            except Exception:  # noqa: BLE001 - best effort; the store may be gone with the job
-                continue
+        with self._critical_section(closing=True):  # close() waits for these too
+            for attempt in range(2):
+                try:
+                    self._closed_messages(self.store if attempt == 0 else
+                                          connect(self.spec.control, self._namespace(), 2.0))
+                    return
+                except Exception:  # noqa: BLE001 - best effort; the store may be gone with the job
+                    continue
 
     def _closed_messages(self, store: Any) -> None:
         spec = self.spec
@@ -328,7 +333,6 @@ class _Observer:
         silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
         gone_until: float | None = None  # our trainer died without closing: answer for it until then
         gone_opened = False
-        healthy_since: float | None = None  # publish time of a silence that an episode found healthy
         next_beat = next_daemon_beat = 0.0
         with _store_errors():
             while True:
@@ -337,17 +341,13 @@ class _Observer:
                 if snap.phase is Phase.CLOSED:
                     raise _Closing
                 now = time.monotonic()
-                threshold = silence_threshold(spec, snap, self._learned_gap)
+                threshold = silence_threshold(spec, snap)
                 silent_s = now - snap.t_publish
                 if silent_in is not None and snap.seq != silent_in[1]:
                     proto.moved(silent_in[0])  # our trainer moved after a verdict: progress resumed
                     if self._watch is not None and self._watch[0] == silent_in[0]:
                         self._resolved()
                     silent_in = None
-                    if healthy_since is not None:  # learn that silence (at most a heartbeat too long)
-                        self._learned_gap = max(self._learned_gap, now - healthy_since)
-                        healthy_since = None
-                        threshold = silence_threshold(spec, snap, self._learned_gap)
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
                     self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
@@ -374,11 +374,6 @@ class _Observer:
                         if mine.silent and outcome is not None:  # no verdict came (the reporter died): retry
                             diagnosed_seq = snap.seq
                             silent_in = (episode, snap.seq)
-                            if not outcome.verdicts:
-                                # Every peer group found its members progressing or alike: our silence was
-                                # the job's rhythm (a phase longer than the threshold without marks, that
-                                # the trainer cannot learn because it was over the threshold in force).
-                                healthy_since = snap.t_publish
                         if outcome is not None and outcome.verdicts and not outcome.repeat:
                             incidents = self._deliver(outcome, snap, threshold)
                             if outcome.reporter:

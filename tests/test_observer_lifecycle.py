@@ -1,0 +1,126 @@
+"""The observer's end of life: close() waits for it while it is busy, it holds none of the trainer's files, and a
+closing rank is counted out once."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import types
+
+import torch.distributed as dist
+
+from scout_core.handle import ScoutHandle
+from scout_core.progress.control import CLOSED_KEY, ControlPlane, daemon_key
+from scout_core.progress.observer import ObserverSpec, _Closing, _Observer, _release_inherited_files
+from scout_core.progress.record import ProgressRecord, create_record
+
+
+def _child(busy_s: float, then_s: float, record_path: str) -> int:
+    """A stand-in observer: busy (in an episode) for busy_s, then its closing messages for then_s."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            rec = ProgressRecord(record_path, owner=False)
+            rec.set_observer_busy(busy_s > 0)
+            time.sleep(busy_s)
+            rec.set_observer_busy(False)
+            time.sleep(then_s)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def _reap(pid: int, record: ProgressRecord) -> tuple[int, float]:
+    stub = types.SimpleNamespace(observer_pid=pid, tracker=types.SimpleNamespace(record=record), rank=0,
+                                 _episode_bound_s=4.0, OBSERVER_EXIT_S=1.0)
+    start = time.monotonic()
+    ScoutHandle._reap_observer(stub)  # type: ignore[arg-type]
+    return stub, time.monotonic() - start
+
+
+def test_close_waits_for_a_busy_observer_and_then_for_its_closing_messages(tmp_path):
+    record = create_record("reap", 0, directory=str(tmp_path))
+    status = {}
+    # Busy for 1.6 s (past the 1 s idle limit), then 0.6 s of closing messages: it must exit on its own.
+    pid = _child(1.6, 0.6, record.path)
+    real_waitpid = os.waitpid
+
+    def recording_waitpid(p, flags):
+        done, st = real_waitpid(p, flags)
+        if done:
+            status[p] = os.waitstatus_to_exitcode(st)
+        return done, st
+
+    os.waitpid = recording_waitpid
+    try:
+        _, took = _reap(pid, record)
+    finally:
+        os.waitpid = real_waitpid
+    assert status[pid] == 0, "killed although it was busy, or right after its busy stretch ended"
+    assert 2.0 <= took < 3.5
+
+
+def test_close_kills_an_observer_idle_past_the_limit_and_never_blocks(tmp_path):
+    record = create_record("reap2", 0, directory=str(tmp_path))
+    status = {}
+    pid = _child(0.0, 30.0, record.path)
+    real_waitpid = os.waitpid
+
+    def recording_waitpid(p, flags):
+        done, st = real_waitpid(p, flags)
+        if done:
+            status[p] = os.waitstatus_to_exitcode(st)
+        return done, st
+
+    os.waitpid = recording_waitpid
+    try:
+        _, took = _reap(pid, record)
+    finally:
+        os.waitpid = real_waitpid
+    assert status[pid] == -9 and took < 2.5
+
+
+def test_the_observer_holds_none_of_the_trainers_files():
+    """An inherited socket is released (its peer sees the end when the trainer lets go), and its number stays
+    taken, so an inherited object finalized later cannot close a file of the observer's that reused it."""
+    mine, inherited = socket.socketpair()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _release_inherited_files(keep={0, 1, 2, write_end})
+            fresh = os.open(os.devnull, os.O_RDONLY)  # a number that was free: not one of the trainer's
+            os.write(write_end, b"1" if fresh not in (mine.fileno(), inherited.fileno()) else b"0")
+            time.sleep(5)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"1"
+        inherited.close()  # the trainer's copy: the observer's must not keep the connection open
+        mine.settimeout(3.0)
+        assert mine.recv(1) == b"", "the peer of a socket the trainer closed still sees it open"
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        mine.close()
+        os.close(read_end)
+
+
+def test_a_closing_rank_is_counted_out_once(tmp_path):
+    record = create_record("count", 3, directory=str(tmp_path))
+    spec = ObserverSpec(run_id="count", rank=3, world_size=4, record_path=record.path,
+                        control=ControlPlane("localhost", 1, "daemon"), peer_groups=[[0, 1, 2, 3]], hosts={},
+                        devices={}, silence_threshold_s=1.0, gather_timeout_s=1.0, startup_timeout_s=1.0,
+                        jsonl_path=None)
+    store = dist.PrefixStore("scout/count", dist.HashStore())
+    observer = _Observer(spec, ready_fd=-1)
+    observer._closed_messages(store)
+    observer._closed_messages(store)  # a retry after the first attempt was cut off
+    assert int(store.underlying_store.add(daemon_key(CLOSED_KEY), 0)) == 1
+    assert store.check(["closed/3"])
+
+
+def test_closing_is_not_an_exception_a_guard_could_swallow():
+    assert issubclass(_Closing, BaseException) and not issubclass(_Closing, Exception)
