@@ -51,10 +51,13 @@ def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> f
 def bench_signature(device: torch.device, mib: int, repeats: int) -> list[dict]:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    # The baseline is a float32 sum over the same number of bytes for every dtype: a bf16 or fp64 sum is slower
+    # per byte and would flatter the ratio; the fold reads bytes, whatever their dtype.
+    base = torch.randn(mib * 2**20 // 4, device=device)
+    t_sum = _best(lambda: torch.sum(base), repeats, sync)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
         numel = mib * 2**20 // torch.tensor([], dtype=dtype).element_size()
         x = torch.randn(numel, device=device).to(dtype)
-        t_sum = _best(lambda x=x: torch.sum(x), repeats, sync)
         t_fold = _best(lambda x=x: fold(x), repeats, sync)
         t_sig = _best(lambda x=x: signature(x), repeats, sync)
         gbps = x.numel() * x.element_size() / 1e9

@@ -12,6 +12,9 @@ from scout_core.inject import _flip_bit
 from scout_core.launcher import RankContext, launch
 from scout_core.signature import FOLD_WORDS, fold, sign_many, signature, signed
 
+PINNED_ARANGE_1000 = 918835545963788145
+PINNED_ARANGE_70000 = 568334426691217200
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int8, torch.uint8,
           torch.int64, torch.bool]
 for _name in ("float8_e4m3fn", "float8_e5m2"):
@@ -141,4 +144,7 @@ def test_equal_tensors_in_different_processes_sign_equal():
 def test_finalize_is_stable_across_versions():
     # Pin the wire format: a change here breaks cross-version peers in a rolling upgrade.
     assert signature(torch.zeros(4, dtype=torch.float32)) == sigmod._finalize(
-        b"scout-sig-v1|torch.float32|4|16|", bytes(8 * FOLD_WORDS))
+        b"scout-sig-v2|torch.float32|4|16|", bytes(8 * FOLD_WORDS))
+    # ... and the weights and multipliers of the fold (no torch random stream involved)
+    assert signature(torch.arange(1000, dtype=torch.float32)) == PINNED_ARANGE_1000
+    assert signature(torch.arange(70_000, dtype=torch.int64)) == PINNED_ARANGE_70000
