@@ -161,3 +161,11 @@ def test_exited_only_when_a_live_peer_waits_in_a_collective():
     (v,) = classify(stuck, [WORLD])
     # not named, and not "below the software" either: they may wait for it where no collective is seen
     assert v.hang_class is HangClass.INCONCLUSIVE and 4 not in v.ranks and v.evidence["exited"] == [4]
+
+
+def test_peers_that_closed_in_order_are_nobody_to_wait_for():
+    """The job ended on the other ranks (they closed SCOUT) while rank 0 still does unmarked work: no record."""
+    stuck = {r: dataclasses.replace(_ev(r, phase=Phase.CLOSED, pending=False), alive=False, step=-1)
+             for r in WORLD[1:]}
+    stuck[0] = _ev(0, phase=Phase.COMPUTE, pending=False)
+    assert classify(stuck, [WORLD]) == []

@@ -98,3 +98,26 @@ def test_a_group_whose_leader_never_posts_is_read_by_the_reporter_not_named_lost
     obs[0].lead_group(0, starts[0])  # group 0's leader posts; group 1's leader (rank 4) dies here
     outcome = obs[0].report(0, starts[0])
     assert sorted((v.hang_class.value, v.ranks) for v in outcome.verdicts) == [("lagging", (2,)), ("lost", (7,))]
+
+
+def test_a_leader_does_not_wait_for_members_that_closed():
+    """At a job's end the others closed SCOUT; rank 0 is still saving: its leader reads the list of closed
+    ranks and decides at once, with no verdict, instead of waiting the gather timeout for them."""
+    import time as _time
+
+    from torch.distributed import HashStore
+
+    from scout_core.progress.episode import CLOSED_LIST
+
+    store = HashStore()
+    for r in (1, 2, 3):
+        store.append(CLOSED_LIST, f"{r},")
+    proto = EpisodeProtocol(store, rank=0, peer_groups=[[0, 1, 2, 3]], hosts={}, gather_timeout_s=30.0)
+    start = proto.post(_ev(0, pending=False))
+    t0 = _time.monotonic()
+    proto.lead_group(proto.episode, start)
+    assert _time.monotonic() - t0 < 5.0
+    import json
+
+    summary = json.loads(store.get(f"ep/{proto.episode}/g/0"))
+    assert summary["verdicts"] == [] and summary["lost"] == []

@@ -4,16 +4,19 @@ closing rank is counted out once."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 import types
 
+import pytest
 import torch.distributed as dist
 
 from scout_core.handle import ScoutHandle
 from scout_core.progress.control import CLOSED_KEY, ControlPlane, daemon_key
+from scout_core.progress.episode import CLOSED_LIST
 from scout_core.progress.observer import ObserverSpec, _Closing, _Observer, _release_inherited_files
-from scout_core.progress.record import ProgressRecord, create_record
+from scout_core.progress.record import Phase, ProgressRecord, create_record
 
 
 def _child(busy_s: float, then_s: float, record_path: str) -> int:
@@ -116,10 +119,39 @@ def test_a_closing_rank_is_counted_out_once(tmp_path):
                         jsonl_path=None)
     store = dist.PrefixStore("scout/count", dist.HashStore())
     observer = _Observer(spec, ready_fd=-1)
-    observer._closed_messages(store)
+    observer.record = ProgressRecord(record.path, owner=False)
+    observer.store = store
+    observer._answer_closed()
     observer._closed_messages(store)  # a retry after the first attempt was cut off
     assert int(store.underlying_store.add(daemon_key(CLOSED_KEY), 0)) == 1
-    assert store.check(["closed/3"])
+    assert store.get(CLOSED_LIST) == b"3,"
+    assert record.observer_busy, "the closing messages keep close() waiting until the observer exits"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_a_closing_sigterm_inside_an_episode_waits_for_its_end_and_a_second_one_is_ignored(tmp_path):
+    record = create_record("sig", 0, directory=str(tmp_path))
+    spec = ObserverSpec(run_id="sig", rank=0, world_size=2, record_path=record.path,
+                        control=ControlPlane("localhost", 1, "daemon"), peer_groups=[[0, 1]], hosts={}, devices={},
+                        silence_threshold_s=1.0, gather_timeout_s=1.0, startup_timeout_s=1.0, jsonl_path=None)
+    observer = _Observer(spec, ready_fd=-1)
+    observer.record = ProgressRecord(record.path, owner=False)
+    record.publish(1, 0, Phase.CLOSED)
+    previous = signal.signal(signal.SIGTERM, observer._on_sigterm)
+    finished = False
+    try:
+        with pytest.raises(_Closing):
+            with observer._critical_section():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                assert record.observer_busy and observer._close_pending
+                finished = True  # the episode ran to its end
+        assert finished and not record.observer_busy
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: nothing may cut the closing messages short
+        time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_closing_is_not_an_exception_a_guard_could_swallow():

@@ -265,7 +265,9 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         return out  # same point, same collective, some still working: not a stall of this group
     where = f"{tuple(ev[0].coordinate)[:2]} in {ev[0].fingerprint or Phase(ev[0].phase).name.lower()}"
     if gone and not any(e.pending for e in ev):
-        # They may wait for the exited ranks outside any collective we see (a store wait, a file barrier):
+        if all(Phase(evidence[r].phase) is Phase.CLOSED for r in gone):
+            return out  # the others closed SCOUT in order (the job ended): nobody waits for them
+        # They may wait for the crashed ranks outside any collective we see (a store wait, a file barrier):
         # "below the software" would send the operator to the hardware.
         return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
                                   f"every live peer is silent at the same point {where}, outside any collective, "

@@ -15,7 +15,8 @@ Keys, under the job's prefix (``scout/<run id>/``):
   writes a ``resolved`` record when it is no longer zero;
 * ``named``: ranks named by the last verdict with their record sequence, so that a later
   episode over the same stopped ranks (peers that went silent later) does not repeat it;
-* ``closed/<rank>``: that rank's trainer closed SCOUT: a leader counts it gone, not lost.
+* ``closed/<rank>`` (a counter: appended to ``closed`` once) and ``closed``, the list of those ranks: their
+  trainers closed SCOUT; a leader counts them gone, not lost, and does not wait for them.
 
 Costs per episode: every observer posts once and reads the verdict (O(1)); a group leader
 reads its group (O(peer group)); the reporter reads one summary per group. While healthy an
@@ -37,8 +38,12 @@ from typing import Any
 from torch.distributed import DistStoreError
 
 from scout_core.progress.classify import Evidence, HangVerdict, classify_group, merge
+from scout_core.progress.record import Phase
 
-__all__ = ["EpisodeProtocol", "EpisodeOutcome"]
+__all__ = ["CLOSED_LIST", "EpisodeProtocol", "EpisodeOutcome"]
+
+CLOSED_LIST = "closed"
+"""Comma-separated ranks whose trainer closed SCOUT (each observer appends its own once)."""
 
 
 @dataclass
@@ -132,18 +137,28 @@ class EpisodeProtocol:
 
     def _summarize(self, n: int, gid: int, deadline: float) -> dict[str, Any]:
         group = self.groups[gid]
-        keys = [f"ep/{n}/r/{r}" for r in group]
-        if self._wait_for(keys, deadline):
-            present = list(group)
+        # Members whose trainer closed SCOUT (the job ended there, or it closed after its collective failed)
+        # are gone, not lost, and not waited for: one read of the job's list of closed ranks.
+        closed = self._closed_ranks()
+        waited = [r for r in group if r not in closed]
+        keys = [f"ep/{n}/r/{r}" for r in waited]
+        if not keys or self._wait_for(keys, deadline):
+            present = waited
         else:
-            present = [r for r, k in zip(group, keys, strict=True) if self.store.check([k])]
+            present = [r for r, k in zip(waited, keys, strict=True) if self.store.check([k])]
+        present += [r for r in group if r in closed and self.store.check([f"ep/{n}/r/{r}"])]  # posted at close
         values = self.store.multi_get([f"ep/{n}/r/{r}" for r in present]) if present else []
         evidence = {r: Evidence.from_dict(json.loads(v)) for r, v in zip(present, values, strict=True)}
-        for r in group:  # a member whose trainer closed SCOUT (after its collective failed) is gone, not lost
-            if r not in evidence and self.store.check([f"closed/{r}"]):
-                evidence[r] = Evidence(rank=r, step=-1, op_id=0, phase=0, pending=False, fp_hash=0, fingerprint="",
-                                       silent_s=0.0, silent=True, alive=False)
+        for r in group:
+            if r not in evidence and r in closed:
+                evidence[r] = Evidence(rank=r, step=-1, op_id=0, phase=int(Phase.CLOSED), pending=False, fp_hash=0,
+                                       fingerprint="", silent_s=0.0, silent=True, alive=False)
         return classify_group(group, evidence)
+
+    def _closed_ranks(self) -> set[int]:
+        if not self.store.check([CLOSED_LIST]):
+            return set()
+        return {int(r) for r in self.store.get(CLOSED_LIST).decode().split(",") if r}
 
     def report(self, n: int, start: float) -> EpisodeOutcome:
         keys = [f"ep/{n}/g/{g}" for g in range(len(self.groups))]

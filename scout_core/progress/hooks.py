@@ -130,8 +130,8 @@ class ProgressTracker:
     def mark(self, phase: Phase) -> None:
         """A phase boundary (layer, data loader, checkpoint, optimizer): the coordinate does not move."""
         with self._lock:
-            if self.closed and phase is not Phase.CLOSED:
-                return  # after close() (a loop still iterating a wrapped loader): CLOSED was the last word
+            if self._phase is Phase.CLOSED or (self.closed and phase is not Phase.CLOSED):
+                return  # after close() or a stop (a loop still iterating, a final flush): CLOSED is the last word
             self._phase = phase
             self._publish_locked()
 

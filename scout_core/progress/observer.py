@@ -45,11 +45,12 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from scout_core.progress.classify import Evidence, HangVerdict
 from scout_core.progress.control import BEAT_KEY, CLOSED_KEY, ControlPlane, connect, daemon_key
-from scout_core.progress.episode import EpisodeOutcome, EpisodeProtocol
+from scout_core.progress.episode import CLOSED_LIST, EpisodeOutcome, EpisodeProtocol
 from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot, pid_alive
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
 
@@ -119,6 +120,7 @@ def _store_errors() -> Iterator[None]:
 
 _IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
 _DAEMON_BEAT_S = 10.0
+_CLOSING_STORE_TIMEOUT_S = 2.0
 
 
 def steady_threshold(base: float, multiple: float, ceiling: float, gap_max: float) -> float:
@@ -282,7 +284,7 @@ class _Observer:
             for attempt in range(2):
                 try:
                     self._closed_messages(self.store if attempt == 0 else
-                                          connect(self.spec.control, self._namespace(), 2.0))
+                                          connect(self.spec.control, self._namespace(), _CLOSING_STORE_TIMEOUT_S))
                     return
                 except Exception:  # noqa: BLE001 - best effort; the store may be gone with the job
                     continue
@@ -291,9 +293,13 @@ class _Observer:
         spec = self.spec
         if store is None:
             raise RuntimeError("no store")
+        # Short waits: an unreachable store must not hold the trainer's close() (it waits while we are busy).
+        store.set_timeout(timedelta(seconds=_CLOSING_STORE_TIMEOUT_S))
         # Counted once, even if a first attempt was cut off after this message: the daemon exits at world size.
-        if int(store.add(f"closed/{spec.rank}", 1)) == 1 and spec.control.needs_beats:
-            store.underlying_store.add(daemon_key(CLOSED_KEY), 1)
+        if int(store.add(f"closed/{spec.rank}", 1)) == 1:
+            store.append(CLOSED_LIST, f"{spec.rank},")
+            if spec.control.needs_beats:
+                store.underlying_store.add(daemon_key(CLOSED_KEY), 1)
         if self.record is None or not store.check([f"ep/{self.proto.episode if self.proto else 0}/open"]):
             return
         proto = self._protocol(store)
@@ -323,6 +329,10 @@ class _Observer:
             except _ControlPlaneDown as down:
                 if self._trainer_gone():
                     return  # the job is over (a launcher's store goes with it): nothing left to answer
+                if self.record.read().phase is Phase.CLOSED:  # it closed meanwhile (its SIGTERM was deferred)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    self._answer_closed()
+                    return
                 self._control_plane_lost(down.error)
 
     def _watch_once(self) -> None:
