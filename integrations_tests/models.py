@@ -51,13 +51,15 @@ class Parallel:
     mesh: Any = None
 
 
-def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: float | None = None) -> Parallel:
+def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: float | None = None,
+          hidden: int = 32) -> Parallel:
     """The seeded model wrapped for ``layout`` over the default process group (``bucket_cap_mb``: DDP's
-    bucket size; a small one splits the gradients into several all-reduces, as on a large model)."""
+    bucket size; a small one splits the gradients into several all-reduces, as on a large model; ``hidden``:
+    the blocks' width, larger where a cell needs compute measurable in milliseconds)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     torch.manual_seed(seed)
-    model = TinyModel()
+    model = TinyModel(hidden=hidden)
     world = dist.get_world_size()
     if layout == "ddp":
         kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -86,7 +88,7 @@ def start_rank(ctx: Any, *, timeout_s: float = 300.0) -> tuple[dict[str, Any], A
     init_gloo(ctx, timeout_s=timeout_s)
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
-    par = build(a["layout"], seed=a["seed"])
+    par = build(a["layout"], seed=a["seed"], hidden=a.get("hidden", 32), hsdp_replicas=a.get("replicas", 4))
     return a, injector, par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
 
 

@@ -48,6 +48,8 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
     fc.register_forward_pre_hook(weight_fault)
     for block in inner.layers:
         block.fc.register_forward_hook(slow)
+        for part in (block.norm, block.fc):  # nearly all of a block's compute
+            _slow_by_a_factor(part, injector, rank, state)
 
     def update_fault(*_: Any) -> None:
         # A fault in this rank's live optimizer update of the parameter the replayed slice samples.
@@ -70,21 +72,46 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
         setattr(dist, name, slowed(getattr(dist, name)))
 
 
+def _slow_by_a_factor(module: torch.nn.Module, injector: Injector, rank: int, state: dict) -> None:
+    """``slow`` faults: the module's forward and backward each take ``factor`` times their own CPU time
+    (real extra work after the real work, in training and in replay alike)."""
+    started: dict[str, float] = {}
+
+    def begin(which: str) -> Any:
+        def hook(*_: Any) -> None:
+            started[which] = time.thread_time()
+        return hook
+
+    def end(which: str) -> Any:
+        def hook(*_: Any) -> None:
+            if which in started:
+                injector.slow("compute", rank=rank, step=state["step"],
+                              compute_s=time.thread_time() - started.pop(which))
+        return hook
+
+    module.register_forward_pre_hook(begin("forward"))
+    module.register_forward_hook(end("forward"))
+    module.register_full_backward_pre_hook(begin("backward"))
+    module.register_full_backward_hook(end("backward"))
+
+
 def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
     a, injector, par, opt = start_rank(ctx)
     state: dict[str, Any] = {"step": 0}
     _install_faults(par, opt, injector, ctx.rank, state)
-    cfg = load(None, ["replay.cadence.embedding=1", "replay.cadence.hidden=1", "replay.cadence.output=1",
-                      "replay.cadence.optimizer=1", "replay.optimizer_slice_elems=256", "observer.enabled=false",
+    others = 1 if a["all_recipes"] else 0  # the defaults cells time the hidden recipe only (their cost is CPU)
+    cfg = load(None, [f"replay.cadence.embedding={others}", "replay.cadence.hidden=1",
+                      f"replay.cadence.output={others}", f"replay.cadence.optimizer={others}",
+                      "replay.optimizer_slice_elems=256", "observer.enabled=false",
                       f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR",
                       *[f"consensus.{k}={v}" for k, v in a["rule"].items()]])
     handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)
     engine = state["engine"] = handle.replay
     loss_fn = torch.nn.MSELoss()
     # Replicas see different data; under HSDP the shard ranks of one replica see the same batch.
-    data_rank = ctx.rank // (ctx.world_size // 4) if a["layout"] == "hsdp" else ctx.rank
-    for step, (x, y) in enumerate(batches(data_rank, a["steps"], seed=a["seed"]), start=1):
+    data_rank = ctx.rank // (ctx.world_size // a["replicas"]) if a["layout"] == "hsdp" else ctx.rank
+    for step, (x, y) in enumerate(batches(data_rank, a["steps"], seed=a["seed"], batch=a["batch"]), start=1):
         state["step"] = step
         loss_fn(par.model(x), y).backward()
         opt.step()
@@ -94,7 +121,11 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     checks = [(r.step, r.source) for r in engine.history] if engine else []
     compared = sorted({r.surface for res in engine.history for r in res.surfaces}) if engine else []
     handle.close()
-    return {"final": final, "checks": checks, "compared": compared,
+    # Each round's compute times by rank: what a failing timing cell is read with.
+    times = [(r.step, r.timing.status.value,
+              {p: None if t is None else round(t, 4) for p, t in zip(r.timing.peer_ranks, r.timing.evidence)})
+             for r in engine.history if r.timing is not None] if engine else []
+    return {"final": final, "checks": checks, "compared": compared, "compute_s": times,
             "rng": sign_many([torch.get_rng_state()])[0].signature}
 
 
@@ -103,6 +134,8 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     jsonl = os.path.join(workdir, "incidents.jsonl")
     args = {"faults": list(spec.faults), "seed": spec.seed, "layout": p.get("layout", "ddp"),
             "steps": int(p.get("steps", 9)), "rule": dict(p.get("rule", {})),
+            "hidden": int(p.get("hidden", 32)), "batch": int(p.get("batch", 8)),
+            "all_recipes": bool(p.get("all_recipes", True)), "replicas": int(p.get("replicas", 4)),
             "jsonl": jsonl, "run_id": spec.name}
     start = time.monotonic()
     result = launch(_replay_rank, world_size, timeout_s=spec.timeout_s, args=args)

@@ -279,3 +279,34 @@ def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch)
     monkeypatch.setattr(observer_mod, "silence_threshold", fixed)
     (report,) = run_cells([SPECS["hang-slow-not-stalled"]], root=ROOT)
     assert report.verdict == "FAIL" and any(i["kind"] == "hang" for i in report.reported)  # a false hang
+
+
+def test_straggler_at_defaults_cell_fails_with_the_first_defaults(monkeypatch):
+    """kappa 6, ratio 1.5, 5 ms: a rank 1.3x slower among 16 was never named."""
+    from scout_core.consensus import StatisticalRule
+
+    monkeypatch.setattr(StatisticalRule, "from_config",
+                        classmethod(lambda cls, cfg: cls(kappa=6.0, min_ratio=1.5, min_delta=0.005)))
+    (report,) = run_cells([SPECS["ddp-straggler-defaults"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
+
+
+def test_clean_at_defaults_cell_fails_on_a_false_straggler(monkeypatch):
+    """A rule too tight for this machine's noise (no ratio or absolute floor) names healthy ranks: red."""
+    from scout_core.consensus import StatisticalRule
+
+    monkeypatch.setattr(StatisticalRule, "from_config",
+                        classmethod(lambda cls, cfg: cls(kappa=0.5, min_ratio=1.0, min_delta=0.0)))
+    spec = SPECS["ddp-clean-defaults"]
+    short = dataclasses.replace(spec, params={**spec.params, "steps": 12})
+    (report,) = run_cells([short], root=ROOT)
+    assert report.verdict == "FAIL" and "straggler" in report.details
+
+
+def test_nondeterministic_cell_fails_without_vetting(monkeypatch):
+    """Without the determinism check, a nondeterministic rank is reported as SDC."""
+    from scout_core.replay import engine
+
+    monkeypatch.setattr(engine, "vet_due", lambda *a, **k: False)
+    (report,) = run_cells([SPECS["ddp-nondeterministic"]], root=ROOT)
+    assert report.verdict == "FAIL" and "sdc" in report.details

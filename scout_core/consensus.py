@@ -50,6 +50,8 @@ class C3Status(enum.StrEnum):
     AGREE = "agree"
     ATTRIBUTED = "attributed"
     INCONCLUSIVE = "inconclusive"
+    NO_MEASUREMENT = "no_measurement"
+    """A timing round in which some peer measured nothing (``None``): it neither flags nor clears anyone."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,9 @@ def exact(
 def statistical(
     values: Sequence[float],
     *,
-    kappa: float = 6.0,
-    min_ratio: float = 1.5,
-    min_delta: float = 0.005,
+    kappa: float = 4.0,
+    min_ratio: float = 1.1,
+    min_delta: float = 0.001,
     mad_floor_fraction: float = 0.01,
     peer_ranks: Sequence[int] | None = None,
     surface: str = "",
@@ -158,6 +160,10 @@ def statistical(
     is inconclusive. Two peers cannot be told apart and a disagreement between
     them is inconclusive (group-scoped).
     """
+    if any(v is None for v in values):
+        none = tuple(values)
+        return C3Result(C3Status.NO_MEASUREMENT, (0,) * len(none), none, _default_ranks(len(none), peer_ranks),
+                        surface, None)
     xs = tuple(float(v) for v in values)
     n = len(xs)
     if n == 0:
@@ -192,9 +198,9 @@ def statistical(
 class StatisticalRule:
     """Parameters of :func:`statistical`, bundled so a surface can carry them."""
 
-    kappa: float = 6.0
-    min_ratio: float = 1.5
-    min_delta: float = 0.005
+    kappa: float = 4.0
+    min_ratio: float = 1.1
+    min_delta: float = 0.001
     mad_floor_fraction: float = 0.01
 
     @classmethod
@@ -202,6 +208,12 @@ class StatisticalRule:
         """Build from a :class:`scout_core.config.ConsensusConfig`."""
         return cls(kappa=cfg.kappa, min_ratio=cfg.min_ratio, min_delta=cfg.min_delta_s,
                    mad_floor_fraction=cfg.mad_floor_fraction)
+
+    @classmethod
+    def for_communication(cls, cfg: Any) -> StatisticalRule:
+        """The same, with the communication floors (``consensus.comm_min_ratio``, ``comm_min_delta_s``)."""
+        return cls(kappa=cfg.kappa, min_ratio=max(cfg.min_ratio, cfg.comm_min_ratio),
+                   min_delta=max(cfg.min_delta_s, cfg.comm_min_delta_s), mad_floor_fraction=cfg.mad_floor_fraction)
 
     def __call__(
         self, values: Sequence[float], *, peer_ranks: Sequence[int] | None = None, surface: str = ""
@@ -283,7 +295,10 @@ class Confirmation:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
 
     def update(self, result: C3Result) -> tuple[int, ...]:
-        """Feed one round; return the global ranks confirmed by this round."""
+        """Feed one round; return the global ranks confirmed by this round. A round without a measurement
+        neither counts nor resets: it is not evidence either way."""
+        if result.status is C3Status.NO_MEASUREMENT:
+            return ()
         flagged = set(result.outlier_ranks) if result.status is C3Status.ATTRIBUTED else set()
         confirmed = []
         for rank in result.peer_ranks:

@@ -176,7 +176,8 @@ class ScoutHandle:
         names = a.layer_names if a.layers is not None and a.layer_names else None
         self.replay = ReplayEngine(
             layers, a.optimizers[0] if a.optimizers else None, config=cfg.replay, groups=self.groups,
-            rule=StatisticalRule.from_config(cfg.consensus), confirm_rounds=cfg.consensus.confirm_rounds,
+            rule=StatisticalRule.from_config(cfg.consensus), comm_rule=StatisticalRule.for_communication(cfg.consensus),
+            confirm_rounds=cfg.consensus.confirm_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False)
 

@@ -36,12 +36,23 @@ class FaultKind(enum.StrEnum):
     SCALE = "scale"
     SET = "set"
     DELAY = "delay"
+    SLOW = "slow"  # real extra work: the wrapped compute takes ``factor`` times as long (busy CPU)
+    DRIFT = "drift"  # a nondeterministic kernel: every call's result differs in its last bits
     FREEZE = "freeze"  # stop the rank: SIGSTOP, or a blocking wait
     SKIP = "skip"  # the rank takes another branch and skips a collective
     MISMATCH = "mismatch"  # the rank calls a collective with different shape, dtype or op
     HOLD = "hold"  # the rank enters a collective that never completes (transport stall)
     KILL = "kill"  # the rank's machine dies here (SIGKILL, no cleanup)
     RAISE = "raise"  # a software fault: the code at this point raises InjectedFault
+
+
+def burn_cpu(seconds: float) -> None:
+    """Real work on this thread for ``seconds`` of its CPU time."""
+    end = time.thread_time() + seconds
+    x = 1.0
+    while time.thread_time() < end:
+        for _ in range(200):
+            x = x * 1.0000001 + 1e-9
 
 
 class InjectedFault(RuntimeError):
@@ -86,7 +97,7 @@ class Fault:
     bit: int = 0
     """Bit position for ``bitflip`` (0 = least significant bit of the element)."""
     factor: float = 2.0
-    """Multiplier for ``scale``."""
+    """Multiplier for ``scale``; for ``slow``, how many times as long the wrapped compute takes (> 1)."""
     value: float = 0.0
     """Replacement for ``set``."""
     index: int | None = None
@@ -94,7 +105,7 @@ class Fault:
     all_elements: bool = False
     """``scale``/``set`` the whole tensor instead of one element."""
     seconds: float = 0.0
-    """Sleep for ``delay``."""
+    """For ``delay``: burned CPU on the ``compute`` surface (a slow device computes), a sleep elsewhere."""
     method: str = "sigstop"
     """``freeze``: ``sigstop`` (the whole process stops) or ``block`` (the thread waits forever)."""
     what: str = "shape"
@@ -106,6 +117,8 @@ class Fault:
             raise ValueError(f"fault rank must be >= 0, got {self.rank}")
         if self.kind is FaultKind.DELAY and self.seconds <= 0:
             raise ValueError("a delay fault needs seconds > 0")
+        if self.kind is FaultKind.SLOW and self.factor <= 1.0:
+            raise ValueError(f"a slow fault needs factor > 1, got {self.factor}")
         if self.bit < 0:
             raise ValueError(f"bit must be >= 0, got {self.bit}")
         if self.method not in ("sigstop", "block"):
@@ -156,6 +169,7 @@ class Injector:
         self.faults: list[Fault] = list(faults)
         self.seed = seed
         self.log: list[Injection] = []
+        self._drift_calls = 0
         self._hold_next_call = False
         self._stuck_groups: list[Any] = []
 
@@ -183,10 +197,17 @@ class Injector:
 
     def corrupt(self, surface: str, tensor: torch.Tensor, *, rank: int, step: int) -> bool:
         """Apply matching bitflip/scale/set faults to ``tensor`` in place."""
-        faults = self._matching(surface, rank, step, (FaultKind.BITFLIP, FaultKind.SCALE, FaultKind.SET))
+        faults = self._matching(surface, rank, step, (FaultKind.BITFLIP, FaultKind.SCALE, FaultKind.SET,
+                                                      FaultKind.DRIFT))
         if faults and tensor.numel() == 0:
             raise ValueError(f"cannot inject into empty tensor on surface {surface!r}")
         for fault in faults:
+            if fault.kind is FaultKind.DRIFT:  # like a reduction whose order changes from call to call
+                self._drift_calls += 1
+                with torch.no_grad():
+                    tensor.mul_(1.0 + 2.0**-20 * (self._drift_calls % 997 + 1))
+                self.log.append(Injection(surface, rank, step, fault.kind, None, None, None))
+                continue
             index = None if fault.all_elements and fault.kind is not FaultKind.BITFLIP else self._draw_index(
                 fault, tensor.numel(), step)
             with torch.no_grad():
@@ -208,12 +229,28 @@ class Injector:
         return bool(faults)
 
     def delay(self, surface: str, *, rank: int, step: int) -> float:
-        """Sleep for every matching delay fault; return the seconds slept."""
+        """Wait for every matching delay fault; return the seconds. On the ``compute`` surface the wait is
+        burned CPU: a slow device computes slowly, and replay times compute on the device's own clock,
+        where a sleep would not show (a slow link or file system, elsewhere, waits)."""
         total = 0.0
         for fault in self._matching(surface, rank, step, (FaultKind.DELAY,)):
-            time.sleep(fault.seconds)
+            if surface == "compute":
+                burn_cpu(fault.seconds)
+            else:
+                time.sleep(fault.seconds)
             total += fault.seconds
             self.log.append(Injection(surface, rank, step, fault.kind, None, None, fault.seconds))
+        return total
+
+    def slow(self, surface: str, *, rank: int, step: int, compute_s: float) -> float:
+        """Extra work for every matching ``slow`` fault: ``(factor - 1) x compute_s`` of burned CPU, where
+        ``compute_s`` is what the wrapped compute took on this thread's clock; return the seconds burned."""
+        total = 0.0
+        for fault in self._matching(surface, rank, step, (FaultKind.SLOW,)):
+            extra = (fault.factor - 1.0) * compute_s
+            burn_cpu(extra)
+            total += extra
+            self.log.append(Injection(surface, rank, step, fault.kind, None, None, extra))
         return total
 
 

@@ -97,8 +97,10 @@ def test_replay_of_hf_style_blocks_matches_a_direct_call(kind):
     assert captured is not None and captured.grad_outputs, "the gradient reaching the block output is kept"
     meta = call_meta(captured, {})
     call = receive_buffers(meta, captured, torch.device("cpu"), is_source=True)
-    surfaces, compute_s = replay_layer(block, block, "b", call, variants=[1.0], providers={}, deterministic=True,
-                                       compare_param_state=True)
+    done = replay_layer(block, block, "b", call, variants=[1.0], providers={}, deterministic=True,
+                        compare_param_state=True, vet=True)
+    surfaces, compute_s = done.surfaces, done.compute_s
+    assert done.reproducible is True  # dropout included: the source's RNG state is replayed both times
     names = [n for n, _ in surfaces]
     assert {"replay.inputs", "b.x1.output", "b.x1.grad_input", "b.x1.grad_param", "b.param_state"} <= set(names)
     assert compute_s > 0
@@ -125,3 +127,27 @@ def test_replay_never_touches_live_gradients_or_rng():
                  compare_param_state=False)
     assert all(torch.equal(b, p.grad) for b, p in zip(before, block.parameters()))
     assert torch.equal(rng, torch.get_rng_state())
+
+
+class _DriftingBlock(torch.nn.Module):
+    """Stands in for a nondeterministic kernel: each call computes a slightly different result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * (1.0 + 1e-6 * self.calls)
+
+
+def test_vetting_says_when_a_replay_is_not_reproducible():
+    block = _DriftingBlock()
+    captured, _ = _captured_call(block, (torch.randn(2, 8, requires_grad=True),), {})
+    call = receive_buffers(call_meta(captured, {}), captured, torch.device("cpu"), is_source=True)
+    done = replay_layer(block, block, "b", call, variants=[1.0, 10.0], providers={}, deterministic=True,
+                        compare_param_state=False, vet=True)
+    assert done.reproducible is False
+    assert replay_layer(block, block, "b", call, variants=[1.0], providers={}, deterministic=True,
+                        compare_param_state=False).reproducible is None  # not vetted

@@ -41,6 +41,7 @@ from scout_core.replay.capture import LayerCapture
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.health import RecipeHealth
 from scout_core.replay.layer import (
+    LayerReplay,
     ShippedCall,
     broadcast_call,
     call_meta,
@@ -55,6 +56,13 @@ from scout_core.replay.rng import RngProvider
 from scout_core.replay.saved import call_from_dict, call_to_dict, to_device
 from scout_core.replay.scratch import Scratch, fsdp_module, module_compute_device, reserve, unshard_bytes
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
+from scout_core.replay.vetting import (
+    REPRODUCIBLE_SURFACE,
+    optimizer_misconfigured,
+    rotation,
+    split_vetting,
+    vet_due,
+)
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
 
@@ -80,6 +88,12 @@ class BoundaryResult:
     """Recipes that were due at this boundary (``embedding``, ``hidden``, ``output``, ``optimizer``)."""
     skipped: str = ""
     """Why due work was skipped on every peer (a diagnosis error, a sampled layer that did not run)."""
+    nondeterministic: tuple[int, ...] = ()
+    """Ranks whose replay, run twice, signed differently: their disagreements are not evidence."""
+    unreliable: list[C3Result] = field(default_factory=list)
+    """Results set aside because a non-reproducible rank took part in the disagreement."""
+    misconfigured: C3Result | None = None
+    """The optimizer self-check, when a strict majority of peers failed it (set aside, reported once)."""
 
     @property
     def checked(self) -> bool:
@@ -92,7 +106,7 @@ class BoundaryResult:
 
     @property
     def inconclusive(self) -> bool:
-        return any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
+        return bool(self.nondeterministic) or any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
 
     @property
     def missing(self) -> bool:
@@ -112,6 +126,7 @@ class ReplayEngine:
         group: Any = None,
         groups: ScoutGroups | None = None,
         rule: StatisticalRule | None = None,
+        comm_rule: StatisticalRule | None = None,
         confirm_rounds: int = 2,
         reporter: Reporter | None = None,
         hosts: Mapping[int, str] | None = None,
@@ -165,7 +180,8 @@ class ReplayEngine:
         self.last_calls: dict[str, tuple[ShippedCall, int]] = {}
         """The newest replayed call per recipe (identical on every peer): the emergency sweep's inputs."""
         self.history: deque[BoundaryResult] = deque(maxlen=1024)  # boundaries that did work, newest last
-        self.timing = CommTiming(self.rule, confirm_rounds, world_control=self.groups.world_control,
+        # Communication is judged with its own ratio floor (a shared fabric is noisier than a device's compute).
+        self.timing = CommTiming(comm_rule or self.rule, confirm_rounds, world_control=self.groups.world_control,
                                  hosts=self.hosts)
         self._hsdp_comm: tuple[float, float, Any, Any] | None = None
         recipe_of_layer = {name: ("hidden" if i < self.n_hidden else next(r for r, j in self.extra.items() if j == i))
@@ -173,6 +189,9 @@ class ReplayEngine:
         self.health = RecipeHealth(rank=self.rank, world_control=self.groups.world_control,
                                    recipe_of_layer=recipe_of_layer, emit=self._emit)
         self._opt_due = False
+        self._vet_always = False
+        self._misconfigured_reported = False
+        self._nondeterministic_reported: set[int] = set()
         self._opt_error: BaseException | None = None
         self._handles: list[Any] = []
         if optimizer is not None and hook_optimizer:
@@ -190,7 +209,7 @@ class ReplayEngine:
         return self.cfg.enabled and cadence > 0 and step % cadence == 0
 
     def _layer_index(self) -> int:
-        return self.checks % self.n_hidden
+        return rotation(self.checks, self.n_hidden, len(self.peers))[0]
 
     def _arm(self, step: int) -> None:
         if self._due(step, self._cadence("hidden")):
@@ -257,7 +276,9 @@ class ReplayEngine:
 
     def _check(self, result: BoundaryResult, due: list[tuple[str, int]], opt_due: bool) -> None:
         guard, step = self.guard, result.step
-        src = self.peers[(self.checks - (1 if any(r == "hidden" for r, _ in due) else 0)) % len(self.peers)]
+        check = self.checks - (1 if any(r == "hidden" for r, _ in due) else 0)  # this check's number
+        src = self.peers[rotation(check, self.n_hidden, len(self.peers))[1]]
+        vet = vet_due(check, self.cfg.determinism_every, self._vet_always, self.n_hidden)
         result.source = src
         if self._opt_error is not None:
             guard.fail(self._opt_error, "optimizer slice capture")
@@ -309,17 +330,23 @@ class ReplayEngine:
         for _, idx in due:
             broadcast_call(calls[idx], src, self.group, self.ctrl)
         evidence: list[tuple[str, Any]] = []
-        compute_s = comm_s = 0.0
+        # None: not measured on this rank this round (the replay failed, or nothing was timed): "no
+        # measurement" for every peer, which neither confirms a straggler nor clears one, nor moves a baseline.
+        compute_s: float | None = None
+        comm_s: float | None = None
         for recipe, idx in due:
             timed = recipe == "hidden"  # the hidden layer's timings are the ones compared
-            surfaces, t_compute, gather_s = self._replay_recipe(idx, calls[idx], scratch[idx], timed=timed)
+            surfaces, t_compute, gather_s, reproducible = self._replay_recipe(
+                idx, calls[idx], scratch[idx], timed=timed, vet=vet and timed)
             evidence += surfaces
             if timed:
+                if vet:  # every peer sends it (None where the replay failed): the exchange stays aligned
+                    evidence.append((REPRODUCIBLE_SURFACE, reproducible))
                 compute_s = t_compute
                 all_reduce = scratch[idx].all_reduce
                 if gather_s is None and all_reduce is not None:
                     gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group, all_reduce)
-                comm_s = gather_s or 0.0
+                comm_s = gather_s
             # One saved call per layer class: the sweep replays each class's layers on an input of their own.
             key = f"hidden:{type(self.layers[idx]).__qualname__}" if recipe == "hidden" else recipe
             self.last_calls[key] = (calls[idx], idx)
@@ -343,7 +370,18 @@ class ReplayEngine:
         if not guard.agree(step) or exchanged is None:
             result.skipped = "diagnosis error"
             return
-        result.surfaces, timing = exchanged
+        surfaces, timing = exchanged
+        result.surfaces, result.nondeterministic = split_vetting(surfaces)
+        if result.nondeterministic:
+            self._vet_always = True  # from now on no disagreement is evidence unless both runs agreed
+            bad = set(result.nondeterministic)
+            result.unreliable = [r for r in result.surfaces if r.status is C3Status.INCONCLUSIVE
+                                 or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
+            result.surfaces = [r for r in result.surfaces if r not in result.unreliable]
+        misconfigured = optimizer_misconfigured(result.surfaces)
+        if misconfigured is not None:  # not agreement, and not SDC on the minority that passed
+            result.surfaces = [r for r in result.surfaces if r is not misconfigured]
+            result.misconfigured = misconfigured
         if timing is not None:
             times, comm = timing
             result.timing, result.comm_timing = times, comm
@@ -371,8 +409,8 @@ class ReplayEngine:
         return reserve(layer, self._owner(idx), time_all_reduce=timed and not fsdp_module(layer),
                        hsdp_groups=mesh_groups(layer) if timed else None, headroom_bytes=headroom)
 
-    def _replay_recipe(self, idx: int, call: ShippedCall, scratch: Scratch, *,
-                       timed: bool) -> tuple[list[tuple[str, Any]], float, float | None]:
+    def _replay_recipe(self, idx: int, call: ShippedCall, scratch: Scratch, *, timed: bool, vet: bool = False
+                       ) -> tuple[list[tuple[str, Any]], float | None, float | None, bool | None]:
         """Materialize the layer (its collectives use memory reserved in ``scratch``), replay it, reshard."""
         layer, name = self.layers[idx], self.names[idx]
         surfaces: list[tuple[str, Any]] = []
@@ -392,24 +430,26 @@ class ReplayEngine:
         # copying the parameters out after the gather) is kept for the agreement, not raised into training.
         materialized = self.guard.attempt(f"unshard of {name}", lambda: materialize(layer, owner, scratch))
         forward, gather_s, release = materialized or (None, None, release_of(layer, owner))
-        timed = [0.0]
+        done: list[LayerReplay] = []
 
         def replay() -> None:
             self.captures[idx].suspended, self.replaying = True, True
             try:
-                replayed, timed[0] = replay_layer(
+                done.append(replay_layer(
                     forward, layer, name, call, variants=self.cfg.input_variants, providers=self.rng_providers,
-                    deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state)
+                    deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state, vet=vet))
             finally:
                 self.captures[idx].suspended, self.replaying = False, False
-            surfaces.extend(replayed)
+            surfaces.extend(done[0].surfaces)
 
         try:
             self.guard.run(f"replay of {name}", replay)
         finally:
             if release is not None:
                 self.guard.attempt(f"reshard of {name}", release)
-        return surfaces, timed[0], gather_s
+        if not done:
+            return surfaces, None, gather_s, None
+        return surfaces, done[0].compute_s, gather_s, done[0].reproducible
 
     # -- restart: saved calls and the emergency sweep ----------------------------------------------
 
@@ -475,7 +515,7 @@ class ReplayEngine:
 
     def _verdicts(self, result: BoundaryResult) -> list[Incident]:
         """SDC records (see :meth:`_sdc_verdicts`) and one record per newly confirmed straggler."""
-        incidents = self._sdc_verdicts(result)
+        incidents = self._sdc_verdicts(result) + self._vetting_verdicts(result)
         timing = result.timing
         if timing is None:  # no timing round in this check
             self._report(incidents)
@@ -536,6 +576,31 @@ class ReplayEngine:
             incidents.append(self._incident(IncidentKind.SDC, IncidentScope.PEER_GROUP, self.peers, inconclusive,
                                             "replayed surfaces disagree without a strict majority"))
         return incidents
+
+    def _vetting_verdicts(self, result: BoundaryResult) -> list[Incident]:
+        """A non-reproducible replay (never SDC), and an optimizer self-check most peers fail (once)."""
+        out = []
+        new = tuple(r for r in result.nondeterministic if r not in self._nondeterministic_reported)
+        if new:  # once per rank: every later check is vetted, and its disagreements set aside, silently
+            self._nondeterministic_reported.update(new)
+            inc = self._incident(
+                IncidentKind.INCONCLUSIVE, IncidentScope.RANK, new, result.unreliable,
+                "nondeterministic: the sampled layer replayed twice on this rank signed differently, so its "
+                "replay cannot be compared bitwise (see docs/replay.md: deterministic replay)")
+            inc.evidence["reason"] = "nondeterministic"
+            out.append(inc)
+        mis = result.misconfigured
+        if mis is not None and not self._misconfigured_reported:
+            self._misconfigured_reported = True
+            failed = [r for r, ok in zip(mis.peer_ranks, mis.evidence, strict=True) if ok is False]
+            inc = self._incident(
+                IncidentKind.DIAGNOSIS_ERROR, IncidentScope.PEER_GROUP, self.peers, [mis],
+                f"misconfiguration: the optimizer self-check fails on {len(failed)} of {len(self.peers)} peers "
+                "(the replayed update does not reproduce the live one: an unsupported optimizer, fused kernel "
+                "or schedule); optimizer evidence is not used")
+            inc.evidence["reason"] = "misconfiguration"
+            out.append(inc)
+        return out
 
     def _incident(self, kind: IncidentKind, scope: IncidentScope, ranks: Sequence[int],
                   results: Sequence[C3Result], reason: str) -> Incident:

@@ -27,8 +27,8 @@ from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rn
 from scout_core.replay.scratch import Scratch, fsdp_module
 from scout_core.signature import sign_many
 
-__all__ = ["ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize", "receive_buffers", "release_of",
-           "replay_layer"]
+__all__ = ["ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize",
+           "receive_buffers", "release_of", "replay_layer"]
 
 
 @dataclass
@@ -146,53 +146,107 @@ def _gather_group(module: torch.nn.Module) -> Any:
     return None
 
 
+@dataclass
+class LayerReplay:
+    """What one replay of a sampled layer produced on this rank."""
+
+    surfaces: list[tuple[str, Any]]
+    """Signed surfaces (name, (signatures, non-finite count)), compared across peers."""
+    compute_s: float
+    """The fastest variant's compute time on the device's own clock (:class:`ComputeClock`)."""
+    reproducible: bool | None = None
+    """Whether the first variant, replayed twice here, signed the same both times (None: not vetted)."""
+
+
+class ComputeClock:
+    """Compute time on the device's own clock, not wall time: on a CUDA device the time between two events
+    on its stream; on the host this thread's CPU time, which a busy machine's scheduler cannot inflate (a
+    rank descheduled for 10 ms has not computed for 10 ms). Torch's intra-op helper threads are not counted:
+    on the host every peer is measured the same way, which is what the comparison needs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __enter__(self) -> ComputeClock:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._start = time.thread_time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            self._events[1].record()
+            torch.cuda.synchronize(self.device)
+            self.elapsed = self._events[0].elapsed_time(self._events[1]) / 1000.0
+        else:
+            self.elapsed = time.thread_time() - self._start
+
+
 def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedCall, *,
                  variants: Sequence[float], providers: Mapping[str, RngProvider], deterministic: bool,
-                 compare_param_state: bool) -> tuple[list[tuple[str, Any]], float]:
-    """Forward and backward of ``layer`` on the shipped call, per input variant; signed surfaces and the
-    compute time (the fastest variant's).
+                 compare_param_state: bool, vet: bool = False) -> LayerReplay:
+    """Forward and backward of ``layer`` on the shipped call, per input variant: signed surfaces and the
+    compute time (the fastest variant's). ``vet``: replay the first variant twice and say whether it
+    signed the same (replay assumes bitwise determinism; a rank where it does not hold is not evidence).
 
     Gradients are computed functionally (``torch.autograd.grad`` on clones), never
     into ``.grad``; each output tensor that needs a gradient gets the one the source
     saw in training (a ones tensor where none arrived, identically on every peer).
+    Each variant's outputs and gradients are signed as soon as they exist and then dropped: the check
+    holds one variant's tensors at a time, not all of them until the end.
     """
     received = [*call.tensors, *call.grad_outputs.values()]
     surfaces: list[tuple[str, Any]] = [
         ("replay.inputs", (tuple(s.signature for s in sign_many(received)), rng_fingerprint(call.rng)))]
     params = [p for p in layer.parameters() if p.requires_grad]
-    to_sign: list[tuple[str, list[torch.Tensor]]] = []
+    device = params[0].device if params else device_of(layer)
     times = []
+    reproducible: bool | None = None
     # Running statistics (BatchNorm), counters and caches are training state: replay in train mode would
-    # advance them three times, so they are put back exactly as they were.
+    # advance them once per run, so they are put back exactly as they were (also between vetting runs).
     saved_buffers = [(b, b.detach().clone()) for b in layer.buffers()]
-    try:
-        _replay_variants(forward, params, call, variants, providers, deterministic, name, to_sign, times)
-    finally:
+
+    def restore_buffers() -> None:
         with torch.no_grad():
             for b, saved in saved_buffers:
                 b.copy_(saved)
+
+    try:
+        for k, v in enumerate(variants):
+            signed, t = _replay_once(forward, params, call, v, providers, deterministic, name, device)
+            if vet and k == 0:
+                restore_buffers()
+                again, t_again = _replay_once(forward, params, call, v, providers, deterministic, name, device)
+                reproducible, t = again == signed, min(t, t_again)
+            surfaces += signed
+            times.append(t)
+    finally:
+        restore_buffers()
     if compare_param_state:
         state = [p.detach() for p in params] + [b for b in layer.buffers() if b.is_floating_point()]
-        to_sign.append((f"{name}.param_state", state))
+        surfaces += _signed([(f"{name}.param_state", state)])
     # The variants are the same work at different scales, so the fastest of them is the compute time:
-    # a slow device is slow in every variant, a scheduler hiccup on a loaded host delays one of them.
-    return surfaces + _signed(to_sign), min(times)
+    # a slow device is slow in every variant, a hiccup delays one of them.
+    return LayerReplay(surfaces, min(times), reproducible)
 
 
-def _replay_variants(forward: Any, params: list[torch.Tensor], call: ShippedCall, variants: Sequence[float],
-                     providers: Mapping[str, RngProvider], deterministic: bool, name: str,
-                     to_sign: list[tuple[str, list[torch.Tensor]]], times: list[float]) -> None:
-    for v in variants:
-        with replay_rng_scope(call.rng, providers, deterministic=deterministic):
-            inputs = []
-            for t, needs_grad in zip(call.tensors, call.requires_grad, strict=True):
-                x = t.detach().clone()
-                if v != 1.0 and x.is_floating_point():
-                    x.mul_(v)
-                inputs.append(x.requires_grad_(needs_grad and x.is_floating_point()))
-            args, kwargs = rebuild(call.spec, inputs)
-            sync(params)
-            start = time.perf_counter()
+def _replay_once(forward: Any, params: list[torch.Tensor], call: ShippedCall, v: float,
+                 providers: Mapping[str, RngProvider], deterministic: bool, name: str,
+                 device: torch.device) -> tuple[list[tuple[str, Any]], float]:
+    """One variant: forward and gradients under the source's RNG, signed at once; (surfaces, compute s)."""
+    with replay_rng_scope(call.rng, providers, deterministic=deterministic):
+        inputs = []
+        for t, needs_grad in zip(call.tensors, call.requires_grad, strict=True):
+            x = t.detach().clone()
+            if v != 1.0 and x.is_floating_point():
+                x.mul_(v)
+            inputs.append(x.requires_grad_(needs_grad and x.is_floating_point()))
+        args, kwargs = rebuild(call.spec, inputs)
+        with ComputeClock(device) as clock:
             outs = tensor_leaves(forward(*args, **kwargs))
             wrt = [x for x in inputs if x.requires_grad] + params
             live = [(i, o) for i, o in enumerate(outs) if o.requires_grad]
@@ -200,18 +254,18 @@ def _replay_variants(forward: Any, params: list[torch.Tensor], call: ShippedCall
             if live and wrt:
                 grad_outs = [_grad_for(call.grad_outputs.get(i), o) for i, o in live]
                 grads = torch.autograd.grad([o for _, o in live], wrt, grad_outputs=grad_outs, allow_unused=True)
-            sync(params)
-            times.append(time.perf_counter() - start)
-        tag = f"{name}.x{v:g}"
-        n_in = len(wrt) - len(params)
-        if outs:
-            to_sign.append((f"{tag}.output", [o.detach() for o in outs]))
-        in_grads = [g for g in grads[:n_in] if g is not None]
-        if in_grads:
-            to_sign.append((f"{tag}.grad_input", in_grads))
-        p_grads = [g for g in grads[n_in:] if g is not None]
-        if p_grads:
-            to_sign.append((f"{tag}.grad_param", p_grads))
+    tag = f"{name}.x{v:g}"
+    n_in = len(wrt) - len(params)
+    to_sign: list[tuple[str, list[torch.Tensor]]] = []
+    if outs:
+        to_sign.append((f"{tag}.output", [o.detach() for o in outs]))
+    in_grads = [g for g in grads[:n_in] if g is not None]
+    if in_grads:
+        to_sign.append((f"{tag}.grad_input", in_grads))
+    p_grads = [g for g in grads[n_in:] if g is not None]
+    if p_grads:
+        to_sign.append((f"{tag}.grad_param", p_grads))
+    return _signed(to_sign), clock.elapsed
 
 
 def _grad_for(saved: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,8 @@ class CommTiming:
         ``BASELINE_ROUNDS`` clean rounds first and is confirmed over the same number
         of consecutive rounds as stragglers.
         """
+        if comm.status is C3Status.NO_MEASUREMENT:
+            return False  # not evidence: the count and the clean history stay as they are
         median = float(comm.reference)
         history = sorted(self.baseline)
         slow = False
