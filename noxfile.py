@@ -48,8 +48,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks as ratios within one run; writes benchmarks/results.json."""
-    _install(session)
+    """Benchmarks as ratios within one run; writes benchmarks/results.json (and the replay curve's PNG)."""
+    _install(session, "dev,bench")
     session.run("python", "benchmarks/run.py", "--out", "benchmarks/results.json", *session.posargs)
 
 

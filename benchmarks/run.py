@@ -33,6 +33,7 @@ from scout_core.topology import GroupTiming, axis_groups, localize_slow_groups, 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import hang as hang_bench  # noqa: E402
+import replay_bench  # noqa: E402
 import scale_sim  # noqa: E402
 
 
@@ -399,62 +400,6 @@ def bench_snapshot_ab(repeats: int) -> dict:
             "rss_peak_over_state": round(max(rss), 2), "shm_at_rest_over_state": round(max(shm), 2)}
 
 
-def bench_replay(repeats: int) -> dict:
-    """Amortized replay overhead at the default cadence, beside the paper's model V/(I*N)."""
-    from scout_core.config import ReplayConfig
-    from scout_core.launcher import RankContext, init_gloo, launch
-    from scout_core.replay.engine import ReplayEngine
-
-    def one_rank(ctx: RankContext) -> dict:
-        init_gloo(ctx)
-        torch.set_num_threads(1)
-        depth, width = 8, 1024
-
-        def make():
-            torch.manual_seed(0)
-            layers = torch.nn.ModuleList(
-                torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU()) for _ in range(depth))
-            return layers, torch.optim.AdamW(layers.parameters(), lr=1e-4)
-
-        cfg = ReplayConfig()  # defaults: cadence 20 for every recipe, variants {0.1, 1, 10}
-        plain, plain_opt = make()
-        replayed, replayed_opt = make()
-        engine = ReplayEngine(list(replayed), replayed_opt, config=cfg)
-        data = torch.randn(64, width)
-
-        def period(layers, opt) -> float:
-            start = time.perf_counter()
-            for _ in range(cfg.cadence.hidden):  # one full cadence period: exactly one replay
-                x = data
-                for layer in layers:
-                    x = layer(x)
-                x.square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            return time.perf_counter() - start
-
-        period(plain, plain_opt)
-        period(replayed, replayed_opt)
-        ratios = []
-        for i in range(max(12, 2 * repeats)):
-            if i % 2:
-                b, r = period(plain, plain_opt), period(replayed, replayed_opt)
-            else:
-                r, b = period(replayed, replayed_opt), period(plain, plain_opt)
-            ratios.append(r / b - 1)
-        variants, interval = len(cfg.input_variants), cfg.cadence.hidden
-        return {"layers": depth, "variants": variants, "interval": interval,
-                "measured_ratio": round(statistics.median(ratios), 5),
-                "measured_ratio_stderr": round(1.2533 * statistics.stdev(ratios) / len(ratios) ** 0.5, 5),
-                "model_ratio": round(variants / (interval * depth), 5),
-                "checks": len(engine.history)}
-
-    result = launch(one_rank, 1, timeout_s=600)
-    if not result.ok:
-        raise RuntimeError(result.failures())
-    return result.values()[0]
-
-
 def _goal(text: str, met: bool) -> str:
     """The goal column: the goal, and whether the figure meets it."""
     return f"{text} (met)" if met else f"{text} (**missed**)"
@@ -542,13 +487,28 @@ def markdown(results: dict) -> str:
         f"snapshots / RAM-backed slots at rest "
         f"| {ab['rss_peak_over_state']:.2f}x / {ab['shm_at_rest_over_state']:.2f}x | - |",
     ]
-    rp = results["replay"]
-    lines.append(
-        f"| replay, amortized over a training step (N={rp['layers']} layers, V={rp['variants']} variants, "
-        f"I={rp['interval']}, layer + optimizer recipes) | {rp['measured_ratio'] * 100:.2f} % "
-        f"(+-{rp['measured_ratio_stderr'] * 100:.2f} %) "
-        f"| paper model V/(I*N) = {rp['model_ratio'] * 100:.2f} % |")
+    lines += _replay_rows(results)
     return "\n".join(lines)
+
+
+def _replay_rows(results: dict) -> list[str]:
+    rows = []
+    rp = results.get("replay")
+    if rp and "curve" in rp:
+        for r in rp["curve"]:
+            rows.append(
+                f"| replay in a {rp['world_size']}-rank DDP job (exchanges included), step time B/A - 1 at check "
+                f"interval I={r['interval']} (N={rp['layers']} layers of {rp['width']}, V={rp['variants']}): "
+                f"median (min..max) | {r['measured_ratio'] * 100:+.2f} % ({r['min'] * 100:+.1f} .. "
+                f"{r['max'] * 100:+.1f} %) | paper model V/(I*N) = {r['model_ratio'] * 100:.2f} % |")
+    mem = results.get("replay_memory")
+    if mem:
+        goal = mem.get("goal_over_layer", 4.0)
+        rows.append(
+            f"| replay check memory: peak resident growth / the sampled layer's parameter + activation bytes "
+            f"({mem['width']} wide, batch {mem['batch']}) | {mem['peak_over_layer']:.2f}x "
+            f"| {_goal(f'<= {goal:.0f}x', mem['peak_over_layer'] <= goal)} |")
+    return rows
 
 
 def _hang_real_rows(results: dict) -> list[str]:
@@ -634,9 +594,8 @@ def main() -> None:
         "hang": bench_hang(args.repeats),
         "checkpoint": bench_checkpoint(args.repeats),
         "snapshot_ab": bench_snapshot_ab(args.repeats),
-        "replay": bench_replay(args.repeats),
     }
-    for name in ("hang_real", "stall_to_verdict", "scale"):
+    for name in ("replay", "replay_memory", "hang_real", "stall_to_verdict", "scale"):
         results[name] = SECTIONS[name](args, device)
     _write(results, args)
 
@@ -646,7 +605,8 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "hang": lambda a, d: bench_hang(a.repeats),
     "checkpoint": lambda a, d: bench_checkpoint(a.repeats),
     "snapshot_ab": lambda a, d: bench_snapshot_ab(a.repeats),
-    "replay": lambda a, d: bench_replay(a.repeats),
+    "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
+    "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
     "hang_real": lambda a, d: hang_bench.bench_real_overhead(repeats=5),
     "stall_to_verdict": lambda a, d: hang_bench.bench_stall_to_verdict(),
     "scale": lambda a, d: scale_sim.scale_table(),

@@ -1,22 +1,33 @@
-"""SDC localization campaign: hundreds of parametrized injections across layouts (``nox -s campaign``).
+"""SDC campaign: what replay covers, and how sensitive it is, over hundreds of faults (``nox -s campaign``).
 
-Each job is a 16-rank training run (DDP, FSDP2 or HSDP 4x4) with a replay check
-at every step. Every step but the clean ones carries ONE transient fault, drawn
-from the job's seed: a single bit flip (bit 0..31 of an fp32 value) on one
-rank, in the forward output or the backward of the block that step's check
-samples. Each injection is then classified from the incident records:
+Each job is a 16-rank training run (DDP, FSDP2 or HSDP 4x4) with SCOUT switched on by ``scout_core.enable``
+alone: replay checks of the hidden, embedding and output recipes every step (interval I = 1), the shipped
+consensus defaults, the engine choosing which block it samples (it rotates over L = 3 blocks by itself).
 
-* localized: exactly one record, scope rank, naming exactly the injected rank,
-  on a surface of the injected kind (output faults on ``.output``, backward
-  faults on ``.grad_*``);
-* masked: no record at all. Signatures are exact, so no compared surface of
-  the injected rank changed: the flip was absorbed (rounding, a saturated
-  tanh) before any compared result. Counted apart, never as localized;
-* mislocalized: anything else (another rank, no majority, a wrong surface).
+Faults live in the model, as a defective unit would: hooks on a module of one rank corrupt what that module
+computes whenever that rank computes it (training, and a replay of it if the engine happens to sample that
+module while the fault is active). Nothing aims a fault at the block a check samples. A job runs a sequence
+of fault windows of ``L x I`` steps, each followed by one clean step; in each window ONE fault, drawn from the
+job's seed, is active on one rank:
 
-Steps without an injection must produce no record (clean accepted).
+* module: the embedding, any of the 3 blocks, or the head; forward output or backward (gradient);
+* one bit (of 0..31 of an fp32 value) or several bits (2-4) of one element;
+* persistent (every step of its window) or intermittent (every other step).
 
-    python -m integrations_tests.campaign --out runs/campaign.json [--readme README.md]
+Classified from the incident records of the window:
+
+* localized: the first record is an ``sdc`` of scope rank naming exactly the faulty rank, on a surface of the
+  faulty module; time to verdict = its step minus the window's first step;
+* missed: no record in the window;
+* mislocalized: anything else (another rank, no majority, the wrong module).
+
+Two numbers per layout: **replay coverage**, persistent faults localized within their window (one full
+rotation, L x I steps) out of all persistent faults; and **detection sensitivity**, faults localized out of
+those that fired inside a replayed computation (the only ones replay can see: an SDC in training alone is
+averaged into every replica's weights alike). Clean steps and the steps before the first fault must produce no
+record (false positives).
+
+    python -m integrations_tests.campaign --out benchmarks/campaign.json [--readme README.md]
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -38,47 +50,93 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from integrations_tests.models import batches, install_block_faults, start_rank  # noqa: E402
-from scout_core.config import ReplayCadence, ReplayConfig  # noqa: E402
-from scout_core.consensus import StatisticalRule  # noqa: E402
+import scout_core  # noqa: E402
+from integrations_tests.models import batches, start_rank  # noqa: E402
+from scout_core.config import load  # noqa: E402
 from scout_core.inject import Fault, Schedule  # noqa: E402
 from scout_core.launcher import RankContext, launch, prepare_parent  # noqa: E402
-from scout_core.replay.engine import ReplayEngine  # noqa: E402
-from scout_core.report import JsonlSink, Reporter, read_incidents  # noqa: E402
+from scout_core.report import read_incidents  # noqa: E402
 
-DEPTH = 3  # blocks in the model; the check at step s samples block (s - 1) % 3
+DEPTH = 3
+INTERVAL = 1
+WINDOW = DEPTH * INTERVAL  # one full rotation of the sampled block
+MODULES = ["embed", "layers.0", "layers.1", "layers.2", "head"]
+SURFACE_OF = {"embed": "embedding.", "head": "output.", "layers.0": "layers.0.", "layers.1": "layers.1.",
+              "layers.2": "layers.2."}
+"""How the replay names each module's surfaces (the embedding and output recipes, the sampled blocks)."""
 
 
-def plan(layout: str, job: int, steps: int, world: int, clean_every: int) -> list[dict[str, Any]]:
-    """The job's injections, one per step (steps divisible by clean_every stay clean)."""
+def plan(layout: str, job: int, faults: int, world: int) -> list[dict[str, Any]]:
+    """The job's fault windows: ``faults`` windows of WINDOW steps, each followed by a clean step, after a
+    clean warm-up step."""
     rng = random.Random(f"{layout}-{job}")
     out = []
-    for step in range(1, steps + 1):
-        if step % clean_every == 0:
-            out.append({"step": step, "clean": True})
-            continue
-        block = (step - 1) % DEPTH
-        out.append({"step": step, "clean": False, "rank": rng.randrange(world), "bit": rng.randrange(32),
-                    "where": rng.choice(["output", "grad"]), "block": block})
+    step = 2
+    for _ in range(faults):
+        bits = rng.sample(range(32), rng.choice([1, 1, 2, 3, 4]))
+        module = rng.choice(MODULES)
+        # The embedding's input (token data) takes no gradient: its backward has nothing to corrupt.
+        where = "output" if module == "embed" else rng.choice(["output", "grad"])
+        out.append({"start": step, "stop": step + WINDOW, "rank": rng.randrange(world), "module": module,
+                    "where": where, "bits": bits, "persistent": rng.random() < 0.5})
+        step += WINDOW + 1
     return out
 
 
-def _faults(injections: list[dict[str, Any]]) -> list[Fault]:
-    return [Fault(surface=f"layers.{i['block']}.{i['where']}", rank=i["rank"], kind="bitflip", bit=i["bit"],
-                  schedule=Schedule.once(i["step"])) for i in injections if not i["clean"]]
+def job_steps(windows: list[dict[str, Any]]) -> int:
+    return windows[-1]["stop"] if windows else 1
 
 
-def _job(ctx: RankContext) -> int:
+def _faults(windows: list[dict[str, Any]]) -> list[Fault]:
+    out = []
+    for w in windows:
+        steps = range(w["start"], w["stop"]) if w["persistent"] else range(w["start"], w["stop"], 2)
+        for step in steps:
+            for bit in w["bits"]:  # several faults on one surface and step hit the same element
+                out.append(Fault(surface=f"{w['module']}.{w['where']}", rank=w["rank"], kind="bitflip", bit=bit,
+                                 schedule=Schedule.once(step)))
+    return out
+
+
+def _install(par: Any, injector: Any, rank: int, state: dict[str, Any]) -> None:
+    """Forward-output and backward faults on the embedding, each block's linear layer and the head; each
+    firing is logged with whether it happened inside a replay."""
+    inner = par.inner
+    targets = {"embed": inner.embed, "head": inner.head,
+               **{f"layers.{i}": block.fc for i, block in enumerate(inner.layers)}}
+    for name, module in targets.items():
+        def out_fault(_m: Any, _a: Any, out: torch.Tensor, name: str = name) -> None:
+            with torch.no_grad():
+                if injector.corrupt(f"{name}.output", out, rank=rank, step=state["step"]):
+                    state["fired"].append((state["step"], _replaying(state)))
+
+        def grad_fault(_m: Any, grad_input: Any, _g: Any, name: str = name) -> Any:
+            if grad_input[0] is None:
+                return None
+            g = grad_input[0].clone()
+            if injector.corrupt(f"{name}.grad", g, rank=rank, step=state["step"]):
+                state["fired"].append((state["step"], _replaying(state)))
+            return (g,)
+
+        module.register_forward_hook(out_fault)
+        module.register_full_backward_hook(grad_fault)
+
+
+def _replaying(state: dict[str, Any]) -> bool:
+    engine = state.get("engine")
+    return bool(engine is not None and engine.replaying)
+
+
+def _job(ctx: RankContext) -> list[tuple[int, bool]]:
     a, injector, par, opt = start_rank(ctx, timeout_s=600)
-    state = {"step": 0}
-    install_block_faults(par, injector, ctx.rank, state)
-    group = par.mesh.get_group("dp_replicate") if a["layout"] == "hsdp" else None
-    cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=0))
-    # Timing thresholds as in the cells: 16 ranks share 2 CPU cores here, so scheduler stalls of tens
-    # of milliseconds are normal; the campaign is about SDC, and a timing false positive still counts.
-    engine = ReplayEngine(list(par.inner.layers), opt, config=cfg, group=group,
-                          rule=StatisticalRule(min_ratio=2.0, min_delta=0.05),
-                          reporter=Reporter([JsonlSink(a["jsonl"], fsync=False)], run_id=a["run_id"], rank=ctx.rank))
+    state: dict[str, Any] = {"step": 0, "fired": []}
+    _install(par, injector, ctx.rank, state)
+    cfg = load(None, [f"replay.cadence.hidden={INTERVAL}", f"replay.cadence.embedding={INTERVAL}",
+                      f"replay.cadence.output={INTERVAL}", "replay.cadence.optimizer=0", "observer.enabled=false",
+                      f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR",
+                      "report.fsync=false"])
+    handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)
+    state["engine"] = handle.replay
     data_rank = ctx.rank // (ctx.world_size // 4) if a["layout"] == "hsdp" else ctx.rank
     for step, (x, y) in enumerate(batches(data_rank, a["steps"], seed=a["seed"]), start=1):
         state["step"] = step
@@ -86,82 +144,104 @@ def _job(ctx: RankContext) -> int:
         opt.step()
         opt.zero_grad()
     dist.barrier()
-    engine.close()
-    return len(engine.history)
+    handle.close()
+    return state["fired"]
 
 
-def classify(injections: list[dict[str, Any]], incidents: list[Any]) -> dict[str, Any]:
-    by_step: dict[int, list[Any]] = {}
-    for inc in incidents:
-        by_step.setdefault(inc.step, []).append(inc)
-    rows = {"localized": 0, "masked": 0, "mislocalized": 0, "clean_accepted": 0, "false_positive": 0, "details": []}
-    planned = {i["step"] for i in injections}
-    for inj in injections:
-        got = by_step.get(inj["step"], [])
-        if inj["clean"]:
-            rows["clean_accepted" if not got else "false_positive"] += 1
-            continue
-        surfaces = got[0].surface.split(";") if len(got) == 1 else []
-        if inj["where"] == "output":
-            # A forward fault shows on the output; it may also reach the backward through it.
-            right_surface = any(s.endswith(".output") for s in surfaces)
-        else:
-            # A backward fault cannot change a forward output.
-            right_surface = any(".grad_" in s for s in surfaces) and not any(s.endswith(".output") for s in surfaces)
-        if not got:
-            verdict = "masked"
-        elif (len(got) == 1 and got[0].kind.value == "sdc" and got[0].scope.value == "rank"
-              and got[0].ranks == [inj["rank"]] and right_surface):
-            verdict = "localized"
-        else:
-            verdict = "mislocalized"
+def classify(windows: list[dict[str, Any]], incidents: list[Any], fired: list[tuple[int, int, bool]],
+             steps: int) -> dict[str, Any]:
+    """``fired``: (rank, step, inside a replay) of every firing of a fault."""
+    rows: dict[str, Any] = {"faults": len(windows), "persistent": 0, "covered": 0, "fired_in_replay": 0,
+                            "sensitive": 0, "localized": 0, "missed": 0, "mislocalized": 0, "false_positive": 0,
+                            "clean_steps": 0, "verdict_steps": [], "details": []}
+    claimed: set[int] = set()
+    for w in windows:
+        got = sorted((i for i in incidents if w["start"] <= i.step < w["stop"]), key=lambda i: i.step)
+        claimed.update(id(i) for i in got)
+        first = got[0] if got else None
+        in_replay = any(r == w["rank"] and w["start"] <= s < w["stop"] and rep for r, s, rep in fired)
+        prefix = SURFACE_OF[w["module"]]
+        right = (first is not None and first.kind.value == "sdc" and first.scope.value == "rank"
+                 and first.ranks == [w["rank"]] and any(s.startswith(prefix) for s in first.surface.split(";")))
+        verdict = "localized" if right else ("missed" if first is None else "mislocalized")
         rows[verdict] += 1
-        if verdict != "localized":
-            rows["details"].append({**inj, "verdict": verdict,
-                                    "reported": [(i.ranks, i.scope.value, i.surface) for i in got]})
-    rows["false_positive"] += sum(len(v) for s, v in by_step.items() if s not in planned)
+        if w["persistent"]:
+            rows["persistent"] += 1
+            rows["covered"] += verdict == "localized"
+        if in_replay:
+            rows["fired_in_replay"] += 1
+            rows["sensitive"] += verdict == "localized"
+        if verdict == "localized":
+            rows["verdict_steps"].append(first.step - w["start"])
+        if verdict != "localized" and (w["persistent"] or in_replay):
+            rows["details"].append({**w, "verdict": verdict, "fired_in_replay": in_replay,
+                                    "reported": [(i.step, i.kind.value, i.ranks, i.scope.value, i.surface)
+                                                 for i in got]})
+    faulty_steps = {s for w in windows for s in range(w["start"], w["stop"])}
+    rows["clean_steps"] = sum(1 for s in range(1, steps + 1) if s not in faulty_steps)
+    stray = [i for i in incidents if id(i) not in claimed]
+    rows["false_positive"] = len(stray)
+    if stray:
+        rows["details"].append({"false_positives": [(i.step, i.kind.value, i.ranks, i.surface) for i in stray]})
     return rows
 
 
-def run(layouts: list[str], jobs: int, steps: int, world: int, clean_every: int) -> dict[str, Any]:
+_COUNTS = ("faults", "persistent", "covered", "fired_in_replay", "sensitive", "localized", "missed",
+           "mislocalized", "false_positive", "clean_steps")
+
+
+def run(layouts: list[str], jobs: int, faults: int, world: int) -> dict[str, Any]:
     prepare_parent()
-    summary: dict[str, Any] = {"world_size": world, "steps_per_job": steps, "layouts": {}}
+    summary: dict[str, Any] = {"world_size": world, "window_steps": WINDOW, "interval": INTERVAL,
+                               "faults_per_job": faults, "layouts": {}}
     for layout in layouts:
-        total = {"localized": 0, "masked": 0, "mislocalized": 0, "clean_accepted": 0, "false_positive": 0,
-                 "injections": 0, "details": [], "wall_s": 0.0}
+        total: dict[str, Any] = {k: 0 for k in _COUNTS} | {"verdict_steps": [], "details": [], "wall_s": 0.0}
         for job in range(jobs):
-            injections = plan(layout, job, steps, world, clean_every)
+            windows = plan(layout, job, faults, world)
+            steps = job_steps(windows)
             with tempfile.TemporaryDirectory() as tmp:
                 jsonl = os.path.join(tmp, "incidents.jsonl")
                 start = time.monotonic()
                 result = launch(_job, world, timeout_s=900, args={
-                    "faults": _faults(injections), "seed": job, "layout": layout, "steps": steps,
+                    "faults": _faults(windows), "seed": job, "layout": layout, "steps": steps,
                     "jsonl": jsonl, "run_id": f"campaign-{layout}-{job}"})
                 total["wall_s"] += time.monotonic() - start
                 if not result.ok:
                     raise RuntimeError(f"{layout} job {job} failed:\n{result.failures()}")
                 incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
-            rows = classify(injections, incidents)
-            for k in ("localized", "masked", "mislocalized", "clean_accepted", "false_positive"):
+            fired = [(rank, s, rep) for rank, v in enumerate(result.values()) for s, rep in v]
+            rows = classify(windows, incidents, fired, steps)
+            for k in _COUNTS:
                 total[k] += rows[k]
-            total["injections"] += sum(not i["clean"] for i in injections)
+            total["verdict_steps"] += rows["verdict_steps"]
             total["details"] += rows["details"]
-            print(f"{layout} job {job}: {rows['localized']} localized, {rows['masked']} masked, "
-                  f"{rows['mislocalized']} mislocalized, {rows['clean_accepted']} clean accepted, "
-                  f"{rows['false_positive']} false positives", flush=True)
+            print(f"{layout} job {job}: {rows['covered']}/{rows['persistent']} persistent covered, "
+                  f"{rows['sensitive']}/{rows['fired_in_replay']} fired in replay localized, "
+                  f"{rows['mislocalized']} mislocalized, {rows['false_positive']} false positives", flush=True)
         total["wall_s"] = round(total["wall_s"], 1)
         summary["layouts"][layout] = total
-    keys = ("injections", "localized", "masked", "mislocalized", "clean_accepted", "false_positive")
-    summary["total"] = {k: sum(v[k] for v in summary["layouts"].values()) for k in keys}
+    summary["total"] = {k: sum(v[k] for v in summary["layouts"].values()) for k in _COUNTS}
+    summary["total"]["verdict_steps"] = [s for v in summary["layouts"].values() for s in v["verdict_steps"]]
     return summary
 
 
+def _ratio(a: int, b: int) -> str:
+    return f"{a}/{b} ({100.0 * a / b:.0f} %)" if b else "-"
+
+
+def _steps(xs: list[int]) -> str:
+    return f"{statistics.median(xs):.0f} / {max(xs)}" if xs else "-"
+
+
 def markdown(summary: dict[str, Any]) -> str:
-    lines = ["| layout | injections | localized | masked | mislocalized | clean checks accepted | false positives |",
+    lines = ["| layout | faults | replay coverage: persistent faults localized within L x I steps | detection "
+             "sensitivity: localized of those fired inside a replay | time to verdict, steps: median / max "
+             "| mislocalized | false positives (clean steps) |",
              "|---|---|---|---|---|---|---|"]
     for layout, v in list(summary["layouts"].items()) + [("**total**", summary["total"])]:
-        lines.append(f"| {layout} | {v['injections']} | {v['localized']} | {v['masked']} | {v['mislocalized']} "
-                     f"| {v['clean_accepted']} | {v['false_positive']} |")
+        lines.append(f"| {layout} | {v['faults']} | {_ratio(v['covered'], v['persistent'])} "
+                     f"| {_ratio(v['sensitive'], v['fired_in_replay'])} | {_steps(v['verdict_steps'])} "
+                     f"| {v['mislocalized']} | {v['false_positive']} ({v['clean_steps']}) |")
     return "\n".join(lines)
 
 
@@ -170,12 +250,11 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/campaign.json")
     parser.add_argument("--readme", help="rewrite the campaign block of this README")
     parser.add_argument("--layouts", default="ddp,fsdp2,hsdp")
-    parser.add_argument("--jobs", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--jobs", type=int, default=10)
+    parser.add_argument("--faults", type=int, default=10, help="fault windows per job")
     parser.add_argument("--world", type=int, default=16)
-    parser.add_argument("--clean-every", type=int, default=6)
     args = parser.parse_args()
-    summary = run(args.layouts.split(","), args.jobs, args.steps, args.world, args.clean_every)
+    summary = run(args.layouts.split(","), args.jobs, args.faults, args.world)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(summary, fh, indent=2)

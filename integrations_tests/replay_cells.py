@@ -100,6 +100,11 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     a, injector, par, opt = start_rank(ctx)
     state: dict[str, Any] = {"step": 0}
     _install_faults(par, opt, injector, ctx.rank, state)
+    if ctx.rank == a["other_env_rank"]:  # this rank runs another torch build than its peers
+        from scout_core.replay import engine as engine_mod
+
+        real = engine_mod.environment_fingerprint
+        engine_mod.environment_fingerprint = lambda device: real(device).replace("torch=", "torch=0.0-other+")
     others = 1 if a["all_recipes"] else 0  # the defaults cells time the hidden recipe only (their cost is CPU)
     cfg = load(None, [f"replay.cadence.embedding={others}", "replay.cadence.hidden=1",
                       f"replay.cadence.output={others}", f"replay.cadence.optimizer={others}",
@@ -136,6 +141,7 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "steps": int(p.get("steps", 9)), "rule": dict(p.get("rule", {})),
             "hidden": int(p.get("hidden", 32)), "batch": int(p.get("batch", 8)),
             "all_recipes": bool(p.get("all_recipes", True)), "replicas": int(p.get("replicas", 4)),
+            "other_env_rank": p.get("other_env_rank"),
             "jsonl": jsonl, "run_id": spec.name}
     start = time.monotonic()
     result = launch(_replay_rank, world_size, timeout_s=spec.timeout_s, args=args)

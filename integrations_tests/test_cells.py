@@ -275,7 +275,7 @@ def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch)
     from scout_core.progress import observer as observer_mod
 
     real = observer_mod.silence_threshold
-    fixed = lambda spec, snap, learned=0.0: real(spec, snap, learned) if snap.step < 2 else spec.silence_threshold_s  # noqa: E731,E501
+    fixed = lambda spec, snap: real(spec, snap) if snap.step < 2 else spec.silence_threshold_s  # noqa: E731
     monkeypatch.setattr(observer_mod, "silence_threshold", fixed)
     (report,) = run_cells([SPECS["hang-slow-not-stalled"]], root=ROOT)
     assert report.verdict == "FAIL" and any(i["kind"] == "hang" for i in report.reported)  # a false hang
@@ -309,4 +309,19 @@ def test_nondeterministic_cell_fails_without_vetting(monkeypatch):
 
     monkeypatch.setattr(engine, "vet_due", lambda *a, **k: False)
     (report,) = run_cells([SPECS["ddp-nondeterministic"]], root=ROOT)
+    assert report.verdict == "FAIL" and "sdc" in report.details
+
+
+def test_environment_mismatch_cell_fails_without_the_environment_check(monkeypatch):
+    """Without the fingerprint, a rank whose different kernels give consistently different bits is SDC."""
+    from scout_core.replay import engine
+
+    real = engine.split_vetting
+
+    def no_environment(results):
+        kept, untrusted = real(results)
+        return kept, {r: why for r, why in untrusted.items() if why != "environment"}
+
+    monkeypatch.setattr(engine, "split_vetting", no_environment)
+    (report,) = run_cells([SPECS["ddp-environment-mismatch"]], root=ROOT)
     assert report.verdict == "FAIL" and "sdc" in report.details

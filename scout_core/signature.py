@@ -115,12 +115,18 @@ def _row_multipliers_on(device: torch.device) -> torch.Tensor:
 
 
 def _product_float(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``rows @ w`` exactly, in float32 blocks whose sums stay below 2**24 (int64 result)."""
-    out = torch.zeros(rows.shape[0], w.shape[1], dtype=torch.int64, device=rows.device)
-    for s in range(0, rows.shape[1], _FLOAT_BLOCK):
-        block = rows[:, s : s + _FLOAT_BLOCK].to(torch.float32) @ w[s : s + _FLOAT_BLOCK].to(torch.float32)
-        out += block.to(torch.int64)
-    return out
+    """``rows @ w`` exactly, as one batched float32 product over blocks of ``_FLOAT_BLOCK`` bytes, whose sums
+    stay below 2**24 (int64 result)."""
+    m, n = rows.shape
+    blocks = -(-n // _FLOAT_BLOCK)
+    pad = blocks * _FLOAT_BLOCK - n
+    a = rows.to(torch.float32)
+    b = w.to(torch.float32)
+    if pad:  # zero bytes add nothing
+        a = torch.nn.functional.pad(a, (0, pad))
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad))
+    partial = torch.bmm(a.view(m, blocks, _FLOAT_BLOCK).transpose(0, 1), b.view(blocks, _FLOAT_BLOCK, -1))
+    return partial.to(torch.int64).sum(dim=0)
 
 
 def _int_mm_usable(device: torch.device) -> bool:
@@ -141,10 +147,16 @@ def _int_mm_usable(device: torch.device) -> bool:
 
 
 def _product(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``rows @ w`` for int8 ``rows`` (m, L) and weights (L, 8): exact, int64."""
-    cuda_ok = rows.device.type != "cuda" or (rows.shape[0] > 16 and rows.shape[1] % 8 == 0)
+    """``rows @ w`` for int8 ``rows`` (m, L) and weights (L, 8): exact, int64. The int8 GEMM where it applies
+    (on CUDA: more than 16 rows, 16-byte aligned operands), else, or if it refuses, the float32 path: both
+    give the same integers."""
+    cuda_ok = rows.device.type != "cuda" or (rows.shape[0] > 16 and rows.shape[1] % 8 == 0
+                                               and rows.data_ptr() % 16 == 0)
     if cuda_ok and _int_mm_usable(rows.device):
-        return torch._int_mm(rows, w).to(torch.int64)
+        try:
+            return torch._int_mm(rows, w).to(torch.int64)
+        except RuntimeError:  # a layout this device's int8 GEMM does not take
+            pass
     return _product_float(rows, w)
 
 

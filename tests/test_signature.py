@@ -148,3 +148,22 @@ def test_finalize_is_stable_across_versions():
     # ... and the weights and multipliers of the fold (no torch random stream involved)
     assert signature(torch.arange(1000, dtype=torch.float32)) == PINNED_ARANGE_1000
     assert signature(torch.arange(70_000, dtype=torch.int64)) == PINNED_ARANGE_70000
+
+
+def test_the_int8_gemm_and_the_float_path_fold_alike(monkeypatch):
+    """Peers on different paths (a device without the int8 GEMM, very few rows on CUDA) must sign alike."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(n, generator=gen) for n in (1, 7, 1000, 4097, 70_001, 300_000)]
+    tensors.append(torch.full((5000,), -128, dtype=torch.int8))  # the largest |byte| everywhere
+    with_gemm = [fold(t) for t in tensors]
+    monkeypatch.setitem(sigmod._int_mm_ok, torch.device("cpu"), False)
+    assert all(torch.equal(a, fold(t)) for a, t in zip(with_gemm, tensors))
+
+
+def test_tensors_over_one_chunk_see_a_flip_in_every_chunk():
+    t = torch.zeros(64 * 2**20 + 13, dtype=torch.uint8)
+    ref = signature(t)
+    for pos in (0, 64 * 2**20 - 1, 64 * 2**20, t.numel() - 1):  # first chunk, its end, the second chunk, tail
+        c = t.clone()
+        c[pos] ^= 4
+        assert signature(c) != ref, pos

@@ -18,7 +18,7 @@ from scout_core.signature import _GEMM_ROWS, sign_many
 
 CASES = 10_000
 BATCH = 500
-SIZES = (4096, 65_536, 262_144)  # bytes: rows of 8, 128 and 512 bytes
+SIZES = (4096, 65_536, 69_992, 262_144)  # bytes: rows of 8, 128, 144 (a partial last row) and 512 bytes
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 

@@ -8,8 +8,10 @@ import pytest
 from scout_core.consensus import C3Result, C3Status, Confirmation, exact, statistical
 from scout_core.replay.timing import CommTiming
 from scout_core.replay.vetting import (
+    ENVIRONMENT_SURFACE,
     REPRODUCIBLE_SURFACE,
     SELF_CHECK_SURFACE,
+    environment_fingerprint,
     optimizer_misconfigured,
     rotation,
     split_vetting,
@@ -35,8 +37,13 @@ def test_rotation_rejects_an_empty_group():
         rotation(0, 0, 4)
 
 
-def test_vetting_cadence():
-    assert [vet_due(c, 10, False, layers=3) for c in (0, 1, 2, 3, 9, 10, 20)] == [True] * 3 + [False] * 2 + [True] * 2
+def test_vetting_covers_whole_rotations_so_every_layer_is_vetted_again():
+    for layers in (3, 10, 32, 40, 48):
+        vetted = [c for c in range(layers * 25) if vet_due(c, 10, False, layers=layers)]
+        assert {c % layers for c in vetted[:layers]} == set(range(layers))  # the first rotation, whole
+        again = [c for c in vetted if c >= layers]
+        assert {c % layers for c in again} == set(range(layers)), layers  # and every layer again later
+        assert len(vetted) == len(range(0, 25, 10)) * layers
     assert not any(vet_due(c, 0, False, layers=3) for c in range(50))
     assert all(vet_due(c, 10, True) for c in range(50))
 
@@ -44,10 +51,31 @@ def test_vetting_cadence():
 def test_a_non_reproducible_rank_is_pulled_out_of_the_evidence():
     results = [exact([1, 1, 2, 1], peer_ranks=[0, 1, 2, 3], surface="layers.1.x1.output"),
                exact([True, True, False, True], peer_ranks=[0, 1, 2, 3], surface=REPRODUCIBLE_SURFACE)]
-    kept, nondeterministic = split_vetting(results)
-    assert [r.surface for r in kept] == ["layers.1.x1.output"] and nondeterministic == (2,)
-    kept, nondeterministic = split_vetting(results[:1])
-    assert nondeterministic == ()
+    kept, untrusted = split_vetting(results)
+    assert [r.surface for r in kept] == ["layers.1.x1.output"] and untrusted == {2: "nondeterministic"}
+    kept, untrusted = split_vetting(results[:1])
+    assert untrusted == {}
+
+
+def test_a_rank_in_another_environment_is_pulled_out_of_the_evidence():
+    env = exact(["torch=2.13", "torch=2.13", "torch=2.12", "torch=2.13"], peer_ranks=[0, 1, 2, 3],
+                surface=ENVIRONMENT_SURFACE)
+    _, untrusted = split_vetting([env])
+    assert untrusted == {2: "environment"}
+    split = exact(["a", "b", "a", "b"], peer_ranks=[0, 1, 2, 3], surface=ENVIRONMENT_SURFACE)
+    assert split_vetting([split])[1] == dict.fromkeys([0, 1, 2, 3], "environment")  # no majority: nobody
+
+
+def test_the_environment_fingerprint_names_what_decides_the_bits():
+    import torch
+
+    fp = environment_fingerprint(torch.device("cpu"))
+    assert fp.startswith(f"torch={torch.__version__}") and "fp32_matmul=" in fp
+    torch.set_float32_matmul_precision("medium")
+    try:
+        assert environment_fingerprint(torch.device("cpu")) != fp
+    finally:
+        torch.set_float32_matmul_precision("highest")
 
 
 def test_an_optimizer_self_check_failing_on_a_majority_is_a_misconfiguration():

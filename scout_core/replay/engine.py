@@ -57,7 +57,10 @@ from scout_core.replay.saved import call_from_dict, call_to_dict, to_device
 from scout_core.replay.scratch import Scratch, fsdp_module, module_compute_device, reserve, unshard_bytes
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.replay.vetting import (
+    ENVIRONMENT_SURFACE,
     REPRODUCIBLE_SURFACE,
+    SELF_CHECK_SURFACE,
+    environment_fingerprint,
     optimizer_misconfigured,
     rotation,
     split_vetting,
@@ -88,8 +91,9 @@ class BoundaryResult:
     """Recipes that were due at this boundary (``embedding``, ``hidden``, ``output``, ``optimizer``)."""
     skipped: str = ""
     """Why due work was skipped on every peer (a diagnosis error, a sampled layer that did not run)."""
-    nondeterministic: tuple[int, ...] = ()
-    """Ranks whose replay, run twice, signed differently: their disagreements are not evidence."""
+    untrusted: dict[int, str] = field(default_factory=dict)
+    """Ranks this check found not to be evidence, with the reason (``nondeterministic``: its two runs
+    differed; ``environment``: not its peers' majority software and hardware)."""
     unreliable: list[C3Result] = field(default_factory=list)
     """Results set aside because a non-reproducible rank took part in the disagreement."""
     misconfigured: C3Result | None = None
@@ -106,7 +110,7 @@ class BoundaryResult:
 
     @property
     def inconclusive(self) -> bool:
-        return bool(self.nondeterministic) or any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
+        return bool(self.unreliable) or any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
 
     @property
     def missing(self) -> bool:
@@ -191,7 +195,11 @@ class ReplayEngine:
         self._opt_due = False
         self._vet_always = False
         self._misconfigured_reported = False
-        self._nondeterministic_reported: set[int] = set()
+        self._self_check_off = False
+        self._untrusted: dict[int, str] = {}
+        """Ranks found not to be evidence (nondeterministic, or another environment), for the whole run."""
+        self._untrusted_reported: set[tuple[int, str]] = set()
+        self._env: str | None = None
         self._opt_error: BaseException | None = None
         self._handles: list[Any] = []
         if optimizer is not None and hook_optimizer:
@@ -334,22 +342,27 @@ class ReplayEngine:
         # measurement" for every peer, which neither confirms a straggler nor clears one, nor moves a baseline.
         compute_s: float | None = None
         comm_s: float | None = None
+        reproducible: bool | None = True
         for recipe, idx in due:
             timed = recipe == "hidden"  # the hidden layer's timings are the ones compared
-            surfaces, t_compute, gather_s, reproducible = self._replay_recipe(
-                idx, calls[idx], scratch[idx], timed=timed, vet=vet and timed)
+            surfaces, t_compute, gather_s, same = self._replay_recipe(idx, calls[idx], scratch[idx], timed=timed,
+                                                                       vet=vet)
             evidence += surfaces
+            reproducible = None if reproducible is None or same is None else reproducible and same
             if timed:
-                if vet:  # every peer sends it (None where the replay failed): the exchange stays aligned
-                    evidence.append((REPRODUCIBLE_SURFACE, reproducible))
                 compute_s = t_compute
                 all_reduce = scratch[idx].all_reduce
                 if gather_s is None and all_reduce is not None:
                     gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group, all_reduce)
                 comm_s = gather_s
             # One saved call per layer class: the sweep replays each class's layers on an input of their own.
+            # (The vetting surfaces follow the loop: every peer sends them, None where a replay failed.)
             key = f"hidden:{type(self.layers[idx]).__qualname__}" if recipe == "hidden" else recipe
             self.last_calls[key] = (calls[idx], idx)
+        if due:
+            if vet:
+                evidence.append((REPRODUCIBLE_SURFACE, reproducible))
+            evidence.append((ENVIRONMENT_SURFACE, self._environment()))
         if opt_due and self.opt_slice is not None:
             replayed = guard.run("optimizer replay", self.opt_slice.after_step) or []
             evidence += [(n, v) for n, v in replayed if self.compare_optimizer_slices or n == "optimizer.self_check"]
@@ -371,17 +384,17 @@ class ReplayEngine:
             result.skipped = "diagnosis error"
             return
         surfaces, timing = exchanged
-        result.surfaces, result.nondeterministic = split_vetting(surfaces)
-        if result.nondeterministic:
-            self._vet_always = True  # from now on no disagreement is evidence unless both runs agreed
-            bad = set(result.nondeterministic)
-            result.unreliable = [r for r in result.surfaces if r.status is C3Status.INCONCLUSIVE
-                                 or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
-            result.surfaces = [r for r in result.surfaces if r not in result.unreliable]
+        result.surfaces, found = split_vetting(surfaces)
+        if any(reason == "nondeterministic" for reason in found.values()):
+            self._vet_always = True  # from now on every check replays twice
+        result.untrusted = found
+        self._set_aside(result)
         misconfigured = optimizer_misconfigured(result.surfaces)
         if misconfigured is not None:  # not agreement, and not SDC on the minority that passed
-            result.surfaces = [r for r in result.surfaces if r is not misconfigured]
+            self._self_check_off = True
             result.misconfigured = misconfigured
+        if self._self_check_off:  # once most peers failed it, it is no evidence for anyone, ever after
+            result.surfaces = [r for r in result.surfaces if r.surface != SELF_CHECK_SURFACE]
         if timing is not None:
             times, comm = timing
             result.timing, result.comm_timing = times, comm
@@ -455,7 +468,9 @@ class ReplayEngine:
 
     def sweep_state(self) -> dict[str, Any]:
         """Counters and the newest replayed call per recipe, stored in every snapshot (weights-only safe)."""
-        return {"step": self.step, "checks": self.checks,
+        return {"step": self.step, "checks": self.checks, "vet_always": self._vet_always,
+                "self_check_off": self._self_check_off,
+                "untrusted": {str(r): why for r, why in self._untrusted.items()},
                 "calls": {recipe: call_to_dict(call, idx) for recipe, (call, idx) in self.last_calls.items()}}
 
     def load_sweep_state(self, saved: Mapping[str, Any]) -> None:
@@ -463,6 +478,10 @@ class ReplayEngine:
         for c in self.captures:
             c.take()
         self.step, self.checks = int(saved["step"]), int(saved["checks"])
+        self._vet_always = bool(saved.get("vet_always", False))
+        self._self_check_off = bool(saved.get("self_check_off", False))
+        self._untrusted = {int(r): str(why) for r, why in saved.get("untrusted", {}).items()}
+        self._untrusted_reported = {(r, why) for r, why in self._untrusted.items()}
         self.last_calls = {r: call_from_dict(d) for r, d in saved.get("calls", {}).items()}
         self._arm(self.step + 1)
 
@@ -502,7 +521,9 @@ class ReplayEngine:
         if not ok or not work:
             return "failed"
         results = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
-        bad = [r for r in results if r.status is not C3Status.AGREE]
+        swept = BoundaryResult(self.step, surfaces=results)
+        self._set_aside(swept)  # a rank known not to be evidence makes no SDC in a sweep either
+        bad = [r for r in swept.surfaces if r.status is not C3Status.AGREE]
         if bad:
             sweep = BoundaryResult(self.step, surfaces=bad)
             incidents = self._sdc_verdicts(sweep)
@@ -577,17 +598,37 @@ class ReplayEngine:
                                             "replayed surfaces disagree without a strict majority"))
         return incidents
 
+    def _set_aside(self, result: BoundaryResult) -> None:
+        """Every disagreement a rank that is not evidence takes part in (found now or at any earlier check:
+        intermittent nondeterminism may happen to agree with itself today) is set aside, never SDC."""
+        self._untrusted.update({r: why for r, why in result.untrusted.items() if r not in self._untrusted})
+        if not self._untrusted:
+            return
+        bad = set(self._untrusted)
+        result.unreliable = [r for r in result.surfaces if r.status is C3Status.INCONCLUSIVE
+                             or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
+        result.surfaces = [r for r in result.surfaces if r not in result.unreliable]
+
+    _UNTRUSTED_REASON = {
+        "nondeterministic": "nondeterministic: the layer replayed twice on this rank signed differently, so its "
+                            "replay cannot be compared bitwise (see docs/replay.md: deterministic replay)",
+        "environment": "environment: this rank replays with other software, hardware or precision settings than "
+                       "its peers' majority (evidence.environment), so equal inputs need not give equal bits",
+    }
+
     def _vetting_verdicts(self, result: BoundaryResult) -> list[Incident]:
-        """A non-reproducible replay (never SDC), and an optimizer self-check most peers fail (once)."""
+        """A rank that is not evidence (once per rank and reason, never SDC), and an optimizer self-check
+        most peers fail (once)."""
         out = []
-        new = tuple(r for r in result.nondeterministic if r not in self._nondeterministic_reported)
-        if new:  # once per rank: every later check is vetted, and its disagreements set aside, silently
-            self._nondeterministic_reported.update(new)
-            inc = self._incident(
-                IncidentKind.INCONCLUSIVE, IncidentScope.RANK, new, result.unreliable,
-                "nondeterministic: the sampled layer replayed twice on this rank signed differently, so its "
-                "replay cannot be compared bitwise (see docs/replay.md: deterministic replay)")
-            inc.evidence["reason"] = "nondeterministic"
+        for reason in ("nondeterministic", "environment"):
+            new = tuple(sorted(r for r, why in result.untrusted.items()
+                               if why == reason and (r, reason) not in self._untrusted_reported))
+            if not new:
+                continue
+            self._untrusted_reported.update((r, reason) for r in new)
+            inc = self._incident(IncidentKind.INCONCLUSIVE, IncidentScope.RANK, new, result.unreliable,
+                                 self._UNTRUSTED_REASON[reason])
+            inc.evidence["reason"] = reason
             out.append(inc)
         mis = result.misconfigured
         if mis is not None and not self._misconfigured_reported:
@@ -601,6 +642,11 @@ class ReplayEngine:
             inc.evidence["reason"] = "misconfiguration"
             out.append(inc)
         return out
+
+    def _environment(self) -> str:
+        if self._env is None:
+            self._env = environment_fingerprint(device_of(self.layers[0]))
+        return self._env
 
     def _incident(self, kind: IncidentKind, scope: IncidentScope, ranks: Sequence[int],
                   results: Sequence[C3Result], reason: str) -> Incident:

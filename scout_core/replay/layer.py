@@ -161,8 +161,10 @@ class LayerReplay:
 class ComputeClock:
     """Compute time on the device's own clock, not wall time: on a CUDA device the time between two events
     on its stream; on the host this thread's CPU time, which a busy machine's scheduler cannot inflate (a
-    rank descheduled for 10 ms has not computed for 10 ms). Torch's intra-op helper threads are not counted:
-    on the host every peer is measured the same way, which is what the comparison needs."""
+    rank descheduled for 10 ms has not computed for 10 ms). Host replays run on one thread (replay_layer),
+    so this thread's time is all of it. On a GPU the events also count the device idling while a late host
+    launches kernels: a small, launch-bound layer on a rank whose host is busier (a background thread
+    holding the GIL) looks slower (docs/replay.md, known limits)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -215,6 +217,11 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
             for b, saved in saved_buffers:
                 b.copy_(saved)
 
+    # On the host, one thread: this thread's CPU time is then all of the replay's compute (intra-op helper
+    # threads would be invisible to it), and a reduction's order cannot depend on a rank's thread count.
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads != 1:
+        torch.set_num_threads(1)
     try:
         for k, v in enumerate(variants):
             signed, t = _replay_once(forward, params, call, v, providers, deterministic, name, device)
@@ -226,6 +233,8 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
             times.append(t)
     finally:
         restore_buffers()
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     if compare_param_state:
         state = [p.detach() for p in params] + [b for b in layer.buffers() if b.is_floating_point()]
         surfaces += _signed([(f"{name}.param_state", state)])

@@ -7,22 +7,32 @@
   the layers, then every ``replay.determinism_every``-th). Replay compares bytes, so it assumes the replayed
   kernels are bitwise deterministic; a rank whose two runs differ cannot be evidence, and once one did,
   every later check is vetted.
-* :func:`split_vetting`: takes the exchanged reproducibility out of a check's results and names the ranks
-  whose replay was not reproducible; :func:`optimizer_misconfigured` recognises an optimizer self-check that
-  fails on a strict majority (the replayed update does not model the live one: a configuration problem,
-  not agreement and not SDC on the minority).
+* :func:`environment_fingerprint`: what decides a replay's bits besides its inputs (torch, CUDA and cuDNN
+  versions, the device, the precision flags, the host's instruction set). Two ranks that
+  are each reproducible but run different kernels (a rolling upgrade, another GPU model, a per-rank TF32
+  flag) disagree without either being faulty; every check exchanges the fingerprint, and a rank whose
+  fingerprint differs from its peers' majority is not evidence either.
+* :func:`split_vetting`: takes the exchanged reproducibility and environment out of a check's results and
+  names the ranks whose replay was not reproducible or ran in another environment;
+* :func:`optimizer_misconfigured` recognises an optimizer self-check that fails on a strict majority (the
+  replayed update does not model the live one: a configuration problem, not agreement and not SDC on the
+  minority that passed).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
-from scout_core.consensus import C3Result
+import torch
 
-__all__ = ["REPRODUCIBLE_SURFACE", "SELF_CHECK_SURFACE", "optimizer_misconfigured", "rotation", "split_vetting",
-           "vet_due"]
+from scout_core.consensus import C3Result, C3Status
+
+__all__ = ["ENVIRONMENT_SURFACE", "REPRODUCIBLE_SURFACE", "SELF_CHECK_SURFACE", "environment_fingerprint",
+           "optimizer_misconfigured", "rotation", "split_vetting", "vet_due"]
 
 REPRODUCIBLE_SURFACE = "replay.reproducible"
+ENVIRONMENT_SURFACE = "replay.environment"
 SELF_CHECK_SURFACE = "optimizer.self_check"
 
 
@@ -35,21 +45,47 @@ def rotation(check: int, layers: int, peers: int) -> tuple[int, int]:
 
 
 def vet_due(check: int, every: int, always: bool, layers: int = 1) -> bool:
-    """Whether hidden check number ``check`` replays its first variant twice (identical on every peer): the
-    whole first rotation (each layer's kernels are vetted before its first verdict; nondeterminism is a
-    property of a kernel, present from the start), then every ``every``-th check (0: never again)."""
-    return always or (every > 0 and (check < layers or check % every == 0))
+    """Whether check number ``check`` replays its first variant twice (identical on every peer): whole
+    rotations over the layers, the first one and every ``every``-th after it (0: never), so every layer's
+    kernels are vetted before its first verdict and again at the same rate (nondeterminism is a property
+    of a kernel)."""
+    return always or (every > 0 and (check // max(1, layers)) % every == 0)
 
 
-def split_vetting(results: Sequence[C3Result]) -> tuple[list[C3Result], tuple[int, ...]]:
-    """(the results without the reproducibility surface, the ranks whose two runs differed)."""
-    kept, nondeterministic = [], ()
+def environment_fingerprint(device: torch.device) -> str:
+    """The software and hardware facts that decide a replay's bits on ``device``, as one string."""
+    parts = [f"torch={torch.__version__}"]  # (host replays run on one thread: the thread count cannot matter)
+    cpu = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    if cpu is not None:
+        parts.append(f"cpu={cpu()}")
+    parts.append(f"fp32_matmul={torch.get_float32_matmul_precision()}")
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        parts += [f"cuda={torch.version.cuda}", f"cudnn={torch.backends.cudnn.version()}",
+                  f"device={props.name}/sm{props.major}{props.minor}/{props.multi_processor_count}",
+                  f"tf32={torch.backends.cuda.matmul.allow_tf32}/{torch.backends.cudnn.allow_tf32}",
+                  f"reduced={torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction}/"
+                  f"{torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}",
+                  f"cublas_ws={os.environ.get('CUBLAS_WORKSPACE_CONFIG', '')}"]
+    return ";".join(parts)
+
+
+def split_vetting(results: Sequence[C3Result]) -> tuple[list[C3Result], dict[int, str]]:
+    """(the results without the vetting surfaces, the ranks that are not evidence with the reason:
+    ``nondeterministic`` (its two runs differed) or ``environment`` (not its peers' majority fingerprint;
+    every rank when there is no strict majority))."""
+    kept, untrusted = [], {}
     for r in results:
         if r.surface == REPRODUCIBLE_SURFACE:
-            nondeterministic = tuple(rank for rank, ok in zip(r.peer_ranks, r.evidence, strict=True) if ok is False)
+            untrusted.update({rank: "nondeterministic"
+                              for rank, ok in zip(r.peer_ranks, r.evidence, strict=True) if ok is False})
+        elif r.surface == ENVIRONMENT_SURFACE:
+            odd = r.outlier_ranks if r.status is C3Status.ATTRIBUTED else (
+                r.peer_ranks if r.status is C3Status.INCONCLUSIVE else ())
+            untrusted.update({rank: "environment" for rank in odd if rank not in untrusted})
         else:
             kept.append(r)
-    return kept, nondeterministic
+    return kept, untrusted
 
 
 def optimizer_misconfigured(results: Sequence[C3Result]) -> C3Result | None:

@@ -1,0 +1,194 @@
+"""What replay costs (paper section 6.1): in a 16-rank job, over the check interval, and in memory.
+
+* :func:`bench_replay_curve`: 16 DDP ranks, each holding a plain copy of the model and one watched by a
+  :class:`~scout_core.replay.engine.ReplayEngine` over the whole world (its broadcast and exchanges included),
+  stepped alternately one check period at a time (A/B inside one job: separate processes on this shared
+  machine differ more than the effect); the median ``B/A - 1`` per interval I beside the paper's model
+  ``V / (I * N)``, written as JSON and drawn as a PNG.
+* :func:`bench_replay_memory`: one check of a large layer, the peak growth of the process's resident memory
+  during the check as a multiple of the sampled layer's parameter and activation bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+INTERVALS = (1, 2, 5, 10, 20, 50, 100)
+
+
+def _curve_rank(ctx: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from scout_core.config import ReplayCadence, ReplayConfig
+    from scout_core.launcher import init_gloo
+    from scout_core.replay.engine import ReplayEngine
+
+    init_gloo(ctx, timeout_s=900)
+    torch.set_num_threads(1)
+    a = ctx.args
+    depth, width = a["depth"], a["width"]
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                      for _ in range(depth)))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+    gen = torch.Generator().manual_seed(ctx.rank)
+    data = torch.randn(a["batch"], width, generator=gen)
+    out: dict[str, Any] = {}
+    for interval in a["intervals"]:
+        plain, plain_opt = make()
+        watched, watched_opt = make()
+        cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=interval, output=0, optimizer=0))
+        engine = ReplayEngine(list(watched.module), watched_opt, config=cfg)
+
+        def period(model: torch.nn.Module, opt: torch.optim.Optimizer, interval: int = interval) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(interval):  # one check period: exactly one replay for the watched copy
+                model(data).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            dist.barrier()
+            return time.perf_counter() - start
+
+        period(plain, plain_opt)
+        period(watched, watched_opt)
+        ratios = []
+        for i in range(a["pairs"]):
+            if i % 2:
+                base, with_replay = period(plain, plain_opt), period(watched, watched_opt)
+            else:
+                with_replay, base = period(watched, watched_opt), period(plain, plain_opt)
+            ratios.append(with_replay / base - 1)
+        engine.close()
+        out[str(interval)] = {"ratios": [round(r, 5) for r in ratios], "checks": len(engine.history)}
+    return out
+
+
+def bench_replay_curve(*, world: int = 16, intervals: tuple[int, ...] = INTERVALS, pairs: int = 6,
+                       depth: int = 6, width: int = 256, batch: int = 256, plot_path: str | None = None
+                       ) -> dict[str, Any]:
+    from scout_core.config import ReplayConfig
+    from scout_core.launcher import launch
+
+    result = launch(_curve_rank, world, timeout_s=1800, args={"intervals": list(intervals), "pairs": pairs,
+                                                              "depth": depth, "width": width, "batch": batch})
+    if not result.ok:
+        raise RuntimeError(result.failures())
+    variants = len(ReplayConfig().input_variants)
+    rank0 = result.values()[0]
+    rows = []
+    for interval in intervals:
+        ratios = rank0[str(interval)]["ratios"]
+        rows.append({"interval": interval, "measured_ratio": round(statistics.median(ratios), 5),
+                     "min": min(ratios), "max": max(ratios), "checks": rank0[str(interval)]["checks"],
+                     "model_ratio": round(variants / (interval * depth), 5)})
+    out = {"world_size": world, "layers": depth, "width": width, "batch": batch, "variants": variants,
+           "pairs": pairs, "curve": rows}
+    if plot_path:
+        out["plot"] = plot_curve(out, plot_path)
+    return out
+
+
+def plot_curve(result: dict[str, Any], path: str) -> str:
+    """The overhead-versus-interval curve as a PNG (matplotlib, from the ``bench`` extra); the path, or why not."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "not drawn: matplotlib is not installed (pip install -e '.[bench]')"
+    xs = [r["interval"] for r in result["curve"]]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(xs, [100 * r["measured_ratio"] for r in result["curve"]], "o-", label="measured (median B/A - 1)")
+    ax.fill_between(xs, [100 * r["min"] for r in result["curve"]], [100 * r["max"] for r in result["curve"]],
+                    alpha=0.2, label="min .. max")
+    ax.plot(xs, [100 * r["model_ratio"] for r in result["curve"]], "--", label="model V / (I * N)")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("check interval I (steps)")
+    ax.set_ylabel("step-time overhead (%)")
+    ax.set_title(f"replay overhead, {result['world_size']} ranks, N={result['layers']}, V={result['variants']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_rank(ctx: Any) -> dict[str, Any]:
+    from scout_core.config import ReplayCadence, ReplayConfig
+    from scout_core.launcher import init_gloo
+    from scout_core.replay.engine import ReplayEngine
+
+    init_gloo(ctx)
+    torch.set_num_threads(1)
+    width, batch = ctx.args["width"], ctx.args["batch"]
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                 for _ in range(2))
+    opt = torch.optim.SGD(layers.parameters(), lr=1e-3)
+    x = torch.randn(batch, width)
+
+    def step() -> None:
+        h = x
+        for layer in layers:
+            h = layer(h)
+        h.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        step()  # the allocator's working set of training itself
+    # Interval 2: step 1 runs without a check (the hooks' own working set), step 2 runs one.
+    cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=2, output=0, optimizer=0))
+    engine = ReplayEngine(list(layers), opt, config=cfg)
+    step()
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.0005)
+
+    base = _rss_bytes()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    step()  # a training step whose boundary runs one check (capture, 3 variants, signatures)
+    stop.set()
+    sampler.join()
+    engine.close()
+    layer = layers[0]
+    param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    act_bytes = 2 * batch * width * x.element_size()  # the layer's input and output
+    return {"width": width, "batch": batch, "param_bytes": param_bytes, "activation_bytes": act_bytes,
+            "peak_growth_bytes": max(0, peak[0] - base), "checks": len(engine.history)}
+
+
+def bench_replay_memory(*, width: int = 2048, batch: int = 512) -> dict[str, Any]:
+    from scout_core.launcher import launch
+
+    result = launch(_memory_rank, 1, timeout_s=600, args={"width": width, "batch": batch})
+    if not result.ok:
+        raise RuntimeError(result.failures())
+    r = result.values()[0]
+    r["peak_over_layer"] = round(r["peak_growth_bytes"] / (r["param_bytes"] + r["activation_bytes"]), 2)
+    return r
