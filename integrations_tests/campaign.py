@@ -119,7 +119,8 @@ def _install(par: Any, injector: Any, rank: int, state: dict[str, Any]) -> None:
             return (g,)
 
         module.register_forward_hook(out_fault)
-        module.register_full_backward_hook(grad_fault)
+        if name != "embed":  # its input (token data) takes no gradient: nothing to corrupt in its backward
+            module.register_full_backward_hook(grad_fault)
 
 
 def _replaying(state: dict[str, Any]) -> bool:
