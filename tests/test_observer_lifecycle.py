@@ -35,18 +35,10 @@ def _child(busy_s: float, then_s: float, record_path: str) -> int:
 
 
 def _reap(pid: int, record: ProgressRecord) -> tuple[int, float]:
+    """Run close()'s reaper on a stand-in observer; (its exit status as the reaper saw it, seconds taken)."""
     stub = types.SimpleNamespace(observer_pid=pid, tracker=types.SimpleNamespace(record=record), rank=0,
                                  _episode_bound_s=4.0, OBSERVER_EXIT_S=1.0)
-    start = time.monotonic()
-    ScoutHandle._reap_observer(stub)  # type: ignore[arg-type]
-    return stub, time.monotonic() - start
-
-
-def test_close_waits_for_a_busy_observer_and_then_for_its_closing_messages(tmp_path):
-    record = create_record("reap", 0, directory=str(tmp_path))
-    status = {}
-    # Busy for 1.6 s (past the 1 s idle limit), then 0.6 s of closing messages: it must exit on its own.
-    pid = _child(1.6, 0.6, record.path)
+    status: dict[int, int] = {}
     real_waitpid = os.waitpid
 
     def recording_waitpid(p, flags):
@@ -56,32 +48,26 @@ def test_close_waits_for_a_busy_observer_and_then_for_its_closing_messages(tmp_p
         return done, st
 
     os.waitpid = recording_waitpid
+    start = time.monotonic()
     try:
-        _, took = _reap(pid, record)
+        ScoutHandle._reap_observer(stub)  # type: ignore[arg-type]
     finally:
         os.waitpid = real_waitpid
-    assert status[pid] == 0, "killed although it was busy, or right after its busy stretch ended"
+    return status[pid], time.monotonic() - start
+
+
+def test_close_waits_for_a_busy_observer_and_then_for_its_closing_messages(tmp_path):
+    record = create_record("reap", 0, directory=str(tmp_path))
+    # Busy for 1.6 s (past the 1 s idle limit), then 0.6 s of closing messages: it must exit on its own.
+    code, took = _reap(_child(1.6, 0.6, record.path), record)
+    assert code == 0, "killed although it was busy, or right after its busy stretch ended"
     assert 2.0 <= took < 3.5
 
 
 def test_close_kills_an_observer_idle_past_the_limit_and_never_blocks(tmp_path):
     record = create_record("reap2", 0, directory=str(tmp_path))
-    status = {}
-    pid = _child(0.0, 30.0, record.path)
-    real_waitpid = os.waitpid
-
-    def recording_waitpid(p, flags):
-        done, st = real_waitpid(p, flags)
-        if done:
-            status[p] = os.waitstatus_to_exitcode(st)
-        return done, st
-
-    os.waitpid = recording_waitpid
-    try:
-        _, took = _reap(pid, record)
-    finally:
-        os.waitpid = real_waitpid
-    assert status[pid] == -9 and took < 2.5
+    code, took = _reap(_child(0.0, 30.0, record.path), record)
+    assert code == -9 and took < 2.5
 
 
 def test_the_observer_holds_none_of_the_trainers_files():
