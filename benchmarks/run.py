@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import hang as hang_bench  # noqa: E402
 import replay_bench  # noqa: E402
 import scale_sim  # noqa: E402
+import straggler_bench  # noqa: E402
 
 
 def _best(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -488,6 +489,7 @@ def markdown(results: dict) -> str:
         f"| {ab['rss_peak_over_state']:.2f}x / {ab['shm_at_rest_over_state']:.2f}x | - |",
     ]
     lines += _replay_rows(results)
+    lines += straggler_bench.rows(results)
     return "\n".join(lines)
 
 
@@ -595,7 +597,7 @@ def main() -> None:
         "checkpoint": bench_checkpoint(args.repeats),
         "snapshot_ab": bench_snapshot_ab(args.repeats),
     }
-    for name in ("replay", "replay_memory", "hang_real", "stall_to_verdict", "scale"):
+    for name in ("replay", "replay_memory", "straggler", "hang_real", "stall_to_verdict", "scale"):
         results[name] = SECTIONS[name](args, device)
     _write(results, args)
 
@@ -607,6 +609,7 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "snapshot_ab": lambda a, d: bench_snapshot_ab(a.repeats),
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
+    "straggler": lambda a, d: straggler_bench.bench_straggler_sensitivity(),
     "hang_real": lambda a, d: hang_bench.bench_real_overhead(repeats=5),
     "stall_to_verdict": lambda a, d: hang_bench.bench_stall_to_verdict(),
     "scale": lambda a, d: scale_sim.scale_table(),

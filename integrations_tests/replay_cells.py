@@ -12,6 +12,7 @@ as a defective unit would. The cell compares the incident records with
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any
 
@@ -48,8 +49,7 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
     fc.register_forward_pre_hook(weight_fault)
     for block in inner.layers:
         block.fc.register_forward_hook(slow)
-        for part in (block.norm, block.fc):  # nearly all of a block's compute
-            _slow_by_a_factor(part, injector, rank, state)
+        _slow_by_a_factor(block, injector, rank, state)
 
     def update_fault(*_: Any) -> None:
         # A fault in this rank's live optimizer update of the parameter the replayed slice samples.
@@ -72,27 +72,31 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
         setattr(dist, name, slowed(getattr(dist, name)))
 
 
-def _slow_by_a_factor(module: torch.nn.Module, injector: Injector, rank: int, state: dict) -> None:
-    """``slow`` faults: the module's forward and backward each take ``factor`` times their own CPU time
-    (real extra work after the real work, in training and in replay alike)."""
+def _slow_by_a_factor(block: torch.nn.Module, injector: Injector, rank: int, state: dict) -> None:
+    """``slow`` faults: the whole block's forward and its whole backward each take ``factor`` times their own
+    CPU time (real extra work after the real work, in training and in replay alike). The clocks run between
+    the block's no-op entry and exit points: forward from entering to leaving, backward from the output's
+    gradient arriving to the input's gradient being complete (the residual's sum included). Backward is
+    timed with tensor hooks, not module backward hooks, which would make the block return a view."""
     started: dict[str, float] = {}
 
-    def begin(which: str) -> Any:
-        def hook(*_: Any) -> None:
-            started[which] = time.thread_time()
-        return hook
+    def stop(which: str) -> None:
+        if which in started:
+            injector.slow("compute", rank=rank, step=state["step"], compute_s=time.thread_time() - started.pop(which))
 
-    def end(which: str) -> Any:
-        def hook(*_: Any) -> None:
-            if which in started:
-                injector.slow("compute", rank=rank, step=state["step"],
-                              compute_s=time.thread_time() - started.pop(which))
-        return hook
+    def on_enter(_m: Any, args: tuple) -> None:
+        started["forward"] = time.thread_time()
+        x = args[0]
+        if x.requires_grad:
+            x.register_hook(lambda _g: stop("backward"))
 
-    module.register_forward_pre_hook(begin("forward"))
-    module.register_forward_hook(end("forward"))
-    module.register_full_backward_pre_hook(begin("backward"))
-    module.register_full_backward_hook(end("backward"))
+    def on_exit(_m: Any, _a: Any, out: torch.Tensor) -> None:
+        stop("forward")
+        if out.requires_grad:
+            out.register_hook(lambda _g: started.__setitem__("backward", time.thread_time()))
+
+    block.enter.register_forward_pre_hook(on_enter)
+    block.exit.register_forward_hook(on_exit)
 
 
 def _replay_rank(ctx: RankContext) -> dict[str, Any]:
@@ -128,7 +132,7 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     handle.close()
     # Each round's compute times by rank: what a failing timing cell is read with.
     times = [(r.step, r.timing.status.value,
-              {p: None if t is None else round(t, 4) for p, t in zip(r.timing.peer_ranks, r.timing.evidence)})
+              {p: None if t is None else round(t, 6) for p, t in zip(r.timing.peer_ranks, r.timing.evidence)})
              for r in engine.history if r.timing is not None] if engine else []
     return {"final": final, "checks": checks, "compared": compared, "compute_s": times,
             "rng": sign_many([torch.get_rng_state()])[0].signature}
@@ -178,10 +182,54 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         checks = result.values()[0]["checks"]
         if len(checks) != args["steps"]:
             problems.append(f"{len(checks)} checks ran, expected {args['steps']}")
+        if "timing_peers" in expect:  # how many ranks each compute time was compared with
+            watched = expect.get("ranks") or [0]
+            sizes = sorted({len(t) for _, _, t in result.values()[watched[0]]["compute_s"]})
+            if sizes != [expect["timing_peers"]]:
+                problems.append(f"compute times compared among {sizes} ranks, expected {expect['timing_peers']}")
         compared = result.values()[0]["compared"]
         for recipe in expect.get("recipes", []):
             if not any(c.startswith(recipe) for c in compared):
                 problems.append(f"no {recipe} surface was compared; compared: {compared[:8]}...")
+    metrics: dict[str, float] = {}
+    if result.ok and expect.get("ranks"):
+        watched = expect["ranks"]
+        rounds = result.values()[watched[0]]["compute_s"]  # its own peer group holds its times
+        metrics = _timing_metrics(rounds, watched[0])
+        if problems:
+            problems.append(_timing_summary(rounds, watched, watched[0]))
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
                       injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
-                      details="\n".join(problems), wall_s=time.monotonic() - start)
+                      details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics)
+
+
+def _timing_metrics(rounds: list, watched: int) -> dict[str, float]:
+    """Per timing round: the watched rank's compute time over the median (``ratio.step<n>``) and the
+    round's spread, MAD over median (``spread.step<n>``): what a sensitivity measurement is made of."""
+    out = {}
+    for step, _status, times in rounds:
+        values = [t for t in times.values() if t is not None]
+        if not values or times.get(watched) is None:
+            continue
+        med = statistics.median(values)
+        out[f"ratio.step{step}"] = round(times[watched] / med, 4)
+        out[f"spread.step{step}"] = round(statistics.median(abs(v - med) for v in values) / med, 4)
+    return out
+
+
+def _timing_summary(rounds: list, watched: list[int], viewer: int) -> str:
+    """What a failing timing cell is read with: per round the C3 status, the median compute time, the
+    slowest rank's and each watched rank's time as a multiple of the median, and the spread (MAD / median)."""
+    lines = [f"replayed compute per round (rank {viewer}'s peer group): step status median spread slowest watched"]
+    for step, status, times in rounds:
+        values = [t for t in times.values() if t is not None]
+        if not values:
+            lines.append(f"  {step} {status} no measurement")
+            continue
+        med = statistics.median(values)
+        mad = statistics.median(abs(v - med) for v in values)
+        slowest = max(times, key=lambda r: -1.0 if times[r] is None else times[r])
+        seen = " ".join(f"r{r}={times[r] / med:.3f}" for r in watched if times.get(r) is not None)
+        lines.append(f"  {step} {status} {med * 1e3:.2f}ms {mad / med:.3f} "
+                     f"r{slowest}={times[slowest] / med:.3f} {seen}")
+    return "\n".join(lines)

@@ -281,14 +281,24 @@ def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch)
     assert report.verdict == "FAIL" and any(i["kind"] == "hang" for i in report.reported)  # a false hang
 
 
-def test_straggler_at_defaults_cell_fails_with_the_first_defaults(monkeypatch):
-    """kappa 6, ratio 1.5, 5 ms: a rank 1.3x slower among 16 was never named."""
+def test_straggler_at_defaults_cell_fails_with_a_blind_rule(monkeypatch):
+    """A rule whose ratio floor sits above the injected slowdown names nobody: red."""
     from scout_core.consensus import StatisticalRule
 
     monkeypatch.setattr(StatisticalRule, "from_config",
-                        classmethod(lambda cls, cfg: cls(kappa=6.0, min_ratio=1.5, min_delta=0.005)))
+                        classmethod(lambda cls, cfg: cls(kappa=6.0, min_ratio=2.5, min_delta=0.005)))
     (report,) = run_cells([SPECS["ddp-straggler-defaults"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
+
+
+def test_hsdp_straggler_cell_fails_without_the_job_wide_comparison(monkeypatch):
+    """HSDP compute compared only within a replica group (8 ranks, not 16): red."""
+    from scout_core.replay.timing import CommTiming
+
+    real = CommTiming.cross_group
+    monkeypatch.setattr(CommTiming, "cross_group", lambda self, *a, **k: (real(self, *a, **k)[0], None))
+    (report,) = run_cells([SPECS["hsdp-straggler-defaults"]], root=ROOT)
+    assert report.verdict == "FAIL" and "compared among [8] ranks, expected 16" in report.details
 
 
 def test_clean_at_defaults_cell_fails_on_a_false_straggler(monkeypatch):

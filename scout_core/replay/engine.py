@@ -79,6 +79,9 @@ class BoundaryResult:
     surfaces: list[C3Result] = field(default_factory=list)
     timing: C3Result | None = None
     comm_timing: C3Result | None = None
+    timing_world: bool = False
+    """``timing`` compares every rank of the job (HSDP, where all peer groups replayed the same work), not
+    only this peer group: its straggler verdicts are job-wide and recorded once."""
     stragglers: tuple[int, ...] = ()
     group_slowdown: bool = False
     """The whole group's communication is slow against its own clean history (no outlier rank)."""
@@ -186,7 +189,7 @@ class ReplayEngine:
         self.history: deque[BoundaryResult] = deque(maxlen=1024)  # boundaries that did work, newest last
         # Communication is judged with its own ratio floor (a shared fabric is noisier than a device's compute).
         self.timing = CommTiming(comm_rule or self.rule, confirm_rounds, world_control=self.groups.world_control,
-                                 hosts=self.hosts)
+                                 hosts=self.hosts, compute_rule=self.rule)
         self._hsdp_comm: tuple[float, float, Any, Any] | None = None
         recipe_of_layer = {name: ("hidden" if i < self.n_hidden else next(r for r, j in self.extra.items() if j == i))
                            for i, name in enumerate(self.names)}
@@ -342,6 +345,7 @@ class ReplayEngine:
         # measurement" for every peer, which neither confirms a straggler nor clears one, nor moves a baseline.
         compute_s: float | None = None
         comm_s: float | None = None
+        work: Any = None
         reproducible: bool | None = True
         for recipe, idx in due:
             timed = recipe == "hidden"  # the hidden layer's timings are the ones compared
@@ -351,6 +355,8 @@ class ReplayEngine:
             reproducible = None if reproducible is None or same is None else reproducible and same
             if timed:
                 compute_s = t_compute
+                # What makes compute times comparable beyond the peer group: the same layer on the same shapes.
+                work = (idx, tuple(tuple(t.shape) for t in calls[idx].tensors))
                 all_reduce = scratch[idx].all_reduce
                 if gather_s is None and all_reduce is not None:
                     gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group, all_reduce)
@@ -397,14 +403,17 @@ class ReplayEngine:
             result.surfaces = [r for r in result.surfaces if r.surface != SELF_CHECK_SURFACE]
         if timing is not None:
             times, comm = timing
-            result.timing, result.comm_timing = times, comm
             # Communication time is a property of a synchronizing group, not of one member (paper
             # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
             # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
+            if self._hsdp_comm is not None:
+                result.localization, world_times = self.timing.cross_group(*self._hsdp_comm,
+                                                                           work=(work, compute_s))
+                if world_times is not None:  # every rank replayed the same work: judge compute job-wide
+                    times, result.timing_world = world_times, True
+            result.timing, result.comm_timing = times, comm
             result.stragglers = self.confirm.update(times)
             result.group_slowdown = self.timing.group_slowdown(comm)
-            if self._hsdp_comm is not None:
-                result.localization = self.timing.cross_group(*self._hsdp_comm)
         # Every check's SDC evidence becomes records, also one without the hidden recipe (an embedding
         # or LM-head check on its own cadence).
         result.incidents = self._verdicts(result)
@@ -543,9 +552,15 @@ class ReplayEngine:
             return incidents
         new = tuple(r for r in timing.outlier_ranks if self.confirm.count(timing.surface, r) == self.confirm.rounds)
         if new:
-            incidents.append(self._incident(
+            straggler = self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
-                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds"))
+                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds")
+            if result.timing_world:  # every peer group saw the same job-wide verdict: one record for the job
+                if self.rank == min(r for r in range(dist.get_world_size()) if r not in new):
+                    self._emit([straggler])
+                result.incidents_global.append(straggler)
+            else:
+                incidents.append(straggler)
         loc = result.localization
         if loc is not None and self.timing.loc_rounds == self.confirm.rounds:
             machine = self._incident(IncidentKind.STRAGGLER, IncidentScope(loc.scope), loc.ranks, [result.comm_timing],
@@ -554,7 +569,7 @@ class ReplayEngine:
             machine.evidence["slow_groups"] = [[d, list(g)] for d, g in loc.slow_groups]
             if self.rank == self._world_reporter(loc):  # one record for the whole job
                 self._emit([machine])
-            result.incidents_global = [machine]
+            result.incidents_global.append(machine)
         if result.group_slowdown and self.timing.slow_group_rounds == self.confirm.rounds:
             incidents.append(self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.PEER_GROUP, self.peers, [result.comm_timing],

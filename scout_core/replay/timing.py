@@ -36,8 +36,9 @@ class CommTiming:
     """Communication judgements of one rank's replay engine, identical on every peer."""
 
     def __init__(self, rule: StatisticalRule, confirm_rounds: int, *, world_control: Any,
-                 hosts: Mapping[int, str]) -> None:
+                 hosts: Mapping[int, str], compute_rule: StatisticalRule | None = None) -> None:
         self.rule = rule
+        self.compute_rule = compute_rule or StatisticalRule()
         self.confirm_rounds = confirm_rounds
         self.world_control = world_control
         self.hosts = dict(hosts)
@@ -66,16 +67,32 @@ class CommTiming:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any) -> Any:
-        """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2).
+    def cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any, *,
+                    work: tuple[Any, float | None] = (None, None)) -> tuple[Any, C3Result | None]:
+        """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2),
+        and judge replayed compute across the whole job.
 
         One world all-gather of every rank's two timings; a group's time is its slowest
         member's (a synchronizing collective ends with it); statistical C3 across the groups
         of one dimension marks slow groups. The same verdict in consecutive rounds confirms it.
+
+        ``work`` is this rank's (what it replayed, its compute time), carried by the same all-gather.
+        Where every rank replayed the same work (one layer, one input shape: HSDP peer groups rotate in
+        step), all compute times are comparable, and the job-wide comparison (returned, else None) has
+        every rank as a peer instead of one replica group's few: a 1.3x rank among 16 stands out where
+        among 8 one noisy round hides it.
         """
         world = dist.get_world_size()
         timings: list[Any] = [None] * world
-        dist.all_gather_object(timings, (t_rs, t_ar), group=self.world_control)
+        dist.all_gather_object(timings, (t_rs, t_ar, *work), group=self.world_control)
+        compute = None
+        if timings[0][2] is not None and all(t[2] == timings[0][2] for t in timings):
+            compute = self.compute_rule([t[3] for t in timings], peer_ranks=list(range(world)),
+                                        surface="replay.compute_s")
+        return self._localize(timings, shard_pg, repl_pg), compute
+
+    def _localize(self, timings: list[Any], shard_pg: Any, repl_pg: Any) -> Any:
+        world = len(timings)
         shard_groups = _all_groups(shard_pg, self.world_control)
         repl_groups = _all_groups(repl_pg, self.world_control)
         observations = []
