@@ -413,7 +413,11 @@ class ReplayEngine:
                     times, result.timing_world = world_times, True
             result.timing, result.comm_timing = times, comm
             result.stragglers = self.confirm.update(times)
-            result.group_slowdown = self.timing.group_slowdown(comm)
+            # The temporal check judges the collective that spans the peer group. Under HSDP the timed
+            # collective (the unshard's all-gather) spans the shard group, not the peers (a replica group):
+            # its slowness is the cross-group intersection's to place, never this group's.
+            if self._hsdp_comm is None:
+                result.group_slowdown = self.timing.group_slowdown(comm)
         # Every check's SDC evidence becomes records, also one without the hidden recipe (an embedding
         # or LM-head check on its own cadence).
         result.incidents = self._verdicts(result)
