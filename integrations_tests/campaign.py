@@ -8,7 +8,9 @@ Faults live in the model, as a defective unit would: hooks on a module of one ra
 computes whenever that rank computes it (training, and a replay of it if the engine happens to sample that
 module while the fault is active). Nothing aims a fault at the block a check samples. A job runs a sequence
 of fault windows of ``L x I`` steps, each followed by one clean step; in each window ONE fault, drawn from the
-job's seed, is active on one rank:
+job's seed, is active on one rank. At the end of a window every rank rolls its weights and optimizer state back
+to the window's start, as recovery to a certified checkpoint would: without it one fault that wrecks training
+(an exponent bit) saturates the model, and later faults vanish into zero gradients.
 
 * module: the embedding, any of the 3 blocks, or the head; forward output or backward (gradient);
 * one bit (of 0..31 of an fp32 value) or several bits (2-4) of one element;
@@ -33,6 +35,7 @@ record (false positives).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -123,6 +126,25 @@ def _install(par: Any, injector: Any, rank: int, state: dict[str, Any]) -> None:
             module.register_full_backward_hook(grad_fault)
 
 
+def _save(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """This rank's weights (local shards) and optimizer state before a fault window."""
+    return ([_local(p).detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))
+
+
+def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: tuple[list[torch.Tensor], Any]) -> None:
+    """Back to the state before the window, as recovery to a certified checkpoint would: a fault that wrecks
+    training (an exponent bit of the loss) would otherwise saturate the model and mask every later fault."""
+    weights, opt_state = saved
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights, strict=True):
+            _local(p).copy_(w)
+    opt.load_state_dict(copy.deepcopy(opt_state))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def _replaying(state: dict[str, Any]) -> bool:
     engine = state.get("engine")
     return bool(engine is not None and engine.replaying)
@@ -139,11 +161,18 @@ def _job(ctx: RankContext) -> list[tuple[int, bool]]:
     handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)
     state["engine"] = handle.replay
     data_rank = ctx.rank // (ctx.world_size // 4) if a["layout"] == "hsdp" else ctx.rank
+    starts = {w["start"] for w in a["windows"]}
+    ends = {w["stop"] - 1 for w in a["windows"]}
+    saved = None
     for step, (x, y) in enumerate(batches(data_rank, a["steps"], seed=a["seed"]), start=1):
         state["step"] = step
+        if step in starts:
+            saved = _save(par.model, opt)
         torch.nn.functional.mse_loss(par.model(x), y).backward()
         opt.step()
         opt.zero_grad()
+        if step in ends and saved is not None:
+            _restore(par.model, opt, saved)
     dist.barrier()
     handle.close()
     return state["fired"]
@@ -204,7 +233,7 @@ def run(layouts: list[str], jobs: int, faults: int, world: int) -> dict[str, Any
                 jsonl = os.path.join(tmp, "incidents.jsonl")
                 start = time.monotonic()
                 result = launch(_job, world, timeout_s=900, args={
-                    "faults": _faults(windows), "seed": job, "layout": layout, "steps": steps,
+                    "faults": _faults(windows), "windows": windows, "seed": job, "layout": layout, "steps": steps,
                     "jsonl": jsonl, "run_id": f"campaign-{layout}-{job}"})
                 total["wall_s"] += time.monotonic() - start
                 if not result.ok:
