@@ -32,6 +32,7 @@ from scout_core.signature import fold, sign_many, signature  # noqa: E402
 from scout_core.topology import GroupTiming, axis_groups, localize_slow_groups, peer_groups  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import catalog_bench  # noqa: E402
 import hang as hang_bench  # noqa: E402
 import replay_bench  # noqa: E402
 import scale_sim  # noqa: E402
@@ -490,6 +491,7 @@ def markdown(results: dict) -> str:
     ]
     lines += _replay_rows(results)
     lines += straggler_bench.rows(results)
+    lines += catalog_bench.rows(results)
     return "\n".join(lines)
 
 
@@ -597,7 +599,7 @@ def main() -> None:
         "checkpoint": bench_checkpoint(args.repeats),
         "snapshot_ab": bench_snapshot_ab(args.repeats),
     }
-    for name in ("replay", "replay_memory", "straggler", "hang_real", "stall_to_verdict", "scale"):
+    for name in ("replay", "replay_memory", "straggler", "catalog", "hang_real", "stall_to_verdict", "scale"):
         results[name] = SECTIONS[name](args, device)
     _write(results, args)
 
@@ -610,6 +612,7 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
     "straggler": lambda a, d: straggler_bench.bench_straggler_sensitivity(),
+    "catalog": lambda a, d: catalog_bench.bench_catalog(),
     "hang_real": lambda a, d: hang_bench.bench_real_overhead(repeats=5),
     "stall_to_verdict": lambda a, d: hang_bench.bench_stall_to_verdict(),
     "scale": lambda a, d: scale_sim.scale_table(),

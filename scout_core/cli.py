@@ -1,10 +1,10 @@
-"""The ``scout`` command: incident tables and named fault-injection cells."""
+"""The ``scout`` command: incident tables, named fault-injection cells, the MoE shape catalog."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = ["main"]
@@ -81,6 +81,41 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _progress_bar(label: str) -> Callable[[int, int], None]:
+    """A one-line progress bar on stderr, redrawn at most once per percent."""
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        if pct != last[0] or done == total:
+            last[0] = pct
+            bar = "#" * (pct // 4)
+            print(f"\r{label} [{bar:<25}] {pct:3d}% {done}/{total}", end="\n" if done == total else "",
+                  file=sys.stderr, flush=True)
+
+    return show
+
+
+def _cmd_catalog_build(args: argparse.Namespace) -> int:
+    import torch
+
+    from scout_core.moe.catalog import CudaPathProfiler, MoESpec, ReferencePathProfiler, build_catalog
+
+    try:
+        spec = MoESpec(layers=tuple(args.layers), hidden=args.hidden, ffn=args.ffn, experts=args.experts,
+                       ep_size=args.ep_size, capacity=args.capacity, experts_per_kernel=args.experts_per_kernel)
+        profiler = CudaPathProfiler() if args.profiler == "cuda" else ReferencePathProfiler()
+    except (ValueError, RuntimeError) as exc:
+        print(f"scout catalog build: {exc}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda") if args.profiler == "cuda" else torch.device("cpu")
+    catalog = build_catalog(spec, profiler, device=device, progress=_progress_bar("profiling shapes"))
+    catalog.save(args.out)
+    print(f"{args.out}: {catalog.admitted} admitted shapes, {catalog.selected} representatives "
+          f"({len(catalog.entries)} kernel groups)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scout", description="SCOUT failure localization tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=_cmd_cells_run)
         else:
             p.set_defaults(func=_cmd_cells_list)
+    cat = sub.add_parser("catalog", help="the offline MoE shape catalog")
+    cat_sub = cat.add_subparsers(dest="catalog_command", required=True)
+    build = cat_sub.add_parser("build", help="enumerate, profile and compress the experts' input shapes")
+    build.add_argument("--out", required=True, help="catalog file to write (JSON, versioned)")
+    build.add_argument("--layers", nargs="+", default=["layers.0.moe"], help="MoE layer module names")
+    build.add_argument("--hidden", type=int, default=128)
+    build.add_argument("--ffn", type=int, default=128)
+    build.add_argument("--experts", type=int, default=8, help="experts per layer over all EP positions")
+    build.add_argument("--ep-size", type=int, default=4)
+    build.add_argument("--capacity", type=int, default=128, help="most rows one expert receives")
+    build.add_argument("--experts-per-kernel", type=int, default=1)
+    build.add_argument("--profiler", choices=["reference", "cuda"], default="reference")
+    build.set_defaults(func=_cmd_catalog_build)
     return parser
 
 

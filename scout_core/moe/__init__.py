@@ -1,0 +1,1 @@
+"""Mixture-of-experts support: execution paths, the offline shape catalog and its compression."""

@@ -1,0 +1,275 @@
+"""The offline shape catalog of an MoE model's experts (paper section 6.2).
+
+An expert's input has a data-dependent row count (the tokens routed to it), from 0 to the capacity limit.
+Replaying whatever shape training happened to route covers the paths of that shape only; the catalog lists,
+once and offline, which shapes to replay so that a rotation through them covers every execution path:
+
+1. enumerate the admitted shapes: row counts 0..capacity for every represented layer, EP position and expert
+   (grouped execution: every expert of a kernel receives the same row count, see docs/moe.md);
+2. profile each: a :class:`PathProfiler` gives the kernel and scheduling fingerprint and how often each path
+   runs (:class:`ReferencePathProfiler`, the tiled model of :mod:`scout_core.moe.paths`, on any device;
+   :class:`CudaPathProfiler`, kernel names and launch shapes from the CUDA profiler);
+3. compress within each fingerprint by dominance (:func:`scout_core.moe.dominance.compress`).
+
+The result is bound to the environment it was profiled in: :meth:`Catalog.load` rejects it, naming what
+changed, when the device, torch, the model configuration, the tile configuration or the profiler differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from scout_core.moe.dominance import compress
+from scout_core.moe.paths import PATH_ROLES, TileConfig, path_counts, select_tile
+
+__all__ = ["CATALOG_FORMAT", "Catalog", "CatalogDrift", "CudaPathProfiler", "ExpertProblem", "MoESpec",
+           "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment"]
+
+CATALOG_FORMAT = "scout-moe-catalog"
+CATALOG_VERSION = 1
+
+
+class CatalogDrift(RuntimeError):
+    """The catalog was built for another environment; it names each fact that changed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """What the catalog needs to know of the model's MoE layers."""
+
+    layers: tuple[str, ...] = ("layers.0.moe",)
+    """The represented MoE layers (module names)."""
+    hidden: int = 128
+    """Model width: the experts' input and output size."""
+    ffn: int = 128
+    """Expert hidden size (the up projection's output)."""
+    experts: int = 8
+    """Experts per layer, over all EP positions."""
+    ep_size: int = 4
+    """Expert-parallel positions; each holds ``experts // ep_size`` experts."""
+    capacity: int = 128
+    """Most rows one expert can receive in a step (the capacity limit)."""
+    experts_per_kernel: int = 1
+    """1: one GEMM per expert; more: a grouped GEMM over that many local experts per launch."""
+
+    def __post_init__(self) -> None:
+        if self.experts % self.ep_size:
+            raise ValueError(f"experts ({self.experts}) must divide over ep_size ({self.ep_size})")
+        local = self.experts // self.ep_size
+        if not 1 <= self.experts_per_kernel <= local or local % self.experts_per_kernel:
+            raise ValueError(f"experts_per_kernel must divide the {local} local experts, "
+                             f"got {self.experts_per_kernel}")
+        if min(self.hidden, self.ffn, self.capacity) < 1 or not self.layers:
+            raise ValueError("hidden, ffn and capacity must be >= 1 and layers non-empty")
+
+
+@dataclass(frozen=True)
+class ExpertProblem:
+    """One admitted shape: ``rows`` tokens for each of ``group`` experts in one kernel launch."""
+
+    rows: int
+    hidden: int
+    ffn: int
+    group: int = 1
+
+
+@dataclass(frozen=True)
+class PathRecord:
+    """What a profiler says of one shape: its kernel and scheduling fingerprint, and its path counts."""
+
+    fingerprint: str
+    counts: tuple[int, ...]
+
+
+class PathProfiler(Protocol):
+    name: str
+
+    def profile(self, problem: ExpertProblem) -> PathRecord: ...
+
+
+class ReferencePathProfiler:
+    """The tiled reference kernel's paths for an expert MLP (up ``[m, h] @ [h, f]``, down ``[m, f] @ [f, h]``):
+    the fingerprint is the tile each projection's heuristic picks, the counts are per projection and role,
+    summed over the experts of the group. The counts are those :class:`~scout_core.moe.paths.
+    ReferenceGroupedGemm` really executes (tested)."""
+
+    name = "reference"
+
+    def __init__(self, *, small: TileConfig | None = None, large: TileConfig | None = None,
+                 switch_rows: int = 64) -> None:
+        self.small, self.large, self.switch_rows = small, large, switch_rows
+
+    def tiles(self) -> dict[str, Any]:
+        return {"small": asdict(self.small or TileConfig(bm=16, bn=32, bk=32)),
+                "large": asdict(self.large or TileConfig(bm=64, bn=32, bk=32)), "switch_rows": self.switch_rows}
+
+    def profile(self, problem: ExpertProblem) -> PathRecord:
+        counts: list[int] = []
+        names = []
+        for m, n, k in ((problem.rows, problem.ffn, problem.hidden), (problem.rows, problem.hidden, problem.ffn)):
+            tile = select_tile(m, n, k, small=self.small, large=self.large, switch_rows=self.switch_rows)
+            names.append(tile.name)
+            per = path_counts(m, n, k, tile)
+            counts += [per[r] * problem.group for r in PATH_ROLES]
+        return PathRecord(f"reference/{'+'.join(names)}/group{problem.group}", tuple(counts))
+
+
+class CudaPathProfiler:
+    """On CUDA: the kernels an expert MLP launches for a shape, from ``torch.profiler``: the fingerprint is
+    the kernel names in launch order, the counts are each launch's grid size (thread blocks) and block size.
+    Profiled three times; a shape whose record changes between runs raises (the catalog would be noise)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaPathProfiler needs a CUDA device")
+        self.device, self.dtype = device or torch.device("cuda"), dtype
+
+    def tiles(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype)}
+
+    def _once(self, problem: ExpertProblem) -> PathRecord:
+        from torch.profiler import ProfilerActivity, profile
+
+        x = torch.randn(problem.group, problem.rows, problem.hidden, device=self.device, dtype=self.dtype)
+        up = torch.randn(problem.group, problem.hidden, problem.ffn, device=self.device, dtype=self.dtype)
+        down = torch.randn(problem.group, problem.ffn, problem.hidden, device=self.device, dtype=self.dtype)
+        torch.cuda.synchronize(self.device)
+        with profile(activities=[ProfilerActivity.CUDA], record_shapes=False) as prof:
+            torch.bmm(torch.nn.functional.silu(torch.bmm(x, up)), down)
+            torch.cuda.synchronize(self.device)
+        names, counts = [], []
+        for ev in prof.events():
+            if ev.device_type.name != "CUDA":
+                continue
+            grid = getattr(ev, "grid", None) or getattr(ev, "kwinputs", {}).get("grid") or ()
+            block = getattr(ev, "block", None) or getattr(ev, "kwinputs", {}).get("block") or ()
+            names.append(ev.name)
+            counts += [_product(grid), _product(block)]
+        return PathRecord("cuda/" + "|".join(names), tuple(counts))
+
+    def profile(self, problem: ExpertProblem) -> PathRecord:
+        runs = [self._once(problem) for _ in range(3)]
+        if any(r != runs[0] for r in runs[1:]):
+            raise RuntimeError(f"unstable kernel fingerprint for {problem}: {runs}")
+        return runs[0]
+
+
+def _product(xs: Any) -> int:
+    out = 1
+    for x in xs or ():
+        out *= int(x)
+    return out
+
+
+def catalog_environment(spec: MoESpec, profiler: Any, device: torch.device | None = None) -> dict[str, Any]:
+    """The facts a catalog is valid under."""
+    device = device or torch.device("cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu/{_cpu_capability()}"
+    return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda or "",
+            "model": asdict(spec) | {"layers": list(spec.layers)}, "profiler": profiler.name,
+            "tiles": profiler.tiles()}
+
+
+def _cpu_capability() -> str:
+    cap = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    return cap() if cap is not None else "unknown"
+
+
+@dataclass(kw_only=True)
+class Catalog:
+    """Representatives per (layer, EP position, expert group), with the environment they were found in."""
+
+    environment: dict[str, Any]
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    """One per (layer, position, first expert of the kernel group): ``admitted`` (how many shapes),
+    ``groups`` ({fingerprint: [rows of each representative]}) and ``representatives`` (all, in order)."""
+
+    @property
+    def admitted(self) -> int:
+        return sum(e["admitted"] for e in self.entries)
+
+    @property
+    def selected(self) -> int:
+        return sum(len(e["representatives"]) for e in self.entries)
+
+    def representatives(self, layer: str, position: int) -> list[int]:
+        """The row counts to replay, in rotation order, for ``layer`` at EP ``position`` (its first group)."""
+        for e in self.entries:
+            if e["layer"] == layer and e["position"] == position:
+                return list(e["representatives"])
+        raise KeyError(f"no catalog entry for layer {layer!r} at EP position {position}")
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        from scout_core.checkpoint.store import atomic_write  # written whole and fsynced, or not at all
+
+        body = {"format": CATALOG_FORMAT, "version": CATALOG_VERSION, "environment": self.environment,
+                "entries": self.entries}
+        atomic_write(os.fspath(path), json.dumps(body, indent=1, sort_keys=True).encode())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, expect: dict[str, Any] | None = None) -> Catalog:
+        """Read a catalog; with ``expect`` (:func:`catalog_environment` now), reject it on any drift."""
+        with open(path, encoding="utf-8") as fh:
+            try:
+                body = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: not a SCOUT catalog (invalid JSON: {exc})") from None
+        fmt = body.get("format") if isinstance(body, dict) else None
+        if fmt != CATALOG_FORMAT:
+            raise ValueError(f"{path}: not a SCOUT catalog (format {fmt!r})")
+        if body.get("version") != CATALOG_VERSION:
+            raise ValueError(f"{path}: catalog version {body.get('version')}, this SCOUT reads "
+                             f"{CATALOG_VERSION}")
+        catalog = cls(environment=body["environment"], entries=body["entries"])
+        if expect is not None:
+            changed = sorted(k for k in set(expect) | set(catalog.environment)
+                             if catalog.environment.get(k) != expect.get(k))
+            if changed:
+                detail = "; ".join(f"{k}: built {catalog.environment.get(k)!r}, now {expect.get(k)!r}"
+                                   for k in changed)
+                raise CatalogDrift(f"{path}: the catalog was built for another environment ({detail}); "
+                                   f"rebuild it with `scout catalog build`")
+        return catalog
+
+
+def admitted_problems(spec: MoESpec) -> Iterator[tuple[str, int, int, ExpertProblem]]:
+    """(layer, EP position, first expert of the group, problem) for every admitted shape."""
+    local = spec.experts // spec.ep_size
+    for layer in spec.layers:
+        for position in range(spec.ep_size):
+            for first in range(position * local, (position + 1) * local, spec.experts_per_kernel):
+                for rows in range(spec.capacity + 1):
+                    yield layer, position, first, ExpertProblem(rows, spec.hidden, spec.ffn, spec.experts_per_kernel)
+
+
+def build_catalog(spec: MoESpec, profiler: PathProfiler | None = None, *, device: torch.device | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> Catalog:
+    """Enumerate, profile and compress. Identical problems are profiled once (experts of one layer share their
+    dimensions); ``progress(done, total)`` is called as shapes are profiled."""
+    profiler = profiler or ReferencePathProfiler()
+    problems = list(admitted_problems(spec))
+    seen: dict[ExpertProblem, PathRecord] = {}
+    by_entry: dict[tuple[str, int, int], dict[str, dict[int, tuple[int, ...]]]] = {}
+    for i, (layer, position, first, problem) in enumerate(problems):
+        if problem not in seen:
+            seen[problem] = profiler.profile(problem)
+        record = seen[problem]
+        by_entry.setdefault((layer, position, first), {}).setdefault(record.fingerprint, {})[problem.rows] = \
+            record.counts
+        if progress is not None:
+            progress(i + 1, len(problems))
+    entries = []
+    for (layer, position, first), groups in by_entry.items():
+        kept = {fp: [int(r) for r in compress(shapes)] for fp, shapes in groups.items()}
+        entries.append({"layer": layer, "position": position, "first_expert": first,
+                        "admitted": sum(len(s) for s in groups.values()), "groups": kept,
+                        "representatives": sorted(r for reps in kept.values() for r in reps)})
+    return Catalog(environment=catalog_environment(spec, profiler, device), entries=entries)
