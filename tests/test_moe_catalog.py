@@ -9,8 +9,15 @@ import random
 import pytest
 import torch
 
-from scout_core.moe.catalog import (Catalog, CatalogDrift, ExpertProblem, MoESpec, ReferencePathProfiler,
-                                    build_catalog, catalog_environment)
+from scout_core.moe.catalog import (
+    Catalog,
+    CatalogDrift,
+    ExpertProblem,
+    MoESpec,
+    ReferencePathProfiler,
+    build_catalog,
+    catalog_environment,
+)
 from scout_core.moe.dominance import compress, dominates
 from scout_core.moe.paths import PATH_ROLES, ReferenceGroupedGemm, TileConfig, path_counts
 
