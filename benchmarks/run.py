@@ -491,6 +491,7 @@ def markdown(results: dict) -> str:
     ]
     lines += _replay_rows(results)
     lines += straggler_bench.rows(results)
+    lines += straggler_bench.noise_row(results)
     lines += catalog_bench.rows(results)
     return "\n".join(lines)
 
@@ -504,7 +505,8 @@ def _replay_rows(results: dict) -> list[str]:
                 f"| replay in a {rp['world_size']}-rank DDP job (exchanges included), step time B/A - 1 at check "
                 f"interval I={r['interval']} (N={rp['layers']} layers of {rp['width']}, V={rp['variants']}): "
                 f"median (min..max) | {r['measured_ratio'] * 100:+.2f} % ({r['min'] * 100:+.1f} .. "
-                f"{r['max'] * 100:+.1f} %) | paper model V/(I*N) = {r['model_ratio'] * 100:.2f} % |")
+                f"{r['max'] * 100:+.1f} %) | paper model V/(I*N) = {r['model_ratio'] * 100:.2f} % "
+                f"{'(met)' if r['measured_ratio'] <= 1.5 * r['model_ratio'] else '(**missed**)'} |")
     mem = results.get("replay_memory")
     if mem:
         goal = mem.get("goal_over_layer", 4.0)
@@ -599,7 +601,8 @@ def main() -> None:
         "checkpoint": bench_checkpoint(args.repeats),
         "snapshot_ab": bench_snapshot_ab(args.repeats),
     }
-    for name in ("replay", "replay_memory", "straggler", "catalog", "hang_real", "stall_to_verdict", "scale"):
+    for name in ("replay", "replay_memory", "straggler", "straggler_8", "clock_noise", "catalog", "hang_real",
+                 "stall_to_verdict", "scale"):
         results[name] = SECTIONS[name](args, device)
     _write(results, args)
 
@@ -612,6 +615,8 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
     "straggler": lambda a, d: straggler_bench.bench_straggler_sensitivity(),
+    "straggler_8": lambda a, d: straggler_bench.bench_straggler_sensitivity(world=8),
+    "clock_noise": lambda a, d: straggler_bench.bench_clock_noise(),
     "catalog": lambda a, d: catalog_bench.bench_catalog(),
     "hang_real": lambda a, d: hang_bench.bench_real_overhead(repeats=5),
     "stall_to_verdict": lambda a, d: hang_bench.bench_stall_to_verdict(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +27,24 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
             "max": round(xs[-1], 3)}
 
 
-def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3) -> dict[str, Any]:
-    """Each layout's straggler cell ``runs`` times with rank 9 ``factor`` slower: how often it is named
-    within two rounds, when it is named, how much slower it measured, and how spread the rounds were."""
+def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int = 16) -> dict[str, Any]:
+    """Each layout's straggler cell ``runs`` times with one rank ``factor`` slower (rank 9 at 16 ranks, rank 5
+    at 8; HSDP as ``world / 2`` replicas x 2 shards): how often it is named within two rounds, when it is
+    named, how much slower it measured, and how spread the rounds were."""
     from integrations_tests.replay_cells import replay_cell
     from scout_core.cells import load_cells
 
     specs = load_cells(ROOT / "configs" / "cells.yaml")
-    out: dict[str, Any] = {"factor": factor, "runs": runs, "world_size": 16, "layouts": {}}
+    victim = 9 if world == 16 else world - 3
+    out: dict[str, Any] = {"factor": factor, "runs": runs, "world_size": world, "rank": victim, "layouts": {}}
     for layout in LAYOUTS:
         spec = specs[f"{layout}-straggler-defaults"]
-        spec = dataclasses.replace(spec, faults=tuple(dataclasses.replace(f, factor=factor) for f in spec.faults))
+        params = dict(spec.params)
+        params["expect"] = {**params["expect"], "ranks": [victim], "timing_peers": world}
+        if layout == "hsdp":
+            params["replicas"] = world // 2
+        spec = dataclasses.replace(spec, params=params, faults=tuple(
+            dataclasses.replace(f, factor=factor, rank=victim) for f in spec.faults))
         named_at: list[int | None] = []
         ratios: list[float] = []
         spreads: list[float] = []
@@ -44,9 +52,9 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3) -> dict[str
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as workdir:
                 report = replay_cell(spec, spec.world_size, workdir)
-            steps = sorted(r["step"] for r in report.reported if 9 in r["ranks"] and r["kind"] == "straggler")
+            steps = sorted(r["step"] for r in report.reported if victim in r["ranks"] and r["kind"] == "straggler")
             named_at.append(steps[0] if steps else None)
-            false_positives += sum(1 for r in report.reported if set(r["ranks"]) - {9})
+            false_positives += sum(1 for r in report.reported if set(r["ranks"]) - {victim})
             for key, value in report.metrics.items():
                 step = int(key.rsplit("step", 1)[1])
                 if key.startswith("ratio.") and step >= ONSET:
@@ -57,7 +65,7 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3) -> dict[str
         out["layouts"][layout] = {
             "within_two_rounds": within,
             "named_at_step": named_at,
-            "false_positives": false_positives,  # records naming any rank but 9
+            "false_positives": false_positives,  # records naming any rank but the slowed one
             "measured_slowdown": _quantiles(ratios),
             "round_spread": _quantiles(spreads),
             "threshold_at_max_spread": round(1 + 4 * 1.4826 * max(spreads), 3),
@@ -67,7 +75,13 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3) -> dict[str
 
 def rows(results: dict) -> list[str]:
     """README rows: per layout, the rate against the goal (every run within two rounds)."""
-    sens = results.get("straggler")
+    lines = []
+    for key in ("straggler", "straggler_8"):
+        lines += _rows_of(results.get(key))
+    return lines
+
+
+def _rows_of(sens: dict | None) -> list[str]:
     if not sens:
         return []
     lines = []
@@ -76,7 +90,8 @@ def rows(results: dict) -> list[str]:
         late = [s for s in r["named_at_step"] if s is None or s > WITHIN]
         goal = f"{sens['runs']}/{sens['runs']} " + ("(met)" if met else "(**missed**)")
         lines.append(
-            f"| {layout.upper()} {sens['world_size']} ranks, rank 9 {sens['factor']}x slower from step {ONSET} at the "
+            f"| {layout.upper()} {sens['world_size']} ranks, rank {sens.get('rank', 9)} {sens['factor']}x slower "
+            f"from step {ONSET} at the "
             f"shipped defaults: runs confirmed within two rounds (late: step of the verdict, None = never in 6 "
             f"steps); measured slowdown p5/p50/p95; round spread (MAD/median) p50/p95/max "
             f"| {r['within_two_rounds']}/{sens['runs']} (late: {late or 'none'}); "
@@ -84,3 +99,48 @@ def rows(results: dict) -> list[str]:
             f"{r['round_spread']['p50']}/{r['round_spread']['p95']}/{r['round_spread']['max']}; "
             f"{r['false_positives']} false positives | {goal} |")
     return lines
+
+
+def bench_clock_noise(width: int = 512, samples: int = 600) -> dict[str, Any]:
+    """One process, one thread, nothing else of SCOUT's running: the same block's forward and backward timed
+    on this thread's CPU clock ``samples`` times. The fastest of k consecutive runs still varies from window to
+    window (its coefficient of variation, per k): drift of the machine itself, which more samples per round
+    do not remove."""
+    import statistics
+
+    import torch
+
+    from integrations_tests.models import Block
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        block = Block(width)
+        x = torch.randn(width, width)
+
+        def once() -> float:
+            xi = x.clone().requires_grad_(True)
+            start = time.thread_time()
+            out = block(xi)
+            torch.autograd.grad(out, [xi, *block.parameters()], grad_outputs=torch.ones_like(out))
+            return time.thread_time() - start
+
+        times = [once() for _ in range(samples)]
+    finally:
+        torch.set_num_threads(threads)
+    out: dict[str, Any] = {"width": width, "samples": samples, "median_s": round(statistics.median(times), 5)}
+    for k in (1, 3, 6, 12):
+        mins = [min(times[i:i + k]) for i in range(0, samples - k + 1, k)]
+        out[f"cv_min_of_{k}"] = round(statistics.pstdev(mins) / statistics.mean(mins), 4)
+    return out
+
+
+def noise_row(results: dict) -> list[str]:
+    n = results.get("clock_noise")
+    if not n:
+        return []
+    return [f"| this machine's clock: one block ({n['width']} wide) timed {n['samples']} times on one thread's CPU "
+            f"clock, coefficient of variation of the fastest of k = 1 / 3 / 6 / 12 consecutive runs "
+            f"| {n['cv_min_of_1'] * 100:.1f} / {n['cv_min_of_3'] * 100:.1f} / {n['cv_min_of_6'] * 100:.1f} / "
+            f"{n['cv_min_of_12'] * 100:.1f} % | - |"]

@@ -157,6 +157,8 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     named = sorted({r for i in incidents for r in i.ranks})
     if sorted(expect.get("ranks", [])) != named:
         problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
+    if "count" in expect and len(incidents) != expect["count"]:  # e.g. a job-wide verdict recorded once
+        problems.append(f"{len(incidents)} records, expected {expect['count']}")
     kinds = sorted({i.kind.value for i in incidents})
     if sorted(expect.get("kinds", [])) != kinds:
         problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")

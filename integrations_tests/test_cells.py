@@ -293,10 +293,9 @@ def test_straggler_at_defaults_cell_fails_with_a_blind_rule(monkeypatch):
 
 def test_hsdp_straggler_cell_fails_without_the_job_wide_comparison(monkeypatch):
     """HSDP compute compared only within a replica group (8 ranks, not 16): red."""
-    from scout_core.replay.timing import CommTiming
+    from scout_core.replay import engine
 
-    real = CommTiming.cross_group
-    monkeypatch.setattr(CommTiming, "cross_group", lambda self, *a, **k: (real(self, *a, **k)[0], None))
+    monkeypatch.setattr(engine, "time_hsdp_collectives", lambda *a, **k: None)  # no cross-group timing round
     (report,) = run_cells([SPECS["hsdp-straggler-defaults"]], root=ROOT)
     assert report.verdict == "FAIL" and "compared among [8] ranks, expected 16" in report.details
 
@@ -335,3 +334,20 @@ def test_environment_mismatch_cell_fails_without_the_environment_check(monkeypat
     monkeypatch.setattr(engine, "split_vetting", no_environment)
     (report,) = run_cells([SPECS["ddp-environment-mismatch"]], root=ROOT)
     assert report.verdict == "FAIL" and "sdc" in report.details
+
+
+def test_moe_expert_cell_fails_without_the_expert_recipe(monkeypatch):
+    """The dense recipe alone never compares an expert among its replicas: the stuck expert weight goes unseen."""
+    from scout_core.moe.replay import ExpertReplay
+
+    monkeypatch.setattr(ExpertReplay, "boundary", lambda self, step: None)
+    (report,) = run_cells([SPECS["moe-sdc-expert"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
+
+
+def test_moe_shape_cell_fails_with_a_catalog_missing_the_row_tail_shape():
+    """Replaying only full-tile shapes (32 rows) never runs the defective row-tail path: red."""
+    spec = SPECS["moe-sdc-shape-dependent"]
+    blind = dataclasses.replace(spec, params={**spec.params, "representatives": [32]})
+    (report,) = run_cells([blind], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details

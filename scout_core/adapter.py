@@ -64,6 +64,9 @@ class FrameworkAdapter:
     set_state: Callable[[dict[str, Any]], None] | None = None
     name: str = "torch"
     """Which adapter built this (shown in records and errors)."""
+    moe: Any = None
+    """A :class:`scout_core.moe.replay.MoEBinding` (MoE layers and the groups holding the same experts), or
+    None: the expert recipe runs only with one."""
 
     def __post_init__(self) -> None:
         if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
@@ -199,13 +202,16 @@ def torch_adapter(
     output: nn.Module | None = None,
     rng_providers: Mapping[str, RngProvider] | None = None,
     state: Mapping[str, Any] | None = None,
+    moe: Any = None,
 ) -> FrameworkAdapter:
     """The plain-PyTorch adapter: a module (DDP, FSDP2, HSDP or bare) or a list of chunks."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     inner = [_unwrap(c) for c in chunks]
     found_layers, names = discover_layers(chunks)
-    if layers is not None:
-        found_layers, names = list(layers), None
+    if layers is not None:  # named by their place in the model (``layers.0.moe.router``) where found there
+        found_layers = list(layers)
+        where = {id(m): n for c in inner for n, m in c.named_modules()}
+        names = [where[id(m)] for m in found_layers] if all(id(m) in where for m in found_layers) else None
     if embedding is None:  # HF keeps the body under .model / .transformer
         embedding = next((e for m in _bodies(inner[0]) if (e := _named_child(m, EMBEDDING_NAMES))), None)
     if output is None:
@@ -225,5 +231,5 @@ def torch_adapter(
         chunks=chunks, optimizers=find_inner_optimizers(optimizer), mesh=mesh,
         peer_groups=[list(map(int, g)) for g in peer_groups] if peer_groups is not None else None,
         layers=found_layers, layer_names=names, embedding=embedding, output=output, boundary_owner=owner,
-        rng_providers=dict(rng_providers or {}), get_state=get_state, set_state=set_state,
+        rng_providers=dict(rng_providers or {}), get_state=get_state, set_state=set_state, moe=moe,
     )

@@ -132,6 +132,9 @@ class ReplayCadence:
     """Language-model output (head) recipe."""
     optimizer: int = _range(20, ge=0)
     """Optimizer-slice recipe."""
+    expert: int = _range(20, ge=0)
+    """MoE expert recipe (models enabled with ``moe=``): the next expert and catalog shape among the expert's
+    replicas."""
 
 
 @dataclass(kw_only=True)
@@ -148,6 +151,9 @@ class ReplayConfig:
     """Elements in the rotating optimizer slice."""
     deterministic: bool = True
     """Scope deterministic-algorithm mode to the replay."""
+    moe_catalog: str = ""
+    """Shape catalog from ``scout catalog build`` for the expert recipe; empty: replay each expert on the rows
+    it received in training at the source (covers only the shapes training happens to route)."""
     determinism_every: int = _range(10, ge=0)
     """Vetting for bitwise determinism: on the first check of every layer and then on every this many
     hidden-layer checks, each rank replays the first variant twice and compares its own two runs; a rank

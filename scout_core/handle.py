@@ -43,12 +43,15 @@ from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ScoutConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
+from scout_core.moe.catalog import Catalog, runtime_environment
+from scout_core.moe.replay import ExpertReplay
 from scout_core.progress.control import ControlPlane
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
 from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer, steady_threshold
 from scout_core.progress.record import Phase, create_record
 from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
+from scout_core.replay.layer import device_of
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 
 __all__ = ["ScoutHandle"]
@@ -88,6 +91,8 @@ class ScoutHandle:
         """Rank 0's nonce for this launch: the observers' store keys of a restarted job never collide."""
         self.ddp_buckets_visible: bool | None = None
         self.replay: ReplayEngine | None = None
+        self.experts: ExpertReplay | None = None
+        """The MoE expert recipe (``enable(..., moe=...)``), or None."""
         self.snapshots: SnapshotEngine | None = None
         self.checkpoint: CheckpointCoordinator | None = None
         self.last_result: BoundaryResult | None = None
@@ -180,6 +185,17 @@ class ScoutHandle:
             confirm_rounds=cfg.consensus.confirm_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False)
+        every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
+        if a.moe is None and catalog_path:
+            raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
+                             "the expert recipe needs the MoE layers and the groups holding the same experts")
+        if a.moe is not None and every > 0:
+            catalog = None
+            if catalog_path:  # rejected at start-up, naming what changed, if built elsewhere
+                catalog = Catalog.load(catalog_path, expect=runtime_environment(device_of(a.moe.layers[0])))
+            self.experts = ExpertReplay(a.moe, every=every,
+                                        world_control=self.groups.world_control, rank=self.rank,
+                                        reporter=self.reporter, hosts=self.hosts, catalog=catalog)
 
     def start_checkpointing(self) -> None:
         cfg, a = self.config, self.adapter
@@ -280,12 +296,17 @@ class ScoutHandle:
         # and a collective that fails means the job's communication failed: that propagates, as the
         # training job's own next collective would.
         result = self.last_result = self.replay.boundary()
-        if not result.checked:
+        expert = self.experts.boundary(result.step) if self.experts is not None else None
+        if expert is not None:
+            result.incidents_global += expert.incidents  # each expert-peer group's own verdicts
+        if not result.checked and expert is None:
             return result
         verdicts = actionable(result.incidents + result.incidents_global)
-        local = BoundaryEvidence(sdc=result.sdc, inconclusive=result.inconclusive, missing=result.missing,
+        local = BoundaryEvidence(sdc=result.sdc or bool(expert and expert.sdc),
+                                 inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
+                                 missing=result.missing,
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
-        if self.checkpoint is not None:
+        if self.checkpoint is not None and result.checked:
             # Only a check that replayed a layer vouches for the state (an LM-head or optimizer check on its
             # own cadence does not), unless the layer recipe is configured off.
             hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
@@ -487,6 +508,8 @@ class ScoutHandle:
                 self._quietly(self.snapshots.close, "snapshot engine")
             if self.replay is not None:
                 self._quietly(self.replay.close, "replay hooks")
+            if self.experts is not None:
+                self._quietly(self.experts.close, "expert replay hooks")
             if self.tracker is not None:
                 self._quietly(self.tracker.remove_hooks, "progress hooks")
                 self._quietly(lambda: uninstall_collective_hooks(self.tracker), "collective hooks")

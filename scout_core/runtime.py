@@ -33,6 +33,7 @@ from scout_core.adapter import FrameworkAdapter, torch_adapter
 from scout_core.config import ScoutConfig, TopologyConfig, validate
 from scout_core.groups import build_groups
 from scout_core.handle import ScoutHandle
+from scout_core.moe.replay import MoEBinding
 from scout_core.progress.control import ControlPlane, choose_control_plane
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
@@ -82,6 +83,7 @@ def enable(
     state: Mapping[str, Any] | None = None,
     rng_providers: Mapping[str, RngProvider] | None = None,
     on_incident: Callable[[Incident], None] | None = None,
+    moe: MoEBinding | None = None,
 ) -> ScoutHandle:
     """Install SCOUT on this rank (plain PyTorch); every rank of the default process group must call it.
 
@@ -93,10 +95,12 @@ def enable(
     caller objects with ``state_dict``/``load_state_dict`` (LR scheduler, data
     loader, gradient scaler) that snapshots keep. ``on_incident`` runs in the
     observer process for each hang verdict, so it fires even while the trainer
-    is blocked.
+    is blocked. ``moe`` (:class:`~scout_core.moe.replay.MoEBinding`) names the MoE layers and the groups of
+    ranks holding the same experts: it switches on the expert recipe (``replay.cadence.expert``).
     """
     adapter = torch_adapter(model, optimizer, mesh=mesh, peer_groups=peer_groups, layers=layers,
-                            embedding=embedding, output=output, rng_providers=rng_providers, state=state)
+                            embedding=embedding, output=output, rng_providers=rng_providers, state=state,
+                            moe=moe)
     return enable_with(adapter, config=config, on_incident=on_incident)
 
 

@@ -299,3 +299,23 @@ def test_confirmation_matches_reference_count(rounds):
         got = conf.update(_round(bitmap))
         streak = [s + 1 if b else 0 for s, b in zip(streak, bitmap)]
         assert got == tuple(i for i, s in enumerate(streak) if s >= 3)
+
+
+def test_job_wide_compute_judges_every_rank_or_none():
+    """HSDP: every rank's compute time in one comparison when all replayed the same work; otherwise the round is
+    no measurement for everyone (never a replica group's own judgement mixed in)."""
+    from scout_core.replay.timing import job_wide_compute
+
+    rule = StatisticalRule()
+    work = ("layers.1", "Block", ((32, 32),), ((8, 32),))
+    times = [0.010] * 16
+    times[9] = 0.013
+    gathered = [(0.001, 0.001, work, t) for t in times]
+    res = job_wide_compute(gathered, rule)
+    assert res.status is C3Status.ATTRIBUTED and res.outlier_ranks == (9,) and len(res.peer_ranks) == 16
+    other = list(gathered)
+    other[3] = (0.001, 0.001, ("layers.2", "Block", ((32, 32),), ((8, 32),)), 0.010)  # another layer
+    assert job_wide_compute(other, rule).status is C3Status.NO_MEASUREMENT
+    missing = list(gathered)
+    missing[0] = (0.001, 0.001, None, None)  # a rank that replayed nothing
+    assert job_wide_compute(missing, rule).status is C3Status.NO_MEASUREMENT

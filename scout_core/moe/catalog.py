@@ -29,7 +29,8 @@ from scout_core.moe.dominance import compress
 from scout_core.moe.paths import PATH_ROLES, TileConfig, path_counts, select_tile
 
 __all__ = ["CATALOG_FORMAT", "Catalog", "CatalogDrift", "CudaPathProfiler", "ExpertProblem", "MoESpec",
-           "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment"]
+           "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment",
+           "runtime_environment"]
 
 CATALOG_FORMAT = "scout-moe-catalog"
 CATALOG_VERSION = 1
@@ -171,11 +172,15 @@ def _product(xs: Any) -> int:
 
 def catalog_environment(spec: MoESpec, profiler: Any, device: torch.device | None = None) -> dict[str, Any]:
     """The facts a catalog is valid under."""
-    device = device or torch.device("cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu/{_cpu_capability()}"
-    return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda or "",
+    return {**runtime_environment(device or torch.device("cpu")),
             "model": asdict(spec) | {"layers": list(spec.layers)}, "profiler": profiler.name,
             "tiles": profiler.tiles()}
+
+
+def runtime_environment(device: torch.device) -> dict[str, Any]:
+    """The part of :func:`catalog_environment` a training job can check without the model's MoE spec."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu/{_cpu_capability()}"
+    return {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda or ""}
 
 
 def _cpu_capability() -> str:
@@ -216,7 +221,8 @@ class Catalog:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, expect: dict[str, Any] | None = None) -> Catalog:
-        """Read a catalog; with ``expect`` (:func:`catalog_environment` now), reject it on any drift."""
+        """Read a catalog; with ``expect`` (:func:`catalog_environment` now, or the part of it the caller
+        knows, e.g. device and versions at run time), reject it when any of those facts changed."""
         with open(path, encoding="utf-8") as fh:
             try:
                 body = json.load(fh)
@@ -230,8 +236,7 @@ class Catalog:
                              f"{CATALOG_VERSION}")
         catalog = cls(environment=body["environment"], entries=body["entries"])
         if expect is not None:
-            changed = sorted(k for k in set(expect) | set(catalog.environment)
-                             if catalog.environment.get(k) != expect.get(k))
+            changed = sorted(k for k in expect if catalog.environment.get(k) != expect[k])
             if changed:
                 detail = "; ".join(f"{k}: built {catalog.environment.get(k)!r}, now {expect.get(k)!r}"
                                    for k in changed)

@@ -46,6 +46,7 @@ from scout_core.replay.layer import (
     broadcast_call,
     call_meta,
     device_of,
+    gather_ranks,
     materialize,
     receive_buffers,
     release_of,
@@ -287,6 +288,7 @@ class ReplayEngine:
 
     def _check(self, result: BoundaryResult, due: list[tuple[str, int]], opt_due: bool) -> None:
         guard, step = self.guard, result.step
+        self._hsdp_comm = None  # measured afresh by this check's hidden recipe, never carried over
         check = self.checks - (1 if any(r == "hidden" for r, _ in due) else 0)  # this check's number
         src = self.peers[rotation(check, self.n_hidden, len(self.peers))[1]]
         vet = vet_due(check, self.cfg.determinism_every, self._vet_always, self.n_hidden)
@@ -346,6 +348,7 @@ class ReplayEngine:
         compute_s: float | None = None
         comm_s: float | None = None
         work: Any = None
+        comm_ranks: tuple[int, ...] = ()  # the ranks of the collective that comm_s timed
         reproducible: bool | None = True
         for recipe, idx in due:
             timed = recipe == "hidden"  # the hidden layer's timings are the ones compared
@@ -355,11 +358,18 @@ class ReplayEngine:
             reproducible = None if reproducible is None or same is None else reproducible and same
             if timed:
                 compute_s = t_compute
-                # What makes compute times comparable beyond the peer group: the same layer on the same shapes.
-                work = (idx, tuple(tuple(t.shape) for t in calls[idx].tensors))
+                # What makes compute times comparable beyond the peer group: the same layer (its place, class
+                # and parameters) on the same input shapes.
+                layer = self.layers[idx]
+                work = (self.names[idx], type(layer).__qualname__,
+                        tuple((tuple(p.shape), str(p.dtype)) for p in layer.parameters()),
+                        tuple(tuple(t.shape) for t in calls[idx].tensors))
                 all_reduce = scratch[idx].all_reduce
                 if gather_s is None and all_reduce is not None:
                     gather_s = self.timing.scratch_all_reduce(self.layers[idx], self.group, all_reduce)
+                    comm_ranks = tuple(self.peers)
+                elif gather_s is not None:  # the unshard's all-gather, over the FSDP shard group
+                    comm_ranks = gather_ranks(self.layers[idx], self._owner(idx))
                 comm_s = gather_s
             # One saved call per layer class: the sweep replays each class's layers on an input of their own.
             # (The vetting surfaces follow the loop: every peer sends them, None where a replay failed.)
@@ -407,16 +417,16 @@ class ReplayEngine:
             # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
             # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
             if self._hsdp_comm is not None:
-                result.localization, world_times = self.timing.cross_group(*self._hsdp_comm,
-                                                                           work=(work, compute_s))
-                if world_times is not None:  # every rank replayed the same work: judge compute job-wide
-                    times, result.timing_world = world_times, True
+                # HSDP: compute is judged job-wide in every round (a round whose ranks replayed different
+                # work is "no measurement" for all), so every rank keeps the same confirmation counts.
+                result.localization, times = self.timing.cross_group(*self._hsdp_comm, work=(work, compute_s))
+                result.timing_world = True
             result.timing, result.comm_timing = times, comm
             result.stragglers = self.confirm.update(times)
-            # The temporal check judges the collective that spans the peer group. Under HSDP the timed
-            # collective (the unshard's all-gather) spans the shard group, not the peers (a replica group):
-            # its slowness is the cross-group intersection's to place, never this group's.
-            if self._hsdp_comm is None:
+            # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
+            # timed unshard spans the shard group, not the peers (a replica group): its slowness is the
+            # cross-group intersection's to place, never this group's.
+            if comm_ranks == tuple(self.peers):
                 result.group_slowdown = self.timing.group_slowdown(comm)
         # Every check's SDC evidence becomes records, also one without the hidden recipe (an embedding
         # or LM-head check on its own cadence).

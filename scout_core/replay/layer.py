@@ -27,8 +27,8 @@ from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rn
 from scout_core.replay.scratch import Scratch, fsdp_module
 from scout_core.signature import sign_many
 
-__all__ = ["ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of", "materialize",
-           "receive_buffers", "release_of", "replay_layer"]
+__all__ = ["ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of", "gather_ranks",
+           "materialize", "receive_buffers", "release_of", "replay_layer"]
 
 
 @dataclass
@@ -132,6 +132,14 @@ def release_of(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> 
     if fsdp_module(layer):
         return layer.reshard
     return owner.reshard if owner is not None and fsdp_module(owner) else None
+
+
+def gather_ranks(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[int, ...]:
+    """Global ranks of the all-gather that unshards ``layer`` (or its FSDP2 ``owner``), ascending."""
+    group = _gather_group(layer if fsdp_module(layer) or owner is None else owner)
+    if group is None:
+        return ()
+    return tuple(sorted(dist.get_process_group_ranks(group)))
 
 
 def _gather_group(module: torch.nn.Module) -> Any:

@@ -26,7 +26,7 @@ from scout_core.consensus import C3Result, C3Status, StatisticalRule
 from scout_core.replay.layer import sync
 from scout_core.topology import GroupTiming, localize_slow_groups
 
-__all__ = ["BASELINE_ROUNDS", "CommTiming", "mesh_groups", "time_hsdp_collectives"]
+__all__ = ["BASELINE_ROUNDS", "CommTiming", "job_wide_compute", "mesh_groups", "time_hsdp_collectives"]
 
 BASELINE_ROUNDS = 5
 """Clean communication rounds a group needs before its own history can call it slow."""
@@ -68,7 +68,7 @@ class CommTiming:
         return best
 
     def cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any, *,
-                    work: tuple[Any, float | None] = (None, None)) -> tuple[Any, C3Result | None]:
+                    work: tuple[Any, float | None] = (None, None)) -> tuple[Any, C3Result]:
         """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2),
         and judge replayed compute across the whole job.
 
@@ -80,16 +80,13 @@ class CommTiming:
         Where every rank replayed the same work (one layer, one input shape: HSDP peer groups rotate in
         step), all compute times are comparable, and the job-wide comparison (returned, else None) has
         every rank as a peer instead of one replica group's few: a 1.3x rank among 16 stands out where
-        among 8 one noisy round hides it.
+        among 8 one noisy round hides it. Otherwise (ranks replayed different layers or shapes) the round is
+        "no measurement" for every rank (:func:`job_wide_compute`), never a mix of job-wide and group rounds.
         """
         world = dist.get_world_size()
         timings: list[Any] = [None] * world
         dist.all_gather_object(timings, (t_rs, t_ar, *work), group=self.world_control)
-        compute = None
-        if timings[0][2] is not None and all(t[2] == timings[0][2] for t in timings):
-            compute = self.compute_rule([t[3] for t in timings], peer_ranks=list(range(world)),
-                                        surface="replay.compute_s")
-        return self._localize(timings, shard_pg, repl_pg), compute
+        return self._localize(timings, shard_pg, repl_pg), job_wide_compute(timings, self.compute_rule)
 
     def _localize(self, timings: list[Any], shard_pg: Any, repl_pg: Any) -> Any:
         world = len(timings)
@@ -141,17 +138,36 @@ class CommTiming:
         return self.slow_group_rounds >= self.confirm_rounds
 
 
+def job_wide_compute(timings: list[Any], rule: StatisticalRule) -> C3Result:
+    """Statistical C3 of every rank's compute time from the gathered ``(t_rs, t_ar, work, compute_s)``,
+    or "no measurement" for all when the ranks did not replay the same work (or some replayed nothing)."""
+    ranks = list(range(len(timings)))
+    same = timings[0][2] is not None and all(t[2] == timings[0][2] for t in timings)
+    values = [t[3] for t in timings] if same else [None] * len(timings)
+    return rule(values, peer_ranks=ranks, surface="replay.compute_s")
+
+
 def mesh_groups(layer: torch.nn.Module) -> tuple[Any, Any] | None:
-    """(shard group, replica group) of an HSDP-managed layer's parameters, else None."""
+    """(shard group, replica group) of an HSDP-managed layer, else None: EVERY parameter lives on one 2-D
+    mesh, replicated over one dimension and sharded over the other. A layer where some parameter differs
+    (tensor parallelism with sequence-parallel norms, DDP plus TP) is not HSDP."""
+    found = None
     for p in layer.parameters():
         mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
         if mesh is None or mesh.ndim != 2:
             return None
         shard = [d for d, pl in enumerate(placements) if pl.is_shard()]
         repl = [d for d, pl in enumerate(placements) if pl.is_replicate()]
-        if len(shard) == 1 and len(repl) == 1:
-            return mesh.get_group(shard[0]), mesh.get_group(repl[0])
-    return None
+        if len(shard) != 1 or len(repl) != 1:
+            return None
+        key = (id(mesh), shard[0], repl[0])
+        if found is not None and found[0] != key:
+            return None
+        found = (key, mesh)
+    if found is None:
+        return None
+    (_, shard_dim, repl_dim), mesh = found
+    return mesh.get_group(shard_dim), mesh.get_group(repl_dim)
 
 
 _GROUPS_OF: dict[Any, list[list[int]]] = {}

@@ -1,0 +1,147 @@
+"""MoE cells: 16 ranks, EP 4 x DP 4, SCOUT switched on by ``scout_core.enable(..., moe=...)``.
+
+The dense recipe replays attention and the router of each block among all 16 ranks (their weights are
+replicated everywhere); the expert recipe replays one local expert per check among its 4 replicas, on the
+representative shapes of a shape catalog built for the model by :func:`scout_core.moe.catalog.build_catalog`
+(row counts 0..32 per expert: representatives 17 and 32, a recipe cycle of 2 layers x 2 experts x 2 shapes).
+
+Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says otherwise:
+
+* ``experts.weight``: a stuck value in local expert 0 of layer 0's up projection, as its compute reads it;
+* ``router.output``: a corrupted router logit in layer 0;
+* ``experts.row_tail``: a defect of the row-tail path of the tiled expert GEMM (every rank computes experts
+  with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only shapes whose row count leaves a tail show it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import scout_core
+from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
+from scout_core.cells import CellReport, CellSpec, fault_dicts
+from scout_core.config import load
+from scout_core.inject import Injector
+from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.moe.catalog import MoESpec, build_catalog
+from scout_core.moe.paths import ReferenceGroupedGemm
+from scout_core.moe.replay import MoEBinding
+from scout_core.report import read_incidents
+from scout_core.runtime import HOSTNAME_ENV
+
+__all__ = ["moe_cell"]
+
+MODEL = MoEConfig(capacity=8)  # per source rank: an expert receives 0..ep x 8 = 32 rows
+
+
+def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -> None:
+    moe0 = model.layers[0].moe
+    expert0 = moe0.experts[0]
+
+    def weight_fault(*_: Any) -> None:
+        with torch.no_grad():
+            injector.corrupt("experts.weight", expert0.up, rank=rank, step=state["step"])
+
+    def router_fault(_m: Any, _a: Any, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            injector.corrupt("router.output", out, rank=rank, step=state["step"])
+
+    def path_fault(role: str, tile: torch.Tensor) -> None:
+        if role == "row_tail":
+            with torch.no_grad():
+                injector.corrupt("experts.row_tail", tile, rank=rank, step=state["step"])
+
+    expert0.register_forward_pre_hook(weight_fault)
+    moe0.router.register_forward_hook(router_fault)
+    for layer in model.layers:
+        for expert in layer.moe.experts:
+            expert.path_kernel = ReferenceGroupedGemm(fault=path_fault if layer is model.layers[0] else None)
+
+
+def _moe_rank(ctx: RankContext) -> dict[str, Any]:
+    os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
+    init_gloo(ctx, timeout_s=120)
+    a = ctx.args
+    injector = Injector(a["faults"], seed=a["seed"])
+    model, ep_group, dp_group = build_model(MODEL, seed=a["seed"])
+    state: dict[str, Any] = {"step": 0}
+    _install(model, injector, ctx.rank, state)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    world, ep = ctx.world_size, MODEL.ep
+    binding = MoEBinding(layers=[b.moe for b in model.layers], names=[f"layers.{i}.moe" for i in range(MODEL.depth)],
+                         expert_peer_groups=[list(range(p, world, ep)) for p in range(ep)], ep_position=ctx.rank % ep)
+    dense = [m for b in model.layers for m in (b.attn, b.moe.router)]
+    cfg = load(None, ["replay.cadence.hidden=1", "replay.cadence.expert=1", "replay.cadence.embedding=0",
+                      "replay.cadence.output=0", "replay.cadence.optimizer=0", "observer.enabled=false",
+                      f"replay.moe_catalog={a['catalog'] or ''}", "checkpoint.enabled=false",
+                      f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR"])
+    handle = scout_core.enable(model, opt, config=cfg, layers=dense, moe=binding)
+    gen = torch.Generator().manual_seed(1000 * a["seed"] + ctx.rank)
+    for step in range(1, a["steps"] + 1):
+        state["step"] = step
+        x = torch.randn(2, 12, MODEL.dim_in, generator=gen)
+        y = torch.randn(2, 12, MODEL.dim_out, generator=gen)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        sync_grads(model, dp_group)
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()
+    checks = [(c.step, c.layer, c.expert, c.rows, c.source, c.skipped) for c in handle.experts.history]
+    dense_checks = [(r.step, r.recipes, r.skipped) for r in handle.replay.history]
+    handle.close()
+    return {"expert_checks": checks, "dense_checks": dense_checks}
+
+
+def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
+    p = spec.params
+    jsonl = os.path.join(workdir, "incidents.jsonl")
+    catalog = None
+    if p.get("catalog", True):
+        catalog = os.path.join(workdir, "catalog.json")
+        built = build_catalog(MoESpec(layers=tuple(f"layers.{i}.moe" for i in range(MODEL.depth)),
+                                      hidden=MODEL.hidden, ffn=MODEL.ffn, experts=MODEL.experts, ep_size=MODEL.ep,
+                                      capacity=MODEL.ep * MODEL.capacity))
+        if "representatives" in p:  # a catalog that lost some representatives (the guard of the shape cell)
+            for e in built.entries:
+                e["representatives"] = [r for r in e["representatives"] if r in p["representatives"]]
+        built.save(catalog)
+    args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "jsonl": jsonl,
+            "run_id": spec.name, "catalog": catalog}
+    start = time.monotonic()
+    result = launch(_moe_rank, world_size, timeout_s=spec.timeout_s, args=args)
+    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
+    problems = []
+    if not result.ok:
+        problems.append(result.failures())
+    expect = p.get("expect", {})
+    named = sorted({r for i in incidents for r in i.ranks})
+    if sorted(expect.get("ranks", [])) != named:
+        problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
+    kinds = sorted({i.kind.value for i in incidents})
+    if sorted(expect.get("kinds", [])) != kinds:
+        problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
+    if incidents and sorted({i.scope.value for i in incidents}) != ["rank"]:
+        problems.append(f"scopes {sorted({i.scope.value for i in incidents})}, expected rank only")
+    surfaces = sorted({s for i in incidents for s in i.surface.split(";")})
+    for needle in expect.get("surfaces", []):
+        if not any(needle in s for s in surfaces):
+            problems.append(f"no incident on a surface containing {needle!r}; got {surfaces[:6]}")
+    if "within_steps" in expect and incidents:
+        first = min(i.step for i in incidents)
+        if first > expect["within_steps"]:
+            problems.append(f"first incident at step {first}, expected within {expect['within_steps']} steps")
+    if result.ok:
+        checks = result.values()[0]["expert_checks"]
+        if len(checks) != args["steps"] or any(c[5] for c in checks):
+            problems.append(f"expert checks {checks}, expected one per step, none skipped")
+        rows = sorted({c[3] for c in checks})
+        if expect.get("rows") and rows != expect["rows"]:
+            problems.append(f"expert checks replayed rows {rows}, expected {expect['rows']}")
+    return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
+                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
+                      details="\n".join(problems), wall_s=time.monotonic() - start)
