@@ -10,7 +10,10 @@ Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says othe
 * ``experts.weight``: a stuck value in local expert 0 of layer 0's up projection, as its compute reads it;
 * ``router.output``: a corrupted router logit in layer 0;
 * ``experts.row_tail``: a defect of the row-tail path of the tiled expert GEMM (every rank computes experts
-  with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only shapes whose row count leaves a tail show it.
+  with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only shapes whose row count leaves a tail show it;
+* ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would.
+
+Each expert check also replays the AllToAll with one communication plan (scout_core.moe.alltoall).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import scout_core
+from integrations_tests.hang_cells import _RecordsSettled
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
@@ -56,7 +60,17 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
             with torch.no_grad():
                 injector.corrupt("experts.row_tail", tile, rank=rank, step=state["step"])
 
+    def slowed(real: Any) -> Any:
+        def slow_collective(*args: Any, **kwargs: Any) -> Any:  # a slow endpoint: this rank's link
+            injector.delay("collective", rank=rank, step=state["step"])
+            return real(*args, **kwargs)
+        return slow_collective
+
+    for name in ("all_to_all_single", "all_reduce"):
+        setattr(dist, name, slowed(getattr(dist, name)))
     expert0.register_forward_pre_hook(weight_fault)
+    for expert in model.layers[0].moe.experts:  # stop inside the expert: EP peers wait in the combine AllToAll
+        expert.register_forward_pre_hook(lambda *_: injector.freeze("experts.forward", rank=rank, step=state["step"]))
     moe0.router.register_forward_hook(router_fault)
     for layer in model.layers:
         for expert in layer.moe.experts:
@@ -74,11 +88,14 @@ def _moe_rank(ctx: RankContext) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     world, ep = ctx.world_size, MODEL.ep
     binding = MoEBinding(layers=[b.moe for b in model.layers], names=[f"layers.{i}.moe" for i in range(MODEL.depth)],
-                         expert_peer_groups=[list(range(p, world, ep)) for p in range(ep)], ep_position=ctx.rank % ep)
+                         expert_peer_groups=[list(range(p, world, ep)) for p in range(ep)], ep_position=ctx.rank % ep,
+                         ep_groups=[list(range(s, s + ep)) for s in range(0, world, ep)])
     dense = [m for b in model.layers for m in (b.attn, b.moe.router)]
+    observer = (["observer.silence_threshold_s=2.0", "observer.gather_timeout_s=4.0"] if a["hang"]
+                else ["observer.enabled=false"])
     cfg = load(None, ["replay.cadence.hidden=1", "replay.cadence.expert=1", "replay.cadence.embedding=0",
-                      "replay.cadence.output=0", "replay.cadence.optimizer=0", "observer.enabled=false",
-                      f"replay.moe_catalog={a['catalog'] or ''}", "checkpoint.enabled=false",
+                      "replay.cadence.output=0", "replay.cadence.optimizer=0", *observer,
+                      *([f"replay.moe_catalog={a['catalog']}"] if a["catalog"] else []), "checkpoint.enabled=false",
                       f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR"])
     handle = scout_core.enable(model, opt, config=cfg, layers=dense, moe=binding)
     gen = torch.Generator().manual_seed(1000 * a["seed"] + ctx.rank)
@@ -110,23 +127,36 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             for e in built.entries:
                 e["representatives"] = [r for r in e["representatives"] if r in p["representatives"]]
         built.save(catalog)
+    hang = bool(p.get("hang", False))
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "jsonl": jsonl,
-            "run_id": spec.name, "catalog": catalog}
+            "run_id": spec.name, "catalog": catalog, "hang": hang}
     start = time.monotonic()
-    result = launch(_moe_rank, world_size, timeout_s=spec.timeout_s, args=args)
+    # A hung job never returns: it stops once the observers' records have settled.
+    stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
+    result = launch(_moe_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop,
+                    failure_grace_s=spec.timeout_s if hang else 5.0, keep_groups=hang)
     incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
     problems = []
-    if not result.ok:
+    if hang and not result.stopped:
+        problems.append("the job was expected to hang and be diagnosed, but: " + (result.failures() or "it finished"))
+    elif not hang and not result.ok:
         problems.append(result.failures())
     expect = p.get("expect", {})
+    if "class" in expect:
+        classes = sorted({str(i.evidence.get("class")) for i in incidents})
+        if classes != [expect["class"]]:
+            problems.append(f"hang classes {classes}, expected {expect['class']}")
     named = sorted({r for i in incidents for r in i.ranks})
     if sorted(expect.get("ranks", [])) != named:
         problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
     kinds = sorted({i.kind.value for i in incidents})
     if sorted(expect.get("kinds", [])) != kinds:
         problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
-    if incidents and sorted({i.scope.value for i in incidents}) != ["rank"]:
-        problems.append(f"scopes {sorted({i.scope.value for i in incidents})}, expected rank only")
+    scope = expect.get("scope", "rank")
+    if incidents and sorted({i.scope.value for i in incidents}) != [scope]:
+        problems.append(f"scopes {sorted({i.scope.value for i in incidents})}, expected {scope} only")
+    if "hosts" in expect and sorted({h for i in incidents for h in i.hosts}) != sorted(expect["hosts"]):
+        problems.append(f"hosts {sorted({h for i in incidents for h in i.hosts})}, expected {expect['hosts']}")
     surfaces = sorted({s for i in incidents for s in i.surface.split(";")})
     for needle in expect.get("surfaces", []):
         if not any(needle in s for s in surfaces):
@@ -135,7 +165,7 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         first = min(i.step for i in incidents)
         if first > expect["within_steps"]:
             problems.append(f"first incident at step {first}, expected within {expect['within_steps']} steps")
-    if result.ok:
+    if result.ok and not hang:
         checks = result.values()[0]["expert_checks"]
         if len(checks) != args["steps"] or any(c[5] for c in checks):
             problems.append(f"expert checks {checks}, expected one per step, none skipped")

@@ -351,3 +351,21 @@ def test_moe_shape_cell_fails_with_a_catalog_missing_the_row_tail_shape():
     blind = dataclasses.replace(spec, params={**spec.params, "representatives": [32]})
     (report,) = run_cells([blind], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
+
+
+def test_moe_a2a_cell_fails_without_the_intersection(monkeypatch):
+    """AllToAll timings never intersected across EP and expert-DP groups: the slow endpoint goes unnamed."""
+    from scout_core.moe.alltoall import AllToAllReplay
+
+    monkeypatch.setattr(AllToAllReplay, "_localize", lambda self, times: None)
+    (report,) = run_cells([SPECS["moe-a2a-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
+
+
+def test_moe_recovery_cell_fails_when_certification_ignores_the_recipe_cycle(monkeypatch):
+    """K = 1 instead of the expert recipe's cycle of 2: a later candidate is promoted and restored."""
+    from scout_core.moe.replay import ExpertReplay
+
+    monkeypatch.setattr(ExpertReplay, "cycle", property(lambda self: 1))
+    (report,) = run_cells([SPECS["moe-recovery-two-cycle"]], root=ROOT)
+    assert report.verdict == "FAIL" and "restored" in report.details

@@ -195,7 +195,9 @@ class ScoutHandle:
                 catalog = Catalog.load(catalog_path, expect=runtime_environment(device_of(a.moe.layers[0])))
             self.experts = ExpertReplay(a.moe, every=every,
                                         world_control=self.groups.world_control, rank=self.rank,
-                                        reporter=self.reporter, hosts=self.hosts, catalog=catalog)
+                                        reporter=self.reporter, hosts=self.hosts, catalog=catalog,
+                                        comm_rule=StatisticalRule.for_communication(cfg.consensus),
+                                        confirm_rounds=cfg.consensus.confirm_rounds)
 
     def start_checkpointing(self) -> None:
         cfg, a = self.config, self.adapter
@@ -207,6 +209,11 @@ class ScoutHandle:
         memory = MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=self.rank,
                              hosts=self.hosts, fallback=os.path.join(directory, "memory"))
         k = cfg.checkpoint.recipes_per_cycle
+        if self.experts is not None and self.experts.catalog is not None:
+            # A candidate is vouched for only after every catalog shape of every expert was replayed clean:
+            # one recipe cycle of the expert recipe (paper section 8).
+            k = max(k, self.experts.cycle)
+            _log.info("SCOUT: certification waits for a recipe cycle of %d checks (MoE shape catalog)", k)
         self.checkpoint = CheckpointCoordinator(
             self.snapshots, DurableStore(directory, self.rank, self.world_size),
             Certifier(recipes_per_cycle=k, static=k == 1), memory=memory, control_group=self.groups.world_control,

@@ -24,7 +24,7 @@ rest of the check and the failing rank records a ``diagnosis_error``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_core.consensus import C3Result, C3Status, c3_exchange
+from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange
+from scout_core.moe.alltoall import AllToAllReplay
 from scout_core.moe.catalog import Catalog
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
@@ -52,6 +53,12 @@ class MoEBinding:
     """A partition of the ranks into groups holding the same experts (same EP position, other replicas)."""
     names: list[str] | None = None
     """Names of ``layers`` for records (default ``moe.<i>``)."""
+    ep_groups: list[list[int]] | None = None
+    """A partition of the ranks into EP groups (the ranks one AllToAll spans), in EP-position order; with it,
+    each expert check also replays the AllToAll with one communication plan (:mod:`scout_core.moe.alltoall`)."""
+    splits: Callable[[nn.Module], Sequence[int]] | None = None
+    """This rank's split sizes of a MoE layer's last dispatch (rows sent to each EP peer); default: the
+    layer's ``last_plan.in_splits``."""
     ep_position: int | None = None
     """This rank's EP position (catalog entries are per position); default: its index in its peer group's
     ordering of EP groups is unknown, so position 0's entry is used for every rank (equal dimensions)."""
@@ -84,6 +91,8 @@ class ExpertCheck:
     surfaces: list[C3Result] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
     skipped: str = ""
+    localization: Any = None
+    """A confirmed slow machine or group from the AllToAll replay's timings (``topology.Localization``)."""
 
     @property
     def sdc(self) -> bool:
@@ -98,7 +107,8 @@ class ExpertReplay:
     """Expert checks among expert peers; one instance per rank, driven by the handle's boundary."""
 
     def __init__(self, binding: MoEBinding, *, every: int, world_control: Any, rank: int,
-                 reporter: Reporter | None, hosts: dict[int, str], catalog: Catalog | None = None) -> None:
+                 reporter: Reporter | None, hosts: dict[int, str], catalog: Catalog | None = None,
+                 comm_rule: StatisticalRule | None = None, confirm_rounds: int = 2) -> None:
         self.binding, self.every, self.rank = binding, every, rank
         self.hosts, self.reporter, self.catalog = hosts, reporter, catalog
         self.names = binding.names or [f"moe.{i}" for i in range(len(binding.layers))]
@@ -115,6 +125,14 @@ class ExpertReplay:
         self._handles = [expert.register_forward_pre_hook(self._capture(li, ei))
                          for li, layer in enumerate(binding.layers) for ei, expert in enumerate(layer.experts)]
         self._replaying = False
+        self.alltoall: AllToAllReplay | None = None
+        if binding.ep_groups is not None:
+            expert = binding.layers[0].experts[0]
+            self.alltoall = AllToAllReplay(
+                ep_groups=binding.ep_groups, expert_peers=self.peers, expert_group=self.group, expert_ctrl=self.ctrl,
+                world_control=world_control, rank=rank, hosts=hosts, width=next(expert.parameters()).shape[0],
+                rule=comm_rule or StatisticalRule(), confirm_rounds=confirm_rounds, device=device_of(expert))
+        self.world_control = world_control
 
     def _capture(self, li: int, ei: int) -> Any:
         def hook(_m: nn.Module, args: tuple) -> None:
@@ -185,8 +203,20 @@ class ExpertReplay:
         tag = f"{self.names[li]}.experts.{ei}.rows{shape[0]}"
         result.surfaces = c3_exchange([v for _, v in evidence], group=self.ctrl,
                                       surfaces=[f"{tag}.{n}" for n, _ in evidence])
+        if self.alltoall is not None:
+            splits = guard.run("dispatch split sizes", lambda: self._splits(li))
+            if not guard.agree(step):
+                result.skipped = "diagnosis error"
+                return self._done(result)
+            a2a, result.localization = self.alltoall.check(check, splits)
+            result.surfaces += a2a
         result.incidents = self._verdicts(result)
         return self._done(result)
+
+    def _splits(self, li: int) -> list[int]:
+        layer = self.binding.layers[li]
+        splits = self.binding.splits(layer) if self.binding.splits is not None else layer.last_plan.in_splits
+        return [int(x) for x in splits]
 
     def _source_input(self, li: int, ei: int, rows: int | None) -> torch.Tensor:
         seen = self._seen.get((li, ei))
@@ -242,11 +272,21 @@ class ExpertReplay:
             for inc in out:
                 inc.step = result.step
                 self.reporter.emit(inc)
+        loc = result.localization
+        if loc is not None:  # the same on every rank: one record for the job
+            machine = Incident(kind=IncidentKind.STRAGGLER, scope=IncidentScope(loc.scope), ranks=list(loc.ranks),
+                               hosts=list(loc.hosts), step=result.step, surface="alltoall.comm_s",
+                               evidence={"slow_groups": [[d, list(g)] for d, g in loc.slow_groups]},
+                               reason=f"AllToAll replay with one plan: {loc.reason}")
+            writer = min((r for r in range(dist.get_world_size()) if r not in loc.ranks), default=0)
+            if self.rank == writer and self.reporter is not None:
+                self.reporter.emit(machine)
+            out.append(machine)
         return out
 
     def _incident(self, scope: IncidentScope, ranks: Sequence[int], results: Sequence[C3Result],
                   reason: str) -> Incident:
-        return Incident(kind=IncidentKind.SDC, scope=scope, ranks=list(ranks),
+        return Incident(kind=IncidentKind.SDC, scope=scope, ranks=list(ranks), step=None,
                         hosts=[self.hosts.get(r, "?") for r in ranks],
                         surface=";".join(r.surface for r in results),
                         evidence={"surfaces": {r.surface: r.to_dict() for r in results}}, reason=reason)

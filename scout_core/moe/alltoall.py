@@ -1,0 +1,118 @@
+"""AllToAll replay (paper section 6.2): one communication plan, executed by every EP group, compared across
+replicas; its durations intersected across EP and expert-DP groups to name a machine.
+
+Routing differs from replica to replica, so the AllToAll of training is never comparable: a replica whose
+tokens went mostly to one expert sends more and takes longer without anything being wrong. Replay therefore
+makes every EP group execute the *same* plan:
+
+1. every rank contributes the split sizes of its last dispatch (``MoEBinding.splits``); one world
+   all-gather gives every rank every EP group's send matrix, and all use the matrix of the EP group whose turn
+   it is (rotating), so routing imbalance is the same everywhere;
+2. each rank fills what it sends to each EP peer with rows seeded by (check, its EP position, the peer's):
+   the same bytes at the same position in every replica; the exchange runs three times after a barrier on the
+   EP group, and the fastest run is its time; a training-shaped all-reduce of the received rows over the
+   expert peers (how expert gradients are synchronized) is timed the same way;
+3. the received rows are signed and compared exactly among the expert peers (a corrupting endpoint is named,
+   ``sdc``), and every rank's two times go to the same world all-gather as the plan of the next check:
+   statistical C3 across the EP groups and across the expert-DP groups marks slow groups, and their
+   intersection (:func:`~scout_core.topology.localize_slow_groups`) names the machine, confirmed over the
+   consensus's confirmation rounds (``straggler``, scope ``machine``).
+
+Hangs inside AllToAll stay with the observer (its fingerprint rule excludes split sizes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scout_core.consensus import C3Result, StatisticalRule, c3_exchange
+from scout_core.signature import sign_many
+from scout_core.topology import GroupTiming, Localization, localize_slow_groups
+
+__all__ = ["AllToAllReplay"]
+
+
+class AllToAllReplay:
+    """The AllToAll check of one rank (collective: every rank of the job runs it at the same boundary)."""
+
+    def __init__(self, *, ep_groups: Sequence[Sequence[int]], expert_peers: Sequence[int], expert_group: Any,
+                 expert_ctrl: Any, world_control: Any, rank: int, hosts: dict[int, str], width: int,
+                 rule: StatisticalRule, confirm_rounds: int, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.ep_groups = [sorted(g) for g in ep_groups]
+        self.my_ep = next(g for g in self.ep_groups if rank in g)
+        self.position = self.my_ep.index(rank)
+        self.expert_peers = list(expert_peers)
+        self.expert_group, self.expert_ctrl, self.world_control = expert_group, expert_ctrl, world_control
+        self.rank, self.hosts, self.width = rank, hosts, width
+        self.rule, self.confirm_rounds = rule, confirm_rounds
+        self.ep_group, _ = dist.new_subgroups_by_enumeration(self.ep_groups)
+        self.dp_groups = _partition_of(self.expert_peers, world_control)
+        self.loc_rounds = 0
+        self._last_loc: Any = None
+        self._times: tuple[float, float] | None = None  # this rank's last (AllToAll, all-reduce) times
+
+    def check(self, check: int, my_splits: Sequence[int]) -> tuple[list[C3Result], Localization | None]:
+        """One check: exact comparison of the received rows among expert peers, and the localization of slow
+        groups from the previous check's times (``None`` when nothing is slow or not yet confirmed)."""
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (list(map(int, my_splits)), self._times), group=self.world_control)
+        loc = self._localize([t for _, t in everyone]) if all(t is not None for _, t in everyone) else None
+        owner = self.ep_groups[check % len(self.ep_groups)]
+        plan = [everyone[r][0] for r in owner]  # plan[i][j]: rows EP position i sends to position j
+        if len(plan) != len(self.my_ep) or any(len(row) != len(self.my_ep) for row in plan):
+            raise ValueError(f"split sizes of EP group {owner} do not form a {len(self.my_ep)}-square plan: {plan}")
+        send = torch.cat([_rows(check, self.position, j, plan[self.position][j], self.width)
+                          for j in range(len(self.my_ep))]).to(self.device)
+        in_splits = plan[self.position]
+        out_splits = [plan[i][self.position] for i in range(len(self.my_ep))]
+        received = torch.empty(sum(out_splits), self.width, device=self.device)
+        t_a2a = t_ar = float("inf")
+        for _ in range(3):  # the fastest of three: a slow endpoint is slow every time, a hiccup once
+            dist.barrier(group=self.ep_group)
+            start = time.perf_counter()
+            dist.all_to_all_single(received, send, out_splits, in_splits, group=self.ep_group)
+            t_a2a = min(t_a2a, time.perf_counter() - start)
+            reduced = received.clone()
+            dist.barrier(group=self.expert_group)
+            start = time.perf_counter()
+            dist.all_reduce(reduced, group=self.expert_group)
+            t_ar = min(t_ar, time.perf_counter() - start)
+        self._times = (t_a2a, t_ar)
+        signed = sign_many([received])[0]
+        results = c3_exchange([(signed.signature, signed.nonfinite)], group=self.expert_ctrl,
+                              surfaces=[f"alltoall.plan{owner[0]}.received"])
+        return results, loc
+
+    def _localize(self, times: list[tuple[float, float]]) -> Localization | None:
+        observations = []
+        for dim, groups, col in (("ep", self.ep_groups, 0), ("expert_dp", self.dp_groups, 1)):
+            group_times = [max(times[r][col] for r in g) for g in groups]  # a collective ends with its slowest
+            res = self.rule(group_times, peer_ranks=list(range(len(groups))), surface=f"alltoall.{dim}_s")
+            observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
+        loc = localize_slow_groups(observations, {r: self.hosts.get(r, "?") for r in range(len(times))})
+        if loc.scope == "none":
+            self.loc_rounds, self._last_loc = 0, None
+            return None
+        key = (loc.scope, loc.ranks, loc.hosts)
+        self.loc_rounds = self.loc_rounds + 1 if key == self._last_loc else 1
+        self._last_loc = key
+        return loc if self.loc_rounds == self.confirm_rounds else None
+
+
+def _rows(check: int, src: int, dst: int, n: int, width: int) -> torch.Tensor:
+    """The rows position ``src`` sends position ``dst`` in ``check``: identical in every replica."""
+    gen = torch.Generator().manual_seed((check * 1_000_003 + src * 1_009 + dst) % (2**63))
+    return torch.randn(n, width, generator=gen)
+
+
+def _partition_of(mine: Sequence[int], control: Any) -> list[list[int]]:
+    """Every group of a partition, from each rank's own (one world all-gather)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine), group=control)
+    return [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]
