@@ -4,7 +4,7 @@ The paper's A100 kernel admitted 3,457 shapes and kept 16. Here: a 128 x 128 exp
 expert, row counts 0..capacity; and grouped execution, 2 to 16 experts per kernel with the same row count
 each (docs/moe.md: heterogeneous routing vectors need their own templates). The reference kernel has six path
 roles and two tile configurations (chosen by row count), so few shapes survive: per tile configuration, the
-largest shape without a row tail and the cheapest with the most full tiles and a tail.
+largest shape without a row tail and the one with the most full tiles and the widest tail.
 """
 
 from __future__ import annotations

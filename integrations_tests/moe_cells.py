@@ -3,14 +3,15 @@
 The dense recipe replays attention and the router of each block among all 16 ranks (their weights are
 replicated everywhere); the expert recipe replays one local expert per check among its 4 replicas, on the
 representative shapes of a shape catalog built for the model by :func:`scout_core.moe.catalog.build_catalog`
-(row counts 0..32 per expert: representatives 17 and 32, a recipe cycle of 2 layers x 2 experts x 2 shapes).
+(row counts 0..32 per expert: representatives 31 and 32, a recipe cycle of 2 layers x 2 experts x 2 shapes).
 
 Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says otherwise:
 
 * ``experts.weight``: a stuck value in local expert 0 of layer 0's up projection, as its compute reads it;
 * ``router.output``: a corrupted router logit in layer 0;
-* ``experts.row_tail``: a defect of the row-tail path of the tiled expert GEMM (every rank computes experts
-  with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only shapes whose row count leaves a tail show it;
+* ``experts.row_tail``: a defect that only 15-row tail tiles of the tiled expert GEMM execute (every rank
+  computes experts with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only row counts of 15 mod 16
+  show it;
 * ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would.
 
 Each expert check also replays the AllToAll with one communication plan (scout_core.moe.alltoall).
@@ -56,7 +57,9 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
             injector.corrupt("router.output", out, rank=rank, step=state["step"])
 
     def path_fault(role: str, tile: torch.Tensor) -> None:
-        if role == "row_tail":
+        # A defect that only a 15-row tail tile executes (say, a masked store of its last row): only row
+        # counts of 15 mod 16 show it; training here routes ~24 rows (a tail of ~8).
+        if role == "row_tail" and tile.shape[0] == 15:
             with torch.no_grad():
                 injector.corrupt("experts.row_tail", tile, rank=rank, step=state["step"])
 
@@ -77,15 +80,21 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
             expert.path_kernel = ReferenceGroupedGemm(fault=path_fault if layer is model.layers[0] else None)
 
 
-def _moe_rank(ctx: RankContext) -> dict[str, Any]:
+def start_moe_rank(ctx: RankContext, cfg: MoEConfig) -> tuple[Any, Any, dict[str, Any], torch.optim.Optimizer]:
+    """(model, expert-DP group, injector state, AdamW): gloo, the simulated machine, the faults installed."""
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
     init_gloo(ctx, timeout_s=120)
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
-    model, ep_group, dp_group = build_model(MODEL, seed=a["seed"])
+    model, _, dp_group = build_model(cfg, seed=a["seed"])
     state: dict[str, Any] = {"step": 0}
     _install(model, injector, ctx.rank, state)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, dp_group, state, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _moe_rank(ctx: RankContext) -> dict[str, Any]:
+    a = ctx.args
+    model, dp_group, state, opt = start_moe_rank(ctx, MODEL)
     world, ep = ctx.world_size, MODEL.ep
     binding = MoEBinding(layers=[b.moe for b in model.layers], names=[f"layers.{i}.moe" for i in range(MODEL.depth)],
                          expert_peer_groups=[list(range(p, world, ep)) for p in range(ep)], ep_position=ctx.rank % ep,

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 import scout_core
-from integrations_tests.moe_cells import _install
+from integrations_tests.moe_cells import start_moe_rank
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
 from integrations_tests.recovery_cells import STOP_CODE
 from scout_core.cells import CellReport, CellSpec, fault_dicts
+from scout_core.checkpoint.coordinator import read_records
 from scout_core.checkpoint.memory import default_memory_root
 from scout_core.checkpoint.snapshot import local_tensor
 from scout_core.config import load
-from scout_core.inject import Injector
 from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.moe.catalog import MoESpec, build_catalog
 from scout_core.moe.replay import MoEBinding
@@ -62,14 +62,8 @@ def _signatures(model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _phase_a(ctx: RankContext) -> dict[str, Any]:
-    os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
-    init_gloo(ctx, timeout_s=120)
     a = ctx.args
-    injector = Injector(a["faults"], seed=a["seed"])
-    model, _, dp_group = build_model(MODEL, seed=a["seed"])
-    state: dict[str, Any] = {"step": 0}
-    _install(model, injector, ctx.rank, state)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, dp_group, state, opt = start_moe_rank(ctx, MODEL)
     handle = _enable(model, opt, a, ctx.world_size, ctx.rank)
     gen = torch.Generator().manual_seed(1000 * a["seed"] + ctx.rank)
 
@@ -141,6 +135,10 @@ def moe_recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellRepo
     want_inc = sorted({(i["kind"], i["scope"], tuple(i["ranks"])) for i in expect["incidents"]})
     if got_inc != want_inc:
         problems.append(f"incidents {got_inc}, expected {want_inc}")
+    decisions = [d for d in read_records(os.path.join(args["store"], "decisions.jsonl"))
+                 if d.get("record") == "decision"]
+    if not decisions or decisions[0].get("incident", {}).get("ranks") != expect["incidents"][0]["ranks"]:
+        problems.append(f"the stop decision should carry the expert verdict: {decisions[:1]}")
     if b_result is not None and b_result.ok:
         values = b_result.values()
         got = {(v["source"], v["generation"]) for v in values}

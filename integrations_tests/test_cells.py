@@ -353,6 +353,14 @@ def test_moe_shape_cell_fails_with_a_catalog_missing_the_row_tail_shape():
     assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
 
 
+def test_moe_shape_cell_fails_without_the_catalog():
+    """Replaying the shapes training routed (tails of ~8 rows) never reaches the defective upper tail rows: red."""
+    spec = SPECS["moe-sdc-shape-dependent"]
+    blind = dataclasses.replace(spec, params={**spec.params, "catalog": False})
+    (report,) = run_cells([blind], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
+
+
 def test_moe_a2a_cell_fails_without_the_intersection(monkeypatch):
     """AllToAll timings never intersected across EP and expert-DP groups: the slow endpoint goes unnamed."""
     from scout_core.moe.alltoall import AllToAllReplay

@@ -35,6 +35,7 @@ __all__ = [
     "statistical",
     "c3_exchange",
     "Confirmation",
+    "group_disagreements",
     "MAD_NORMAL_CONSISTENCY",
     "StatisticalRule",
 ]
@@ -269,6 +270,19 @@ def c3_exchange(
         else:
             raise ValueError(f"unknown C3 rule {rule!r}; use 'exact' or a StatisticalRule")
     return results
+
+
+def group_disagreements(results: Sequence[C3Result]) -> tuple[dict[tuple[int, ...], list[C3Result]], list[C3Result]]:
+    """(attributed results by the culprit ranks they name, results without a majority): one record per set of
+    culprits with every surface that named them, one group-scoped record for the rest."""
+    by_ranks: dict[tuple[int, ...], list[C3Result]] = {}
+    inconclusive = []
+    for r in results:
+        if r.status is C3Status.ATTRIBUTED:
+            by_ranks.setdefault(r.outlier_ranks, []).append(r)
+        elif r.status is C3Status.INCONCLUSIVE:
+            inconclusive.append(r)
+    return by_ranks, inconclusive
 
 
 def _group_ranks(group: dist.ProcessGroup | None, world: int) -> tuple[int, ...]:

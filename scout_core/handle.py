@@ -43,7 +43,7 @@ from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ScoutConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
-from scout_core.moe.catalog import Catalog, runtime_environment
+from scout_core.moe.catalog import Catalog, CatalogDrift
 from scout_core.moe.replay import ExpertReplay
 from scout_core.progress.control import ControlPlane
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
@@ -190,14 +190,31 @@ class ScoutHandle:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
                              "the expert recipe needs the MoE layers and the groups holding the same experts")
         if a.moe is not None and every > 0:
-            catalog = None
-            if catalog_path:  # rejected at start-up, naming what changed, if built elsewhere
-                catalog = Catalog.load(catalog_path, expect=runtime_environment(device_of(a.moe.layers[0])))
+            catalog = self._load_catalog(catalog_path, a.moe) if catalog_path else None
             self.experts = ExpertReplay(a.moe, every=every,
                                         world_control=self.groups.world_control, rank=self.rank,
                                         reporter=self.reporter, hosts=self.hosts, catalog=catalog,
                                         comm_rule=StatisticalRule.for_communication(cfg.consensus),
                                         confirm_rounds=cfg.consensus.confirm_rounds)
+
+    def _load_catalog(self, path: str, moe: Any) -> Catalog:
+        """The shape catalog, checked on every rank before any group is built: a rank that cannot use it (no
+        file on that node, another GPU) makes every rank raise the same error, instead of leaving the others
+        waiting in the next collective."""
+        catalog, error = None, ""
+        try:
+            catalog = Catalog.load(path)
+            names = moe.names or [f"moe.{i}" for i in range(len(moe.layers))]
+            catalog.check_runtime(names, device_of(moe.layers[0]))
+        except (OSError, ValueError, KeyError, CatalogDrift) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        errors: list[Any] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.groups.world_control)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            raise ValueError(f"replay.moe_catalog {path} cannot be used on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
+        assert catalog is not None
+        return catalog
 
     def start_checkpointing(self) -> None:
         cfg, a = self.config, self.adapter
@@ -323,14 +340,20 @@ class ScoutHandle:
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
         if job.sdc or job.inconclusive or job.straggler:
-            self._act(result, verdicts, job, action)
+            self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
 
     def _act(self, result: BoundaryResult, verdicts: list[Incident], job: BoundaryEvidence,
-             action: Action | None) -> None:
-        """A verdict somewhere in the job: decision, hosts to exclude, and maybe stop. Same on every rank."""
+             action: Action | None, expert: list[Incident] | None = None) -> None:
+        """A verdict somewhere in the job: decision, hosts to exclude, and maybe stop. Same on every rank.
+        Each peer group's lowest rank contributes its group's verdicts, and each expert-peer group's lowest rank
+        its expert verdicts (an expert SDC is known only inside the expert's replicas)."""
         everyone: list[Any] = [None] * self.world_size
-        mine = [verdict_summary(i) for i in verdicts] if self.rank == min(self.groups.peer_ranks) else []
+        expert_ids = {id(i) for i in expert or []}
+        dense = [i for i in verdicts if id(i) not in expert_ids]
+        mine = [verdict_summary(i) for i in dense] if self.rank == min(self.groups.peer_ranks) else []
+        if expert and self.experts is not None and self.rank == min(self.experts.peers):
+            mine += [verdict_summary(i) for i in expert]
         dist.all_gather_object(everyone, mine, group=self.groups.world_control)
         summaries = list({(v["kind"], v["scope"], tuple(v["ranks"]), v["step"]): v
                           for vs in everyone for v in vs}.values())

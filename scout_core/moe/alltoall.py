@@ -57,37 +57,54 @@ class AllToAllReplay:
         self._last_loc: Any = None
         self._times: tuple[float, float] | None = None  # this rank's last (AllToAll, all-reduce) times
 
-    def check(self, check: int, my_splits: Sequence[int]) -> tuple[list[C3Result], Localization | None]:
+    def check(self, check: int, my_splits: Sequence[int] | None, guard: Any, step: int
+              ) -> tuple[list[C3Result], Localization | None]:
         """One check: exact comparison of the received rows among expert peers, and the localization of slow
-        groups from the previous check's times (``None`` when nothing is slow or not yet confirmed)."""
+        groups from the previous check's times (``None`` when nothing is slow or not yet confirmed). Local work
+        runs under ``guard`` (the job-wide diagnosis guard); if it fails anywhere, every rank skips the
+        exchange together."""
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (list(map(int, my_splits)), self._times), group=self.world_control)
+        mine = None if my_splits is None else [int(x) for x in my_splits]
+        dist.all_gather_object(everyone, (mine, self._times), group=self.world_control)
         loc = self._localize([t for _, t in everyone]) if all(t is not None for _, t in everyone) else None
         owner = self.ep_groups[check % len(self.ep_groups)]
-        plan = [everyone[r][0] for r in owner]  # plan[i][j]: rows EP position i sends to position j
-        if len(plan) != len(self.my_ep) or any(len(row) != len(self.my_ep) for row in plan):
-            raise ValueError(f"split sizes of EP group {owner} do not form a {len(self.my_ep)}-square plan: {plan}")
-        send = torch.cat([_rows(check, self.position, j, plan[self.position][j], self.width)
-                          for j in range(len(self.my_ep))]).to(self.device)
-        in_splits = plan[self.position]
-        out_splits = [plan[i][self.position] for i in range(len(self.my_ep))]
-        received = torch.empty(sum(out_splits), self.width, device=self.device)
+        built = guard.run("AllToAll plan", lambda: self._build(check, [everyone[r][0] for r in owner], owner))
+        if not guard.agree(step) or built is None:
+            return [], loc
+        send, received, reduced, in_splits, out_splits = built
         t_a2a = t_ar = float("inf")
         for _ in range(3):  # the fastest of three: a slow endpoint is slow every time, a hiccup once
             dist.barrier(group=self.ep_group)
             start = time.perf_counter()
             dist.all_to_all_single(received, send, out_splits, in_splits, group=self.ep_group)
+            _sync(self.device)  # on a GPU the collective has finished, not just been enqueued
             t_a2a = min(t_a2a, time.perf_counter() - start)
-            reduced = received.clone()
+            reduced[: received.shape[0]].copy_(received)
             dist.barrier(group=self.expert_group)
             start = time.perf_counter()
             dist.all_reduce(reduced, group=self.expert_group)
+            _sync(self.device)
             t_ar = min(t_ar, time.perf_counter() - start)
         self._times = (t_a2a, t_ar)
         signed = sign_many([received])[0]
         results = c3_exchange([(signed.signature, signed.nonfinite)], group=self.expert_ctrl,
                               surfaces=[f"alltoall.plan{owner[0]}.received"])
         return results, loc
+
+    def _build(self, check: int, plan: list[Any], owner: list[int]) -> tuple[torch.Tensor, ...] | Any:
+        """The send buffer, the receive buffer and a fixed-size all-reduce payload for ``plan`` (``plan[i][j]``:
+        rows EP position i sends to position j). The all-reduce payload has the plan's largest receive size
+        at every position, so expert-DP groups compare equal work whatever their position receives."""
+        n = len(self.my_ep)
+        if len(plan) != n or any(row is None or len(row) != n for row in plan):
+            raise ValueError(f"split sizes of EP group {owner} do not form a {n}-square plan: {plan}")
+        send = torch.cat([_rows(check, self.position, j, plan[self.position][j], self.width)
+                          for j in range(n)]).to(self.device)
+        out_splits = [plan[i][self.position] for i in range(n)]
+        largest = max(sum(plan[i][p] for i in range(n)) for p in range(n))
+        received = torch.empty(sum(out_splits), self.width, device=self.device)
+        reduced = torch.zeros(largest, self.width, device=self.device)
+        return send, received, reduced, list(plan[self.position]), out_splits
 
     def _localize(self, times: list[tuple[float, float]]) -> Localization | None:
         observations = []
@@ -103,6 +120,11 @@ class AllToAllReplay:
         self.loc_rounds = self.loc_rounds + 1 if key == self._last_loc else 1
         self._last_loc = key
         return loc if self.loc_rounds == self.confirm_rounds else None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rows(check: int, src: int, dst: int, n: int, width: int) -> torch.Tensor:

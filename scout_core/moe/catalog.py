@@ -150,8 +150,12 @@ class CudaPathProfiler:
         for ev in prof.events():
             if ev.device_type.name != "CUDA":
                 continue
-            grid = getattr(ev, "grid", None) or getattr(ev, "kwinputs", {}).get("grid") or ()
-            block = getattr(ev, "block", None) or getattr(ev, "kwinputs", {}).get("block") or ()
+            meta = getattr(ev, "event_metadata", None)  # torch's EventMetadata: a kernel's launch shape
+            grid = getattr(meta, "grid", None) or ()
+            block = getattr(meta, "block", None) or ()
+            if not grid or not block:
+                raise RuntimeError(f"the profiler gave no launch shape for kernel {ev.name!r} (torch "
+                                   f"{torch.__version__}): a catalog of kernel names alone would be noise")
             names.append(ev.name)
             counts += [_product(grid), _product(block)]
         return PathRecord("cuda/" + "|".join(names), tuple(counts))
@@ -211,6 +215,22 @@ class Catalog:
             if e["layer"] == layer and e["position"] == position:
                 return list(e["representatives"])
         raise KeyError(f"no catalog entry for layer {layer!r} at EP position {position}")
+
+    def check_runtime(self, layers: list[str], device: torch.device) -> None:
+        """Raise unless this catalog serves a job replaying ``layers`` on ``device``: every layer has entries,
+        and a catalog profiled on a device (CUDA) was profiled on this device with this torch and CUDA. The
+        reference path model depends on the tile configuration alone, so its catalogs serve any device."""
+        missing = sorted({name for name in layers} - {e["layer"] for e in self.entries})
+        if missing:
+            raise ValueError(f"the shape catalog has no entries for MoE layer(s) {missing}; it lists "
+                             f"{sorted({e['layer'] for e in self.entries})} (scout catalog build --layers ...)")
+        if self.environment.get("profiler") != "reference":
+            now = runtime_environment(device)
+            changed = sorted(k for k in now if self.environment.get(k) != now[k])
+            if changed:
+                detail = "; ".join(f"{k}: built {self.environment.get(k)!r}, now {now[k]!r}" for k in changed)
+                raise CatalogDrift(f"the shape catalog was profiled elsewhere ({detail}); rebuild it with "
+                                   f"`scout catalog build --profiler {self.environment.get('profiler')}`")
 
     def save(self, path: str | os.PathLike[str]) -> None:
         from scout_core.checkpoint.store import atomic_write  # written whole and fsynced, or not at all

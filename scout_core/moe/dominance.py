@@ -5,7 +5,9 @@ execution path at least as often as ``b``. Replaying ``a`` exercises everything 
 times, so ``b`` need not be replayed. The kept set is the Pareto-maximal shapes, one per distinct count
 vector: every admitted shape is dominated by a kept one, and no smaller set has that property (a maximal
 vector is dominated only by itself, so its class must be represented). Among shapes with equal counts the
-first in the given order is kept (callers list the cheapest first).
+LAST in the given order is kept: callers list row counts ascending, so the kept shape has the widest tail tile
+of its class (31 rows of a 16-row tile keeps a 15-row tail, where 17 would keep 1 row and miss a defect that
+needs row 3 of a tail).
 
 What this does not guarantee: that a fault's effect grows with a path's count (a fault that needs a specific
 row index inside a tail tile can still hide in a kept shape whose tail is a different width), or anything
@@ -28,10 +30,11 @@ def dominates(a: Sequence[int], b: Sequence[int]) -> bool:
 
 def compress(counts: Mapping[Hashable, Sequence[int]]) -> list[Hashable]:
     """The minimum set of representatives of ``counts`` (shape -> path-count vector, one fingerprint), in the
-    mapping's order. Shapes that run no path at all (zero rows) need no replay and are never kept."""
-    first_of: dict[tuple[int, ...], Hashable] = {}
+    mapping's order (the last of each class of equal counts). Shapes that run no path at all (zero rows) need
+    no replay and are never kept."""
+    last_of: dict[tuple[int, ...], Hashable] = {}
     for shape, vec in counts.items():
-        first_of.setdefault(tuple(vec), shape)
-    vectors = [v for v in first_of if any(v)]
+        last_of[tuple(vec)] = shape  # the widest tail of equal counts (see the module docstring)
+    vectors = [v for v in last_of if any(v)]
     kept = {v for v in vectors if not any(w != v and dominates(w, v) for w in vectors)}
-    return [shape for vec, shape in first_of.items() if vec in kept]
+    return sorted((shape for vec, shape in last_of.items() if vec in kept), key=list(counts).index)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange
+from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange, group_disagreements
 from scout_core.moe.alltoall import AllToAllReplay
 from scout_core.moe.catalog import Catalog
 from scout_core.replay.guard import DiagnosisGuard
@@ -192,8 +192,11 @@ class ExpertReplay:
         shape_box = [None if box[0] is None else (tuple(box[0].shape), str(box[0].dtype))]
         dist.broadcast_object_list(shape_box, src=source, group=self.ctrl)
         shape, dtype = shape_box[0]
-        x = box[0].to(device) if box[0] is not None else torch.empty(
-            shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device)
+        x = guard.run("expert input buffer", lambda: box[0].to(device) if box[0] is not None else torch.empty(
+            shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device))
+        if not guard.agree(step) or x is None:
+            result.skipped = "diagnosis error"
+            return self._done(result)
         dist.broadcast(x, src=source, group=self.group)
         result.rows = shape[0]
         evidence = guard.run("expert replay", lambda: self._replay(expert, x, check)) or []
@@ -205,10 +208,7 @@ class ExpertReplay:
                                       surfaces=[f"{tag}.{n}" for n, _ in evidence])
         if self.alltoall is not None:
             splits = guard.run("dispatch split sizes", lambda: self._splits(li))
-            if not guard.agree(step):
-                result.skipped = "diagnosis error"
-                return self._done(result)
-            a2a, result.localization = self.alltoall.check(check, splits)
+            a2a, result.localization = self.alltoall.check(check, splits, guard, step)
             result.surfaces += a2a
         result.incidents = self._verdicts(result)
         return self._done(result)
@@ -253,13 +253,7 @@ class ExpertReplay:
         return out_sig
 
     def _verdicts(self, result: ExpertCheck) -> list[Incident]:
-        by_ranks: dict[tuple[int, ...], list[C3Result]] = {}
-        groupwide = []
-        for r in result.surfaces:
-            if r.status is C3Status.ATTRIBUTED:
-                by_ranks.setdefault(r.outlier_ranks, []).append(r)
-            elif r.status is C3Status.INCONCLUSIVE:
-                groupwide.append(r)
+        by_ranks, groupwide = group_disagreements(result.surfaces)
         out = [self._incident(IncidentScope.RANK, ranks, rs, f"expert replay: {len(rs)} surface(s) differ from "
                               f"the strict majority of the expert's replicas ({result.rows} rows)")
                for ranks, rs in by_ranks.items()]

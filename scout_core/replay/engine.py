@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core.config import ReplayConfig
-from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, c3_exchange
+from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, c3_exchange, group_disagreements
 from scout_core.groups import ScoutGroups, local_groups
 from scout_core.replay.capture import LayerCapture
 from scout_core.replay.guard import DiagnosisGuard
@@ -612,13 +612,7 @@ class ReplayEngine:
         """One SDC record per set of culprit ranks (all its surfaces in the evidence), one group-scoped
         record for surfaces without a majority."""
         incidents = []
-        by_ranks: dict[tuple[int, ...], list[C3Result]] = {}
-        inconclusive = []
-        for r in result.surfaces:
-            if r.status is C3Status.ATTRIBUTED:
-                by_ranks.setdefault(r.outlier_ranks, []).append(r)
-            elif r.status is C3Status.INCONCLUSIVE:
-                inconclusive.append(r)
+        by_ranks, inconclusive = group_disagreements(result.surfaces)
         for ranks, rs in by_ranks.items():
             incidents.append(self._incident(IncidentKind.SDC, IncidentScope.RANK, ranks, rs,
                                             f"{len(rs)} replayed surface(s) differ from the strict majority"))
