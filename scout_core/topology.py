@@ -205,6 +205,24 @@ class Localization:
     reason: str
 
 
+class LocalizationStreak:
+    """How many consecutive rounds named the same slow unit; a verdict is confirmed after a configured number."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+        self._last: tuple[Any, ...] | None = None
+
+    def update(self, loc: Localization) -> int:
+        """Count ``loc`` (scope ``none`` resets the streak) and return the streak's length."""
+        if loc.scope == "none":
+            self.rounds, self._last = 0, None
+            return 0
+        key = (loc.scope, loc.ranks, loc.hosts)
+        self.rounds = self.rounds + 1 if key == self._last else 1
+        self._last = key
+        return self.rounds
+
+
 def localize_slow_groups(observations: Sequence[GroupTiming], host_of: Mapping[int, str]) -> Localization:
     """Intersect slow groups of different dimensions to name a machine (section 6.1.2).
 

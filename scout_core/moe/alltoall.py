@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from scout_core.consensus import C3Result, StatisticalRule, c3_exchange
 from scout_core.signature import sign_many
-from scout_core.topology import GroupTiming, Localization, localize_slow_groups
+from scout_core.topology import GroupTiming, Localization, LocalizationStreak, localize_slow_groups
 
 __all__ = ["AllToAllReplay"]
 
@@ -53,8 +53,7 @@ class AllToAllReplay:
         self.rule, self.confirm_rounds = rule, confirm_rounds
         self.ep_group, _ = dist.new_subgroups_by_enumeration(self.ep_groups)
         self.dp_groups = _partition_of(self.expert_peers, world_control)
-        self.loc_rounds = 0
-        self._last_loc: Any = None
+        self.streak = LocalizationStreak()
         self._times: tuple[float, float] | None = None  # this rank's last (AllToAll, all-reduce) times
 
     def check(self, check: int, my_splits: Sequence[int] | None, guard: Any, step: int
@@ -113,13 +112,7 @@ class AllToAllReplay:
             res = self.rule(group_times, peer_ranks=list(range(len(groups))), surface=f"alltoall.{dim}_s")
             observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
         loc = localize_slow_groups(observations, {r: self.hosts.get(r, "?") for r in range(len(times))})
-        if loc.scope == "none":
-            self.loc_rounds, self._last_loc = 0, None
-            return None
-        key = (loc.scope, loc.ranks, loc.hosts)
-        self.loc_rounds = self.loc_rounds + 1 if key == self._last_loc else 1
-        self._last_loc = key
-        return loc if self.loc_rounds == self.confirm_rounds else None
+        return loc if self.streak.update(loc) == self.confirm_rounds else None
 
 
 def _sync(device: torch.device) -> None:

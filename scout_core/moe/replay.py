@@ -132,7 +132,6 @@ class ExpertReplay:
                 ep_groups=binding.ep_groups, expert_peers=self.peers, expert_group=self.group, expert_ctrl=self.ctrl,
                 world_control=world_control, rank=rank, hosts=hosts, width=next(expert.parameters()).shape[0],
                 rule=comm_rule or StatisticalRule(), confirm_rounds=confirm_rounds, device=device_of(expert))
-        self.world_control = world_control
 
     def _capture(self, li: int, ei: int) -> Any:
         def hook(_m: nn.Module, args: tuple) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from scout_core.consensus import C3Result, C3Status, StatisticalRule
 from scout_core.replay.layer import sync
-from scout_core.topology import GroupTiming, localize_slow_groups
+from scout_core.topology import GroupTiming, LocalizationStreak, localize_slow_groups
 
 __all__ = ["BASELINE_ROUNDS", "CommTiming", "job_wide_compute", "mesh_groups", "time_hsdp_collectives"]
 
@@ -44,8 +44,7 @@ class CommTiming:
         self.hosts = dict(hosts)
         self.baseline: deque[float] = deque(maxlen=10)  # group medians of recent clean rounds
         self.slow_group_rounds = 0
-        self.loc_rounds = 0
-        self._last_loc: Any = None
+        self.streak = LocalizationStreak()
 
     def scratch_all_reduce(self, layer: torch.nn.Module, group: Any, scratch: torch.Tensor,
                            repeats: int = 3) -> float:
@@ -99,13 +98,12 @@ class CommTiming:
             observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
         hosts = {r: self.hosts.get(r, "?") for r in range(world)}
         loc = localize_slow_groups(observations, hosts)
-        key = (loc.scope, loc.ranks, loc.hosts)
-        if loc.scope == "none":
-            self.loc_rounds, self._last_loc = 0, None
-            return None
-        self.loc_rounds = self.loc_rounds + 1 if key == self._last_loc else 1
-        self._last_loc = key
-        return loc
+        return None if self.streak.update(loc) == 0 else loc
+
+    @property
+    def loc_rounds(self) -> int:
+        """Consecutive rounds the current localization has been named."""
+        return self.streak.rounds
 
     def group_slowdown(self, comm: C3Result) -> bool:
         """Temporal reference for what spatial consensus cannot see: the whole group slower.
