@@ -195,7 +195,8 @@ class ScoutHandle:
                                         world_control=self.groups.world_control, rank=self.rank,
                                         reporter=self.reporter, hosts=self.hosts, catalog=catalog,
                                         comm_rule=StatisticalRule.for_communication(cfg.consensus),
-                                        confirm_rounds=cfg.consensus.confirm_rounds)
+                                        confirm_rounds=cfg.consensus.confirm_rounds,
+                                        determinism_every=cfg.replay.determinism_every)
 
     def _load_catalog(self, path: str, moe: Any) -> Catalog:
         """The shape catalog, checked on every rank before any group is built: a rank that cannot use it (no
@@ -328,20 +329,28 @@ class ScoutHandle:
         verdicts = actionable(result.incidents + result.incidents_global)
         local = BoundaryEvidence(sdc=result.sdc or bool(expert and expert.sdc),
                                  inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
-                                 missing=result.missing,
+                                 missing=result.missing or bool(expert and expert.skipped),
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
-        if self.checkpoint is not None and result.checked:
-            # Only a check that replayed a layer vouches for the state (an LM-head or optimizer check on its
-            # own cadence does not), unless the layer recipe is configured off.
-            hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
-            certify = "hidden" in result.recipes or hidden_off
-            action, job = self.checkpoint.on_boundary(result.step, local, certify=certify)
+        if self.checkpoint is not None:
+            action, job = self.checkpoint.on_boundary(result.step, local, certify=self._certifies(result, expert))
             self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
         if job.sdc or job.inconclusive or job.straggler:
             self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
+
+    def _certifies(self, result: BoundaryResult, expert: Any) -> bool:
+        """Whether this boundary's checks can vouch for the state (the same on every rank).
+
+        With a shape catalog, the recipe cycle K counts expert checks (every layer, local expert and
+        representative once), so exactly the boundaries with an expert check certify; a dense check between
+        them still reports SDC. Otherwise only a check that replayed a layer vouches (an LM-head or optimizer
+        check on its own cadence does not), unless the layer recipe is configured off."""
+        if self.experts is not None and self.experts.catalog is not None:
+            return expert is not None
+        hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
+        return result.checked and ("hidden" in result.recipes or hidden_off)
 
     def _act(self, result: BoundaryResult, verdicts: list[Incident], job: BoundaryEvidence,
              action: Action | None, expert: list[Incident] | None = None) -> None:
@@ -385,7 +394,8 @@ class ScoutHandle:
             self.checkpoint, control_group=self.groups.world_control, engine=self.replay,
             restore=lambda snap: restore_state(a.chunks, a.optimizers, snap, set_extra=self._restore_extra,
                                                rng_providers=a.rng_providers),
-            after_restore=self._after_restore, current=self._state_now)
+            after_restore=self._after_restore, current=self._state_now,
+            extra_sweeps=[self.experts.sweep] if self.experts is not None else [])
         with self._checkpoint_io("read"):  # loading (and a sweep) can take long: the observer sees why
             return restarter.resume(failure)
 

@@ -11,7 +11,8 @@
 3. without a recorded decision, decides now: ``machine_unreachable`` when some
    rank's own snapshot is gone (its machine was replaced), else ``other`` with
    the emergency sweep: the latest state is restored and every layer is
-   replayed on the newest saved calls across peers; latest only if clean (a
+   replayed on the newest saved calls across peers, and every expert on every
+   shape of the MoE shape catalog (``extra_sweeps``); latest only if clean (a
    dirty sweep puts the state back as it was before it);
 4. loads the chosen generation: from memory where every rank can get it (a rank
    whose machine was lost receives its shard from the partner keeping its
@@ -25,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,12 +89,21 @@ def vote_latest(inventories: list[dict[str, Any]]) -> tuple[int | None, dict[int
     return None, {}
 
 
+def _worst(a: str, b: str) -> str:
+    """Two sweep outcomes combined: SDC anywhere is dirty; else a part that could not run leaves it failed."""
+    return next(o for o in ("dirty", "failed", "clean") if o in (a, b))
+
+
 class Restarter:
     """The product's restart path over the coordinator's memory slots and durable store."""
 
     def __init__(self, coordinator: CheckpointCoordinator, *, control_group: Any, engine: Any = None,
-                 restore: Any, after_restore: Any = None, current: Any = None) -> None:
+                 restore: Any, after_restore: Any = None, current: Any = None,
+                 extra_sweeps: Sequence[Callable[[int], str]] = ()) -> None:
         self.coord = coordinator
+        # More of the catalog for the emergency sweep (the experts' shapes): callable(step) -> "clean",
+        # "dirty" or "failed", the same on every rank.
+        self.extra_sweeps = list(extra_sweeps)
         self.current = current  # callable() -> the state as it is now (a snapshot dict), to undo a dirty sweep
         self.group = control_group
         self.replay = engine
@@ -236,6 +247,8 @@ class Restarter:
         if self.replay is not None:
             self.replay.load_sweep_state(snap["extra"].get("scout", {"step": latest, "checks": 0}))
             outcome = self.replay.sweep()  # the same on every rank: its agreements are job-wide
+        for extra in self.extra_sweeps:  # every part runs, so a dirty one is recorded whatever the others say
+            outcome = _worst(outcome, extra(latest))
         self._sweep_failed = outcome == "failed"
         flag = torch.tensor([1 if outcome == "clean" else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)

@@ -24,7 +24,7 @@ rest of the check and the failing rank records a ``diagnosis_error``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,49 +34,21 @@ from torch import nn
 
 from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange, group_disagreements
 from scout_core.moe.alltoall import AllToAllReplay
+from scout_core.moe.binding import MoEBinding, expert_width
 from scout_core.moe.catalog import Catalog
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
+from scout_core.replay.vetting import (
+    ENVIRONMENT_SURFACE,
+    REPRODUCIBLE_SURFACE,
+    environment_fingerprint,
+    split_vetting,
+    vet_due,
+)
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 from scout_core.signature import sign_many
 
 __all__ = ["ExpertCheck", "ExpertReplay", "MoEBinding"]
-
-
-@dataclass(kw_only=True)
-class MoEBinding:
-    """What SCOUT needs to know of a model's MoE layers (``enable(..., moe=...)``)."""
-
-    layers: list[nn.Module]
-    """The MoE modules; each has an ``experts`` ``ModuleList`` of this rank's local experts."""
-    expert_peer_groups: list[list[int]]
-    """A partition of the ranks into groups holding the same experts (same EP position, other replicas)."""
-    names: list[str] | None = None
-    """Names of ``layers`` for records (default ``moe.<i>``)."""
-    ep_groups: list[list[int]] | None = None
-    """A partition of the ranks into EP groups (the ranks one AllToAll spans), in EP-position order; with it,
-    each expert check also replays the AllToAll with one communication plan (:mod:`scout_core.moe.alltoall`)."""
-    splits: Callable[[nn.Module], Sequence[int]] | None = None
-    """This rank's split sizes of a MoE layer's last dispatch (rows sent to each EP peer); default: the
-    layer's ``last_plan.in_splits``."""
-    ep_position: int | None = None
-    """This rank's EP position (catalog entries are per position); default: its index in its peer group's
-    ordering of EP groups is unknown, so position 0's entry is used for every rank (equal dimensions)."""
-
-    def __post_init__(self) -> None:
-        if not self.layers:
-            raise ValueError("MoEBinding needs at least one MoE layer")
-        for m in self.layers:
-            if not isinstance(getattr(m, "experts", None), nn.ModuleList) or not len(m.experts):
-                raise TypeError(f"MoE layer {type(m).__name__} has no non-empty `experts` ModuleList")
-        if len({len(m.experts) for m in self.layers}) != 1:
-            raise ValueError("every MoE layer must hold the same number of local experts")
-        flat = sorted(r for g in self.expert_peer_groups for r in g)
-        if dist.is_initialized() and flat != list(range(dist.get_world_size())):
-            raise ValueError(f"expert_peer_groups must partition the ranks exactly once, "
-                             f"got {self.expert_peer_groups}")
-        if self.names is not None and len(self.names) != len(self.layers):
-            raise ValueError(f"{len(self.names)} names for {len(self.layers)} MoE layers")
 
 
 @dataclass
@@ -93,6 +65,10 @@ class ExpertCheck:
     skipped: str = ""
     localization: Any = None
     """A confirmed slow machine or group from the AllToAll replay's timings (``topology.Localization``)."""
+    untrusted: dict[int, str] = field(default_factory=dict)
+    """Expert peers whose replay is not evidence (``nondeterministic`` or ``environment``), found now."""
+    unreliable: list[C3Result] = field(default_factory=list)
+    """Disagreements set aside because a rank that is not evidence took part (never SDC)."""
 
     @property
     def sdc(self) -> bool:
@@ -100,7 +76,7 @@ class ExpertCheck:
 
     @property
     def inconclusive(self) -> bool:
-        return any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
+        return bool(self.unreliable) or any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
 
 
 class ExpertReplay:
@@ -108,16 +84,20 @@ class ExpertReplay:
 
     def __init__(self, binding: MoEBinding, *, every: int, world_control: Any, rank: int,
                  reporter: Reporter | None, hosts: dict[int, str], catalog: Catalog | None = None,
-                 comm_rule: StatisticalRule | None = None, confirm_rounds: int = 2) -> None:
+                 comm_rule: StatisticalRule | None = None, confirm_rounds: int = 2,
+                 determinism_every: int = 10) -> None:
         self.binding, self.every, self.rank = binding, every, rank
         self.hosts, self.reporter, self.catalog = hosts, reporter, catalog
+        self.determinism_every = determinism_every
         self.names = binding.names or [f"moe.{i}" for i in range(len(binding.layers))]
         self.local = len(binding.layers[0].experts)
+        self.position = binding.position(rank)
         enum = [sorted(g) for g in binding.expert_peer_groups]
         self.peers = next(g for g in enum if rank in g)
         # Device data among the peers on the job's backend; objects (the exchange, the shape) on gloo.
         self.group, _ = dist.new_subgroups_by_enumeration(enum)
         self.ctrl, _ = dist.new_subgroups_by_enumeration(enum, backend="gloo")
+        self.world_control = world_control
         self.guard = DiagnosisGuard(world_control, rank=rank, reporter=reporter, hosts=hosts)
         self.checks = 0
         self.history: list[ExpertCheck] = []
@@ -125,12 +105,16 @@ class ExpertReplay:
         self._handles = [expert.register_forward_pre_hook(self._capture(li, ei))
                          for li, layer in enumerate(binding.layers) for ei, expert in enumerate(layer.experts)]
         self._replaying = False
+        self._vet_always = False
+        self._untrusted: dict[int, str] = {}
+        self._untrusted_reported: set[tuple[int, str]] = set()
+        self._env: str | None = None
         self.alltoall: AllToAllReplay | None = None
         if binding.ep_groups is not None:
             expert = binding.layers[0].experts[0]
             self.alltoall = AllToAllReplay(
                 ep_groups=binding.ep_groups, expert_peers=self.peers, expert_group=self.group, expert_ctrl=self.ctrl,
-                world_control=world_control, rank=rank, hosts=hosts, width=next(expert.parameters()).shape[0],
+                world_control=world_control, rank=rank, hosts=hosts, width=self._width(0, 0),
                 rule=comm_rule or StatisticalRule(), confirm_rounds=confirm_rounds, device=device_of(expert))
 
     def _capture(self, li: int, ei: int) -> Any:
@@ -139,14 +123,16 @@ class ExpertReplay:
                 self._seen[(li, ei)] = args[0].detach()  # the last call's rows (a reference, no copy)
         return hook
 
+    def _width(self, li: int, ei: int) -> int:
+        return expert_width(self.binding.layers[li].experts[ei], self.binding.hidden_size)
+
     # -- rotation -------------------------------------------------------------------------------------
 
     def representatives(self, li: int) -> list[int] | None:
         """The catalog's row counts for layer ``li`` (None: no catalog, replay the training shape)."""
         if self.catalog is None:
             return None
-        position = self.binding.ep_position or 0
-        return self.catalog.representatives(self.names[li], position) or None
+        return self.catalog.representatives(self.names[li], self.position) or None
 
     def rotation(self, check: int) -> tuple[int, int, int, int]:
         """(layer, local expert, representative index, source index) of ``check``, in mixed radix: every
@@ -179,6 +165,7 @@ class ExpertReplay:
         reps = self.representatives(li)
         expert = self.binding.layers[li].experts[ei]
         device = device_of(expert)
+        vet = vet_due(check, self.determinism_every, self._vet_always, self.cycle)
         result = ExpertCheck(step, self.names[li], ei, -1, source)
         guard = self.guard
         guard.reset()
@@ -186,30 +173,36 @@ class ExpertReplay:
         if self.rank == source:
             box[0] = guard.run("expert input", lambda: self._source_input(li, ei, reps[ri] if reps else None))
         if not guard.agree(step):
-            result.skipped = "diagnosis error"
-            return self._done(result)
+            return self._skip(result)
         shape_box = [None if box[0] is None else (tuple(box[0].shape), str(box[0].dtype))]
         dist.broadcast_object_list(shape_box, src=source, group=self.ctrl)
         shape, dtype = shape_box[0]
         x = guard.run("expert input buffer", lambda: box[0].to(device) if box[0] is not None else torch.empty(
             shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device))
         if not guard.agree(step) or x is None:
-            result.skipped = "diagnosis error"
-            return self._done(result)
+            return self._skip(result)
         dist.broadcast(x, src=source, group=self.group)
         result.rows = shape[0]
-        evidence = guard.run("expert replay", lambda: self._replay(expert, x, check)) or []
-        if not guard.agree(step):
-            result.skipped = "diagnosis error"
-            return self._done(result)
+        replayed = guard.run("expert replay", lambda: self._replay(expert, x, check, twice=vet))
+        if not guard.agree(step) or replayed is None:
+            return self._skip(result)
+        evidence, reproducible = replayed
         tag = f"{self.names[li]}.experts.{ei}.rows{shape[0]}"
-        result.surfaces = c3_exchange([v for _, v in evidence], group=self.ctrl,
-                                      surfaces=[f"{tag}.{n}" for n, _ in evidence])
+        evidence = [(f"{tag}.{n}", v) for n, v in evidence]
+        if vet:
+            evidence.append((REPRODUCIBLE_SURFACE, reproducible))
+        evidence.append((ENVIRONMENT_SURFACE, self._environment(device)))
+        surfaces = c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence])
+        self._vet(result, surfaces)
         if self.alltoall is not None:
             splits = guard.run("dispatch split sizes", lambda: self._splits(li))
             a2a, result.localization = self.alltoall.check(check, splits, guard, step)
             result.surfaces += a2a
         result.incidents = self._verdicts(result)
+        return self._done(result)
+
+    def _skip(self, result: ExpertCheck) -> ExpertCheck:
+        result.skipped = "diagnosis error"
         return self._done(result)
 
     def _splits(self, li: int) -> list[int]:
@@ -219,18 +212,25 @@ class ExpertReplay:
 
     def _source_input(self, li: int, ei: int, rows: int | None) -> torch.Tensor:
         seen = self._seen.get((li, ei))
-        expert = self.binding.layers[li].experts[ei]
-        width = next(p for p in expert.parameters()).shape[0]
         if rows is None:
             rows = 0 if seen is None else seen.shape[0]
         if seen is None or seen.shape[0] == 0:
-            gen = torch.Generator().manual_seed(1_000_003 * li + ei)
-            return torch.randn(rows, width, generator=gen)
+            return _seeded_rows(li, ei, rows, self._width(li, ei))
         seen = seen.detach().to("cpu", copy=True)
         reps = -(-rows // seen.shape[0]) if rows else 0
         return seen.repeat(reps, 1)[:rows] if rows else seen[:0]
 
-    def _replay(self, expert: nn.Module, x: torch.Tensor, check: int) -> list[tuple[str, Any]]:
+    def _replay(self, expert: nn.Module, x: torch.Tensor, check: int, *, twice: bool = False
+                ) -> tuple[list[tuple[str, Any]], bool]:
+        """(evidence, reproducible): the expert's forward and backward on ``x`` signed; with ``twice``, run
+        again and compare this rank's own two runs (replay compares bytes: a nondeterministic kernel is not
+        evidence)."""
+        first = self._replay_once(expert, x, check)
+        if not twice:
+            return first, True
+        return first, self._replay_once(expert, x, check) == first
+
+    def _replay_once(self, expert: nn.Module, x: torch.Tensor, check: int) -> list[tuple[str, Any]]:
         params = [p for p in expert.parameters() if p.requires_grad]
         self._replaying = True
         try:
@@ -251,14 +251,76 @@ class ExpertReplay:
                 out_sig.append((name, (signed.signature, signed.nonfinite)))
         return out_sig
 
+    def _environment(self, device: torch.device) -> str:
+        if self._env is None:
+            self._env = environment_fingerprint(device)
+        return self._env
+
+    def _vet(self, result: ExpertCheck, surfaces: list[C3Result]) -> None:
+        """Take the vetting surfaces out; set aside every disagreement a rank that is not evidence (now or
+        at any earlier check) takes part in, as the dense recipe does."""
+        result.surfaces, result.untrusted = split_vetting(surfaces)
+        if any(why == "nondeterministic" for why in result.untrusted.values()):
+            self._vet_always = True
+        self._untrusted.update({r: why for r, why in result.untrusted.items() if r not in self._untrusted})
+        if not self._untrusted:
+            return
+        bad = set(self._untrusted)
+        result.unreliable = [r for r in result.surfaces if r.status is C3Status.INCONCLUSIVE
+                             or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
+        result.surfaces = [r for r in result.surfaces if r not in result.unreliable]
+
+    # -- emergency sweep ---------------------------------------------------------------------------------
+
+    def sweep(self, step: int) -> str:
+        """Emergency sweep of the experts (paper section 8): every layer, local expert and catalog
+        representative (without a catalog: ``SWEEP_ROWS`` rows) replayed once on seeded rows, identical on
+        every expert peer without a transfer, and compared by exact C3 among the expert peers. Every rank of
+        the job must call it. Returns ``"clean"``, ``"dirty"`` (SDC found and recorded) or ``"failed"`` (a
+        local failure on some rank: nothing is claimed either way), the same on every rank."""
+        guard = self.guard
+        guard.reset()
+
+        def replay_all() -> list[tuple[str, Any]]:
+            evidence: list[tuple[str, Any]] = []
+            for li, layer in enumerate(self.binding.layers):
+                for rows in self.representatives(li) or [SWEEP_ROWS]:
+                    for ei, expert in enumerate(layer.experts):
+                        x = _seeded_rows(li, ei, rows, self._width(li, ei)).to(device_of(expert))
+                        tag = f"{self.names[li]}.experts.{ei}.rows{rows}"
+                        evidence += [(f"{tag}.{n}", v) for n, v in self._replay_once(expert, x, (1 << 20) + rows)]
+            evidence.append((ENVIRONMENT_SURFACE, self._environment(device_of(layer.experts[0]))))
+            return evidence
+
+        evidence = guard.run("expert sweep", replay_all)
+        if not guard.agree(step, "sweep") or evidence is None:
+            guard.reset()
+            return "failed"
+        guard.reset()
+        result = ExpertCheck(step, "sweep", -1, -1, -1)
+        self._vet(result, c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence]))
+        bad = [r for r in result.surfaces if r.status is not C3Status.AGREE]
+        result.surfaces = bad
+        incidents = self._verdicts(result)
+        for inc in incidents:
+            inc.step = step
+            inc.reason = "emergency sweep of the latest state: " + inc.reason
+        flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_control)
+        return "dirty" if flag.item() else "clean"
+
+    # -- verdicts ---------------------------------------------------------------------------------------
+
     def _verdicts(self, result: ExpertCheck) -> list[Incident]:
         by_ranks, groupwide = group_disagreements(result.surfaces)
+        rows = f" ({result.rows} rows)" if result.rows >= 0 else ""
         out = [self._incident(IncidentScope.RANK, ranks, rs, f"expert replay: {len(rs)} surface(s) differ from "
-                              f"the strict majority of the expert's replicas ({result.rows} rows)")
+                              f"the strict majority of the expert's replicas{rows}")
                for ranks, rs in by_ranks.items()]
         if groupwide:
             out.append(self._incident(IncidentScope.PEER_GROUP, self.peers, groupwide,
                                       "expert replay: the expert's replicas disagree without a strict majority"))
+        out += self._vetting_verdicts(result)
         named = {r for i in out if i.scope is IncidentScope.RANK for r in i.ranks}
         reporter = min((r for r in self.peers if r not in named), default=min(self.peers))
         if out and self.rank == reporter and self.reporter is not None:
@@ -277,9 +339,29 @@ class ExpertReplay:
             out.append(machine)
         return out
 
+    _UNTRUSTED_REASON = {
+        "nondeterministic": "nondeterministic: the expert replayed twice on this rank signed differently, so its "
+                            "replay cannot be compared bitwise",
+        "environment": "environment: this rank replays the expert with other software, hardware or precision "
+                       "settings than its replicas' majority, so equal inputs need not give equal bits",
+    }
+
+    def _vetting_verdicts(self, result: ExpertCheck) -> list[Incident]:
+        """A rank that is not evidence: one ``inconclusive`` record per rank and reason, never SDC."""
+        out = []
+        for reason, text in self._UNTRUSTED_REASON.items():
+            new = tuple(sorted(r for r, why in result.untrusted.items()
+                               if why == reason and (r, reason) not in self._untrusted_reported))
+            if new:
+                self._untrusted_reported.update((r, reason) for r in new)
+                inc = self._incident(IncidentScope.RANK, new, result.unreliable, text, kind=IncidentKind.INCONCLUSIVE)
+                inc.evidence["reason"] = reason
+                out.append(inc)
+        return out
+
     def _incident(self, scope: IncidentScope, ranks: Sequence[int], results: Sequence[C3Result],
-                  reason: str) -> Incident:
-        return Incident(kind=IncidentKind.SDC, scope=scope, ranks=list(ranks), step=None,
+                  reason: str, *, kind: IncidentKind = IncidentKind.SDC) -> Incident:
+        return Incident(kind=kind, scope=scope, ranks=list(ranks), step=None,
                         hosts=[self.hosts.get(r, "?") for r in ranks],
                         surface=";".join(r.surface for r in results),
                         evidence={"surfaces": {r.surface: r.to_dict() for r in results}}, reason=reason)
@@ -295,3 +377,14 @@ class ExpertReplay:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+SWEEP_ROWS = 64
+"""Rows per expert in an emergency sweep without a shape catalog (a 16-row-tile kernel's interior and a
+64-row tile's: without a catalog nothing says which shapes matter, see docs/moe.md)."""
+
+
+def _seeded_rows(li: int, ei: int, rows: int, width: int) -> torch.Tensor:
+    """Rows for an expert that has seen none (or for the sweep): identical on every rank, no transfer."""
+    gen = torch.Generator().manual_seed(1_000_003 * li + ei)
+    return torch.randn(rows, width, generator=gen)

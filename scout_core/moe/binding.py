@@ -1,0 +1,80 @@
+"""What SCOUT needs to know of a model's MoE layers: :class:`MoEBinding`, passed as ``enable(..., moe=...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["MoEBinding", "expert_width"]
+
+
+@dataclass(kw_only=True)
+class MoEBinding:
+    """The MoE layers of a model and the groups that hold the same experts."""
+
+    layers: list[nn.Module]
+    """The MoE modules; each has an ``experts`` ``ModuleList`` of this rank's local experts."""
+    expert_peer_groups: list[list[int]]
+    """A partition of the ranks into groups holding the same experts (same EP position, other replicas)."""
+    names: list[str] | None = None
+    """Names of ``layers`` for records (default ``moe.<i>``)."""
+    ep_groups: list[list[int]] | None = None
+    """A partition of the ranks into EP groups (the ranks one AllToAll spans), in EP-position order; with it,
+    each expert check also replays the AllToAll with one communication plan (:mod:`scout_core.moe.alltoall`)."""
+    splits: Callable[[nn.Module], Sequence[int]] | None = None
+    """This rank's split sizes of a MoE layer's last dispatch (rows sent to each EP peer); default: the
+    layer's ``last_plan.in_splits``."""
+    ep_position: int | None = None
+    """This rank's EP position (catalog entries are per position); default: its index in its EP group when
+    ``ep_groups`` is given, else 0 (every position has the same dimensions)."""
+    hidden_size: int | None = None
+    """Width of the rows an expert takes; default: found from the expert (see :func:`expert_width`)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("MoEBinding needs at least one MoE layer")
+        for m in self.layers:
+            if not isinstance(getattr(m, "experts", None), nn.ModuleList) or not len(m.experts):
+                raise TypeError(f"MoE layer {type(m).__name__} has no non-empty `experts` ModuleList")
+        if len({len(m.experts) for m in self.layers}) != 1:
+            raise ValueError("every MoE layer must hold the same number of local experts")
+        flat = sorted(r for g in self.expert_peer_groups for r in g)
+        if dist.is_initialized() and flat != list(range(dist.get_world_size())):
+            raise ValueError(f"expert_peer_groups must partition the ranks exactly once, "
+                             f"got {self.expert_peer_groups}")
+        if self.ep_groups is not None and dist.is_initialized():
+            flat = sorted(r for g in self.ep_groups for r in g)
+            if flat != list(range(dist.get_world_size())):
+                raise ValueError(f"ep_groups must partition the ranks exactly once, got {self.ep_groups}")
+        if self.names is not None and len(self.names) != len(self.layers):
+            raise ValueError(f"{len(self.names)} names for {len(self.layers)} MoE layers")
+        if self.hidden_size is not None and self.hidden_size < 1:
+            raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
+
+    def position(self, rank: int) -> int:
+        """This rank's EP position (see ``ep_position``)."""
+        if self.ep_position is not None:
+            return self.ep_position
+        if self.ep_groups is not None:
+            return next(sorted(g).index(rank) for g in self.ep_groups if rank in g)
+        return 0
+
+
+def expert_width(expert: nn.Module, hidden_size: int | None = None) -> int:
+    """The width of the rows ``expert`` takes: ``hidden_size`` when given; else the first ``nn.Linear``'s
+    ``in_features`` (a Linear stores ``[out, in]``: Mixtral's ``w1``, Hugging Face's ``gate_proj``,
+    Megatron's ``linear_fc1``); else the first parameter's first dimension (raw ``[hidden, ffn]`` weights,
+    Megatron's grouped experts, the test model)."""
+    if hidden_size is not None:
+        return int(hidden_size)
+    for m in expert.modules():
+        if isinstance(m, nn.Linear):
+            return int(m.in_features)
+    p = next(expert.parameters(), None)
+    if p is None or p.dim() < 1:
+        raise ValueError(f"cannot tell the input width of expert {type(expert).__name__}: "
+                         "set MoEBinding.hidden_size")
+    return int(p.shape[0])
