@@ -50,6 +50,8 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks as ratios within one run; writes benchmarks/results.json (and the replay curve's PNG)."""
     _install(session, "dev,bench")
+    # The shape catalog's tests first: its benchmark section reports what the tested compression selects.
+    session.run("python", "-m", "pytest", "-q", "tests/test_moe_catalog.py")
     session.run("python", "benchmarks/run.py", "--out", "benchmarks/results.json", *session.posargs)
 
 

@@ -7,7 +7,9 @@ representative shapes of a shape catalog built for the model by :func:`scout_cor
 
 Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says otherwise:
 
-* ``experts.weight``: a stuck value in local expert 0 of layer 0's up projection, as its compute reads it;
+* ``experts.weight``: a stuck value in local expert 0 of layer 0's up projection, as its compute reads it
+  (``experts.<i>.weight``: the same in local expert i);
+* ``experts.output``: local expert 0's output in layer 0 (``drift``: a nondeterministic expert kernel);
 * ``router.output``: a corrupted router logit in layer 0;
 * ``experts.row_tail``: a defect that only 15-row tail tiles of the tiled expert GEMM execute (every rank
   computes experts with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only row counts of 15 mod 16
@@ -72,6 +74,19 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
     for name in ("all_to_all_single", "all_reduce"):
         setattr(dist, name, slowed(getattr(dist, name)))
     expert0.register_forward_pre_hook(weight_fault)
+    def output_fault(_m: Any, _a: Any, out: torch.Tensor) -> None:  # in place (a returned value replaces it)
+        with torch.no_grad():
+            injector.corrupt("experts.output", out, rank=rank, step=state["step"])
+
+    expert0.register_forward_hook(output_fault)
+    def other_weight_fault(ei: int, expert: Any) -> Any:
+        def hook(*_: Any) -> None:  # (a pre-hook's return value would replace the expert's input)
+            with torch.no_grad():
+                injector.corrupt(f"experts.{ei}.weight", expert.up, rank=rank, step=state["step"])
+        return hook
+
+    for ei, expert in enumerate(moe0.experts[1:], start=1):  # `experts.<i>.weight`: the same in expert i
+        expert.register_forward_pre_hook(other_weight_fault(ei, expert))
     for expert in model.layers[0].moe.experts:  # stop inside the expert: EP peers wait in the combine AllToAll
         expert.register_forward_pre_hook(lambda *_: injector.freeze("experts.forward", rank=rank, step=state["step"]))
     moe0.router.register_forward_hook(router_fault)

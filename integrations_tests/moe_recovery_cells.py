@@ -1,10 +1,18 @@
-"""``moe-recovery-two-cycle``: certification waits for a whole recipe cycle of the expert recipe.
+"""MoE recovery cells: certification waits for a whole recipe cycle of the expert recipe, and the emergency
+sweep replays every expert on every catalog shape.
 
-One MoE layer with one local expert per EP position (4 experts over EP 4, DP 4) and a shape catalog with two
-representatives (17 and 32 rows): one recipe cycle is two checks, so SCOUT sets K = 2 by itself. Phase A
-trains with checkpoints on; a step's snapshot becomes the candidate, is promoted once the next cycle is clean,
-and an expert SDC on rank 9 after that stops the job (exit 75). Phase B starts from other weights and
-``resume()`` must restore the verified generation bitwise (weights and optimizer state on every rank).
+``moe-recovery-two-cycle``: one MoE layer with one local expert per EP position (4 experts over EP 4, DP 4)
+and a shape catalog with two representatives (31 and 32 rows): one recipe cycle is two checks, so SCOUT sets
+K = 2 by itself. Phase A trains with checkpoints on; a step's snapshot becomes the candidate, is promoted once
+the next cycle is clean, and an expert SDC on rank 9 after that stops the job (exit 75). Phase B starts from
+other weights and ``resume()`` must restore the verified generation bitwise (weights and optimizer state on
+every rank).
+
+``moe-recovery-sweep`` (``experts: 8``, ``crash_after``): two local experts, so a cycle is four checks. At
+the last step a stuck value appears in rank 9's *second* expert while that step's check replays the first:
+the snapshot of that step holds corruption no check saw, and the job dies (every rank exits 3, no verdict).
+The restart knows nothing of a fault; the emergency sweep restores the latest state, replays every expert on
+every catalog shape, finds rank 9 and restores the verified generation instead.
 """
 
 from __future__ import annotations
@@ -35,11 +43,15 @@ from scout_core.signature import sign_many
 
 __all__ = ["moe_recovery_cell"]
 
-MODEL = MoEConfig(depth=1, experts=4, capacity=8)
+CRASH_CODE = 3
+
+
+def _model(a: dict[str, Any]) -> MoEConfig:
+    return MoEConfig(depth=1, experts=a["experts"], capacity=8)
 
 
 def _enable(model: Any, opt: torch.optim.Optimizer, a: dict[str, Any], world: int, rank: int) -> Any:
-    ep = MODEL.ep
+    ep = _model(a).ep
     binding = MoEBinding(layers=[b.moe for b in model.layers], names=["layers.0.moe"],
                          expert_peer_groups=[list(range(p, world, ep)) for p in range(ep)], ep_position=rank % ep)
     cfg = load(None, ["replay.cadence.hidden=1", "replay.cadence.expert=1", "replay.cadence.embedding=0",
@@ -63,13 +75,14 @@ def _signatures(model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 def _phase_a(ctx: RankContext) -> dict[str, Any]:
     a = ctx.args
-    model, dp_group, state, opt = start_moe_rank(ctx, MODEL)
+    cfg = _model(a)
+    model, dp_group, state, opt = start_moe_rank(ctx, cfg)
     handle = _enable(model, opt, a, ctx.world_size, ctx.rank)
     gen = torch.Generator().manual_seed(1000 * a["seed"] + ctx.rank)
 
     def data() -> Any:
         for _ in range(a["steps"]):
-            yield torch.randn(2, 12, MODEL.dim_in, generator=gen), torch.randn(2, 12, MODEL.dim_out, generator=gen)
+            yield torch.randn(2, 12, cfg.dim_in, generator=gen), torch.randn(2, 12, cfg.dim_out, generator=gen)
 
     try:
         for step, (x, y) in enumerate(handle.wrap_dataloader(data()), start=1):
@@ -81,6 +94,8 @@ def _phase_a(ctx: RankContext) -> dict[str, Any]:
             with open(os.path.join(a["workdir"], f"ref-r{ctx.rank}-s{step}.json"), "w") as fh:
                 json.dump(_signatures(model, opt), fh)
             handle.flush()  # each generation complete before the next (exact expectations)
+            if step == a["crash_after"]:
+                os._exit(CRASH_CODE)  # the job dies (no verdict, no close): only its snapshots are left
     finally:
         handle.close()
     return {"steps": a["steps"]}
@@ -90,7 +105,7 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
     init_gloo(ctx, timeout_s=120)
     a = ctx.args
-    model, _, _ = build_model(MODEL, seed=a["seed"] + 17)  # other weights: the restore must overwrite them
+    model, _, _ = build_model(_model(a), seed=a["seed"] + 17)  # other weights: the restore must overwrite them
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     handle = _enable(model, opt, a, ctx.world_size, ctx.rank)
     try:
@@ -109,11 +124,14 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
 def moe_recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     p = spec.params
     catalog = os.path.join(workdir, "catalog.json")
-    build_catalog(MoESpec(layers=("layers.0.moe",), hidden=MODEL.hidden, ffn=MODEL.ffn, experts=MODEL.experts,
-                          ep_size=MODEL.ep, capacity=MODEL.ep * MODEL.capacity)).save(catalog)
+    crash_after = p.get("crash_after")
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 10)), "catalog": catalog,
             "store": os.path.join(workdir, "store"), "jsonl": os.path.join(workdir, "incidents.jsonl"),
-            "workdir": workdir, "run_id": spec.name}
+            "workdir": workdir, "run_id": spec.name, "experts": int(p.get("experts", 4)),
+            "crash_after": crash_after}
+    model = _model(args)
+    build_catalog(MoESpec(layers=("layers.0.moe",), hidden=model.hidden, ffn=model.ffn, experts=model.experts,
+                          ep_size=model.ep, capacity=model.ep * model.capacity)).save(catalog)
     expect = p["expect"]
     problems: list[str] = []
     start = time.monotonic()
@@ -122,8 +140,9 @@ def moe_recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellRepo
     try:
         a_result = launch(_phase_a, world_size, timeout_s=spec.timeout_s, args=args)
         codes = sorted({o.exitcode for o in a_result.outcomes})
-        if codes != [STOP_CODE]:
-            problems.append(f"phase A should stop every trainer with exit {STOP_CODE}: exits {codes}\n"
+        want_code = STOP_CODE if crash_after is None else CRASH_CODE
+        if codes != [want_code]:
+            problems.append(f"phase A should end every trainer with exit {want_code}: exits {codes}\n"
                             + a_result.failures())
         b_result = launch(_phase_b, world_size, timeout_s=spec.timeout_s, args=args)
         if not b_result.ok:
@@ -137,8 +156,15 @@ def moe_recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellRepo
         problems.append(f"incidents {got_inc}, expected {want_inc}")
     decisions = [d for d in read_records(os.path.join(args["store"], "decisions.jsonl"))
                  if d.get("record") == "decision"]
-    if not decisions or decisions[0].get("incident", {}).get("ranks") != expect["incidents"][0]["ranks"]:
+    if crash_after is None and (not decisions
+                                or decisions[0].get("incident", {}).get("ranks") != expect["incidents"][0]["ranks"]):
         problems.append(f"the stop decision should carry the expert verdict: {decisions[:1]}")
+    if crash_after is not None and [(d.get("failure"), d.get("sweep_clean")) for d in decisions] != [("other", False)]:
+        problems.append(f"the crashed job took no decision and the restart's sweep should have found SDC: {decisions}")
+    if "reason" in expect and b_result is not None and b_result.ok:
+        reasons = {v["reason"] for v in b_result.values()}
+        if not all(expect["reason"] in r for r in reasons):
+            problems.append(f"resume reasons {sorted(reasons)}, expected one containing {expect['reason']!r}")
     if b_result is not None and b_result.ok:
         values = b_result.values()
         got = {(v["source"], v["generation"]) for v in values}

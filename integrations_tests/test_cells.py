@@ -377,3 +377,21 @@ def test_moe_recovery_cell_fails_when_certification_ignores_the_recipe_cycle(mon
     monkeypatch.setattr(ExpertReplay, "cycle", property(lambda self: 1))
     (report,) = run_cells([SPECS["moe-recovery-two-cycle"]], root=ROOT)
     assert report.verdict == "FAIL" and "restored" in report.details
+
+
+def test_moe_sweep_cell_fails_when_the_sweep_skips_the_experts(monkeypatch):
+    """An emergency sweep of the dense recipes only passes the latest state, whose expert holds the fault."""
+    from scout_core.moe.replay import ExpertReplay
+
+    monkeypatch.setattr(ExpertReplay, "sweep", lambda self, step: "clean")
+    (report,) = run_cells([SPECS["moe-recovery-sweep"]], root=ROOT)
+    assert report.verdict == "FAIL" and "restored [('latest', 15)]" in report.details
+
+
+def test_moe_nondeterministic_cell_fails_without_expert_vetting(monkeypatch):
+    """Without the expert recipe's determinism check, a nondeterministic expert kernel reads as SDC."""
+    from scout_core.moe import replay
+
+    monkeypatch.setattr(replay, "vet_due", lambda *a, **k: False)
+    (report,) = run_cells([SPECS["moe-nondeterministic-expert"]], root=ROOT)
+    assert report.verdict == "FAIL" and "kinds ['sdc'], expected ['inconclusive']" in report.details
