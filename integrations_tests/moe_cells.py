@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
         expert.register_forward_pre_hook(other_weight_fault(ei, expert))
     for expert in model.layers[0].moe.experts:  # stop inside the expert: EP peers wait in the combine AllToAll
         expert.register_forward_pre_hook(lambda *_: injector.freeze("experts.forward", rank=rank, step=state["step"]))
-    moe0.router.register_forward_hook(router_fault)
+    moe0.router.tap.register_forward_hook(router_fault)
     for layer in model.layers:
         for expert in layer.moe.experts:
             expert.path_kernel = ReferenceGroupedGemm(fault=path_fault if layer is model.layers[0] else None)
@@ -99,9 +100,11 @@ def start_moe_rank(ctx: RankContext, cfg: MoEConfig) -> tuple[Any, Any, dict[str
     """(model, expert-DP group, injector state, AdamW): gloo, the simulated machine, the faults installed."""
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
     init_gloo(ctx, timeout_s=120)
+    # FSDP2 warns that the root returns a view (the head's 3-D output); nothing modifies it in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
-    model, _, dp_group = build_model(cfg, seed=a["seed"])
+    model, _, dp_group = build_model(cfg, seed=a["seed"], dense=a.get("dense", "replicated"))
     state: dict[str, Any] = {"step": 0}
     _install(model, injector, ctx.rank, state)
     return model, dp_group, state, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -134,8 +137,12 @@ def _moe_rank(ctx: RankContext) -> dict[str, Any]:
     dist.barrier()
     checks = [(c.step, c.layer, c.expert, c.rows, c.source, c.skipped) for c in handle.experts.history]
     dense_checks = [(r.step, r.recipes, r.skipped) for r in handle.replay.history]
+    from torch.distributed.tensor import DTensor
+
+    sharded = all(isinstance(p, DTensor) for b in model.layers for m in (b.attn, b.moe.router)
+                  for p in m.parameters())
     handle.close()
-    return {"expert_checks": checks, "dense_checks": dense_checks}
+    return {"expert_checks": checks, "dense_checks": dense_checks, "dense_sharded": sharded}
 
 
 def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -153,7 +160,7 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         built.save(catalog)
     hang = bool(p.get("hang", False))
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "jsonl": jsonl,
-            "run_id": spec.name, "catalog": catalog, "hang": hang}
+            "run_id": spec.name, "catalog": catalog, "hang": hang, "dense": p.get("dense", "replicated")}
     start = time.monotonic()
     # A hung job never returns: it stops once the observers' records have settled.
     stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
@@ -193,6 +200,12 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         checks = result.values()[0]["expert_checks"]
         if len(checks) != args["steps"] or any(c[5] for c in checks):
             problems.append(f"expert checks {checks}, expected one per step, none skipped")
+        value = result.values()[0]
+        skipped = [c for c in value["dense_checks"] if c[2]]
+        if skipped or not value["dense_checks"]:
+            problems.append(f"dense checks {value['dense_checks']}: expected some, none skipped")
+        if value["dense_sharded"] != (args["dense"] == "fsdp2"):
+            problems.append(f"dense parts sharded: {value['dense_sharded']}, expected dense={args['dense']}")
         rows = sorted({c[3] for c in checks})
         if expect.get("rows") and rows != expect["rows"]:
             problems.append(f"expert checks replayed rows {rows}, expected {expect['rows']}")

@@ -86,6 +86,20 @@ class Expert(nn.Module):
         return gemm(F.silu(gemm(x, self.up)), self.down)
 
 
+class Router(nn.Module):
+    """The gate's logits over the experts. ``tap`` is a no-op point inside the forward where a cell corrupts
+    the logits: a replay of an FSDP2 unit calls its forward without the unit's own hooks (FSDP's), as a
+    hardware fault inside the computation would still strike."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, experts, bias=False)
+        self.tap = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tap(self.proj(x))
+
+
 class MoELayer(nn.Module):
     """Top-k routing, capacity, dispatch over the EP group, local experts, combine."""
 
@@ -93,7 +107,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg, self.ep_group, self.ep_rank = cfg, ep_group, ep_rank
         self.local = cfg.experts // cfg.ep
-        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.router = Router(cfg.hidden, cfg.experts)
         self.experts = nn.ModuleList(Expert(cfg.hidden, cfg.ffn) for _ in range(self.local))
         self.last_plan: RoutingPlan | None = None
 
@@ -200,9 +214,14 @@ def build_moe_groups(world: int, ep: int) -> tuple[Any, Any, int, int]:
     return ep_group, dp_group, rank % ep, rank // ep
 
 
-def build_model(cfg: MoEConfig, *, seed: int = 0) -> tuple[MoEDecoder, Any, Any]:
+def build_model(cfg: MoEConfig, *, seed: int = 0, dense: str = "replicated") -> tuple[MoEDecoder, Any, Any]:
     """The seeded model on this rank: dense weights equal everywhere, each EP position's experts equal across
-    its replicas (seeded by position)."""
+    its replicas (seeded by position).
+
+    ``dense="fsdp2"`` shards the dense parts with FSDP2 over all ranks, as TorchTitan does with a MoE model's
+    attention and router: each block's attention and router are their own FSDP units (a replay check unshards
+    just the one it samples) and the root holds embedding, norms and head; the experts stay out of FSDP
+    (``ignored_params``), sharded over EP and replicated over DP."""
     world = dist.get_world_size()
     ep_group, dp_group, ep_rank, _ = build_moe_groups(world, cfg.ep)
     torch.manual_seed(seed)
@@ -211,14 +230,30 @@ def build_model(cfg: MoEConfig, *, seed: int = 0) -> tuple[MoEDecoder, Any, Any]
     with torch.no_grad():
         for p in model.expert_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[0]))
+    if dense == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        for block in model.layers:
+            fully_shard(block.attn, mesh=mesh)
+            fully_shard(block.moe.router, mesh=mesh)
+        fully_shard(model, mesh=mesh, ignored_params=set(model.expert_parameters()))
+    elif dense != "replicated":
+        raise ValueError(f"dense must be 'replicated' or 'fsdp2', got {dense!r}")
     return model, ep_group, dp_group
 
 
 def sync_grads(model: MoEDecoder, dp_group: Any) -> None:
-    """Average dense gradients over the world and expert gradients over the DP group (one flat buffer each)."""
+    """Average dense gradients over the world and expert gradients over the DP group (one flat buffer each).
+    Dense parameters under FSDP2 (DTensors) are left alone: FSDP reduce-scattered them already."""
+    from torch.distributed.tensor import DTensor
+
     experts = {id(p) for p in model.expert_parameters()}
-    for params, group in (([p for p in model.parameters() if id(p) not in experts], None),
-                          (model.expert_parameters(), dp_group)):
+    dense = [p for p in model.parameters() if id(p) not in experts and not isinstance(p, DTensor)]
+    for params, group in ((dense, None), (model.expert_parameters(), dp_group)):
+        if not params:
+            continue
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
