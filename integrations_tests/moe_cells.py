@@ -14,7 +14,8 @@ Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says othe
 * ``experts.row_tail``: a defect that only 15-row tail tiles of the tiled expert GEMM execute (every rank
   computes experts with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only row counts of 15 mod 16
   show it;
-* ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would.
+* ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would;
+* ``alltoall.send`` / ``alltoall.recv``: one value of every AllToAll transfer this rank sends / receives.
 
 Each expert check also replays the AllToAll with one communication plan (scout_core.moe.alltoall).
 """
@@ -72,6 +73,27 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
             return real(*args, **kwargs)
         return slow_collective
 
+    def corrupting(real: Any) -> Any:
+        def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Any = None,
+                              input_split_sizes: Any = None, **kwargs: Any) -> Any:
+            # A corrupting endpoint: one value of every transfer this rank sends (`alltoall.send`) or receives
+            # (`alltoall.recv`); activations only, never the integer split counts.
+            dense = input.is_floating_point() and input_split_sizes is not None
+            if dense:
+                _corrupt_each("alltoall.send", input, input_split_sizes)
+            work = real(output, input, output_split_sizes, input_split_sizes, **kwargs)
+            if dense:
+                _corrupt_each("alltoall.recv", output, output_split_sizes)
+            return work
+        return all_to_all_single
+
+    def _corrupt_each(surface: str, tensor: torch.Tensor, splits: Any) -> None:
+        with torch.no_grad():
+            for chunk in torch.split(tensor, list(splits)):
+                if chunk.numel():
+                    injector.corrupt(surface, chunk, rank=rank, step=state["step"])
+
+    dist.all_to_all_single = corrupting(dist.all_to_all_single)
     for name in ("all_to_all_single", "all_reduce"):
         setattr(dist, name, slowed(getattr(dist, name)))
     expert0.register_forward_pre_hook(weight_fault)

@@ -12,8 +12,11 @@ makes every EP group execute the *same* plan:
    the same bytes at the same position in every replica; the exchange runs three times after a barrier on the
    EP group, and the fastest run is its time; a training-shaped all-reduce of the received rows over the
    expert peers (how expert gradients are synchronized) is timed the same way;
-3. the received rows are signed and compared exactly among the expert peers (a corrupting endpoint is named,
-   ``sdc``), and every rank's two times go to the same world all-gather as the plan of the next check:
+3. the rows received from each EP position are signed apart and compared exactly among the expert peers; one
+   world all-gather of the odd transfers (receiver, sender) then tells a corrupting sender (its transfers
+   are odd at two or more receivers) from a corrupting receiver (odd on transfers from two or more senders)
+   and from one bad transfer (both endpoints, scope ``peer_group``) (:func:`attribute_transfers`, ``sdc``);
+   every rank's two times go to the same world all-gather as the plan of the next check:
    statistical C3 across the EP groups and across the expert-DP groups marks slow groups, and their
    intersection (:func:`~scout_core.topology.localize_slow_groups`) names the machine, confirmed over the
    consensus's confirmation rounds (``straggler``, scope ``machine``).
@@ -25,16 +28,61 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from scout_core.consensus import C3Result, StatisticalRule, c3_exchange
+from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange
 from scout_core.signature import sign_many
 from scout_core.topology import GroupTiming, Localization, LocalizationStreak, localize_slow_groups
 
-__all__ = ["AllToAllReplay"]
+__all__ = ["AllToAllReplay", "TransferVerdict", "attribute_transfers"]
+
+
+@dataclass(frozen=True)
+class TransferVerdict:
+    """Who corrupted AllToAll transfers: one rank (scope ``rank``) or the two endpoints of one transfer."""
+
+    ranks: tuple[int, ...]
+    scope: str
+    transfers: tuple[tuple[int, int], ...]
+    """The odd (receiver, sender) transfers it explains."""
+    reason: str
+
+
+def attribute_transfers(odd: set[tuple[int, int]]) -> list[TransferVerdict]:
+    """Name the endpoints of odd AllToAll transfers ``(receiver, sender)`` (each odd among the receiver's
+    expert peers, i.e. the same transfer in the other replicas). A sender whose transfers are odd at two or
+    more receivers corrupts what it sends; of what is left, a receiver odd on transfers from two or more
+    senders corrupts what it receives; a transfer to itself is its own rank; one other odd transfer names
+    both of its endpoints (the sender's, the receiver's or the link between them: no more can be told)."""
+    by_sender: dict[int, set[int]] = {}
+    for q, s in odd:
+        by_sender.setdefault(s, set()).add(q)
+    out = []
+    left = set(odd)
+    for s in sorted(by_sender):
+        if len(by_sender[s]) >= 2:
+            mine = tuple(sorted((q, s) for q in by_sender[s]))
+            out.append(TransferVerdict((s,), "rank", mine,
+                                       f"AllToAll replay: what rank {s} sent differs at {len(mine)} receivers"))
+            left -= set(mine)
+    by_receiver: dict[int, set[int]] = {}
+    for q, s in left:
+        by_receiver.setdefault(q, set()).add(s)
+    for q in sorted(by_receiver):
+        if len(by_receiver[q]) >= 2 or by_receiver[q] == {q}:
+            mine = tuple(sorted((q, s) for s in by_receiver[q]))
+            out.append(TransferVerdict((q,), "rank", mine,
+                                       f"AllToAll replay: what rank {q} received differs from {len(mine)} sender(s)"))
+            left -= set(mine)
+    for q, s in sorted(left):
+        out.append(TransferVerdict(tuple(sorted((q, s))), "peer_group", ((q, s),),
+                                   f"AllToAll replay: one transfer, rank {s} to rank {q}, differs (either endpoint "
+                                   "or the link between them)"))
+    return out
 
 
 class AllToAllReplay:
@@ -57,11 +105,12 @@ class AllToAllReplay:
         self._times: tuple[float, float] | None = None  # this rank's last (AllToAll, all-reduce) times
 
     def check(self, check: int, my_splits: Sequence[int] | None, guard: Any, step: int
-              ) -> tuple[list[C3Result], Localization | None]:
-        """One check: exact comparison of the received rows among expert peers, and the localization of slow
-        groups from the previous check's times (``None`` when nothing is slow or not yet confirmed). Local work
-        runs under ``guard`` (the job-wide diagnosis guard); if it fails anywhere, every rank skips the
-        exchange together."""
+              ) -> tuple[list[C3Result], Localization | None, list[TransferVerdict]]:
+        """One check: exact comparison of the rows received from each EP position among expert peers, the
+        endpoints of odd transfers (the same on every rank), and the localization of slow groups from the
+        previous check's times (``None`` when nothing is slow or not yet confirmed). Local work runs under
+        ``guard`` (the job-wide diagnosis guard); if it fails anywhere, every rank skips the exchange
+        together."""
         everyone: list[Any] = [None] * dist.get_world_size()
         mine = None if my_splits is None else [int(x) for x in my_splits]
         dist.all_gather_object(everyone, (mine, self._times), group=self.world_control)
@@ -69,7 +118,7 @@ class AllToAllReplay:
         owner = self.ep_groups[check % len(self.ep_groups)]
         built = guard.run("AllToAll plan", lambda: self._build(check, [everyone[r][0] for r in owner], owner))
         if not guard.agree(step) or built is None:
-            return [], loc
+            return [], loc, []
         send, received, reduced, in_splits, out_splits = built
         t_a2a = t_ar = float("inf")
         for _ in range(3):  # the fastest of three: a slow endpoint is slow every time, a hiccup once
@@ -85,10 +134,14 @@ class AllToAllReplay:
             _sync(self.device)
             t_ar = min(t_ar, time.perf_counter() - start)
         self._times = (t_a2a, t_ar)
-        signed = sign_many([received])[0]
-        results = c3_exchange([(signed.signature, signed.nonfinite)], group=self.expert_ctrl,
-                              surfaces=[f"alltoall.plan{owner[0]}.received"])
-        return results, loc
+        signed = sign_many(list(torch.split(received, out_splits)))  # one signature per sending position
+        results = c3_exchange([(x.signature, x.nonfinite) for x in signed], group=self.expert_ctrl,
+                              surfaces=[f"alltoall.plan{owner[0]}.from{i}" for i in range(len(out_splits))])
+        mine = [(self.rank, self.my_ep[i]) for i, r in enumerate(results)
+                if r.status is C3Status.ATTRIBUTED and self.rank in r.outlier_ranks]
+        odd: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(odd, mine, group=self.world_control)
+        return results, loc, attribute_transfers({tuple(t) for ts in odd for t in ts})
 
     def _build(self, check: int, plan: list[Any], owner: list[int]) -> tuple[torch.Tensor, ...] | Any:
         """The send buffer, the receive buffer and a fixed-size all-reduce payload for ``plan`` (``plan[i][j]``:

@@ -65,6 +65,8 @@ class ExpertCheck:
     skipped: str = ""
     localization: Any = None
     """A confirmed slow machine or group from the AllToAll replay's timings (``topology.Localization``)."""
+    transfers: list[Any] = field(default_factory=list)
+    """Endpoints of odd AllToAll transfers (``alltoall.TransferVerdict``), the same on every rank."""
     untrusted: dict[int, str] = field(default_factory=dict)
     """Expert peers whose replay is not evidence (``nondeterministic`` or ``environment``), found now."""
     unreliable: list[C3Result] = field(default_factory=list)
@@ -196,7 +198,7 @@ class ExpertReplay:
         self._vet(result, surfaces)
         if self.alltoall is not None:
             splits = guard.run("dispatch split sizes", lambda: self._splits(li))
-            a2a, result.localization = self.alltoall.check(check, splits, guard, step)
+            a2a, result.localization, result.transfers = self.alltoall.check(check, splits, guard, step)
             result.surfaces += a2a
         result.incidents = self._verdicts(result)
         return self._done(result)
@@ -312,7 +314,13 @@ class ExpertReplay:
     # -- verdicts ---------------------------------------------------------------------------------------
 
     def _verdicts(self, result: ExpertCheck) -> list[Incident]:
-        by_ranks, groupwide = group_disagreements(result.surfaces)
+        """This expert group's verdicts (reported by its lowest rank not named) and the job-wide ones from the
+        AllToAll replay (reported once, by the lowest rank of the job not named)."""
+        # An odd AllToAll transfer makes its receiver the odd one among its replicas whichever endpoint did
+        # it: those are judged job-wide (result.transfers), not per receiver.
+        own = [r for r in result.surfaces
+               if not (r.surface.startswith("alltoall.") and r.status is C3Status.ATTRIBUTED)]
+        by_ranks, groupwide = group_disagreements(own)
         rows = f" ({result.rows} rows)" if result.rows >= 0 else ""
         out = [self._incident(IncidentScope.RANK, ranks, rs, f"expert replay: {len(rs)} surface(s) differ from "
                               f"the strict majority of the expert's replicas{rows}")
@@ -327,17 +335,23 @@ class ExpertReplay:
             for inc in out:
                 inc.step = result.step
                 self.reporter.emit(inc)
+        job = [Incident(kind=IncidentKind.SDC, scope=IncidentScope(t.scope), ranks=list(t.ranks),
+                        hosts=[self.hosts.get(r, "?") for r in t.ranks], step=result.step,
+                        surface="alltoall.transfers", evidence={"transfers": [list(x) for x in t.transfers]},
+                        reason=t.reason) for t in result.transfers]
         loc = result.localization
-        if loc is not None:  # the same on every rank: one record for the job
-            machine = Incident(kind=IncidentKind.STRAGGLER, scope=IncidentScope(loc.scope), ranks=list(loc.ranks),
-                               hosts=list(loc.hosts), step=result.step, surface="alltoall.comm_s",
-                               evidence={"slow_groups": [[d, list(g)] for d, g in loc.slow_groups]},
-                               reason=f"AllToAll replay with one plan: {loc.reason}")
-            writer = min((r for r in range(dist.get_world_size()) if r not in loc.ranks), default=0)
+        if loc is not None:
+            job.append(Incident(kind=IncidentKind.STRAGGLER, scope=IncidentScope(loc.scope), ranks=list(loc.ranks),
+                                hosts=list(loc.hosts), step=result.step, surface="alltoall.comm_s",
+                                evidence={"slow_groups": [[d, list(g)] for d, g in loc.slow_groups]},
+                                reason=f"AllToAll replay with one plan: {loc.reason}"))
+        if job:  # the same on every rank: one record for the job
+            named = {r for inc in job for r in inc.ranks}
+            writer = min((r for r in range(dist.get_world_size()) if r not in named), default=0)
             if self.rank == writer and self.reporter is not None:
-                self.reporter.emit(machine)
-            out.append(machine)
-        return out
+                for inc in job:
+                    self.reporter.emit(inc)
+        return out + job
 
     _UNTRUSTED_REASON = {
         "nondeterministic": "nondeterministic: the expert replayed twice on this rank signed differently, so its "

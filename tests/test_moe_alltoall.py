@@ -1,0 +1,34 @@
+"""Who corrupted AllToAll transfers, from the odd (receiver, sender) transfers (hand-built cases)."""
+
+from __future__ import annotations
+
+from scout_core.moe.alltoall import attribute_transfers
+
+
+def _named(odd):
+    return [(v.ranks, v.scope) for v in attribute_transfers(set(odd))]
+
+
+def test_a_sender_odd_at_several_receivers_is_named_not_its_receivers():
+    assert _named({(8, 9), (9, 9), (10, 9), (11, 9)}) == [((9,), "rank")]
+    assert _named({(8, 9), (10, 9)}) == [((9,), "rank")]  # a plan that sends to only two of them
+
+
+def test_a_receiver_odd_on_several_senders_is_named():
+    assert _named({(9, 8), (9, 9), (9, 10), (9, 11)}) == [((9,), "rank")]
+
+
+def test_a_transfer_to_itself_is_its_own_rank():
+    assert _named({(9, 9)}) == [((9,), "rank")]
+
+
+def test_one_odd_transfer_names_both_endpoints_as_a_group():
+    assert _named({(10, 9)}) == [((9, 10), "peer_group")]
+
+
+def test_a_sender_and_an_unrelated_single_transfer_in_another_replica():
+    assert _named({(0, 1), (2, 1), (3, 1), (13, 14)}) == [((1,), "rank"), ((13, 14), "peer_group")]
+
+
+def test_nothing_odd_names_nobody():
+    assert _named(set()) == []
