@@ -158,7 +158,8 @@ class ReplayConfig:
     """Vetting for bitwise determinism: on the first check of every layer and then on every this many
     hidden-layer checks, each rank replays the first variant twice and compares its own two runs; a rank
     whose runs differ is reported ``inconclusive`` (nondeterministic), never SDC, and from then on every
-    check is vetted. 0: never (trust ``deterministic``)."""
+    check is vetted. The expert recipe does the same per recipe cycle (the first cycle, then every this many
+    cycles). 0: never (trust ``deterministic``)."""
 
 
 @dataclass(kw_only=True)

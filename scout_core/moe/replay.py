@@ -20,6 +20,11 @@ EP positions. Each check, on the ``replay.cadence.expert`` interval:
 All expert-peer groups check at the same boundary, each among itself. Local failures are isolated by a
 :class:`~scout_core.replay.guard.DiagnosisGuard` over the whole job: if any rank fails, every rank skips the
 rest of the check and the failing rank records a ``diagnosis_error``.
+
+Vetting (as the dense recipe's, :mod:`scout_core.replay.vetting`): in the first recipe cycle and every
+``determinism_every``-th after it each peer replays twice and compares its own runs, and every check sends
+the environment fingerprint; a rank that is not evidence is reported ``inconclusive`` once, never SDC.
+:meth:`ExpertReplay.sweep` is the restart's emergency sweep over every expert and catalog shape.
 """
 
 from __future__ import annotations
