@@ -141,11 +141,15 @@ def _moe_rank(ctx: RankContext) -> dict[str, Any]:
                          ep_groups=[list(range(s, s + ep)) for s in range(0, world, ep)])
     dense = [m for b in model.layers for m in (b.attn, b.moe.router)]
     observer = (["observer.silence_threshold_s=2.0", "observer.gather_timeout_s=4.0"] if a["hang"]
-                else ["observer.enabled=false"])
-    cfg = load(None, ["replay.cadence.hidden=1", "replay.cadence.expert=1", "replay.cadence.embedding=0",
-                      "replay.cadence.output=0", "replay.cadence.optimizer=0", *observer,
+                else [] if a["defaults"] else ["observer.enabled=false"])
+    # Every recipe every step, or (defaults) the shipped cadences: optimizer, embedding and output recipes too.
+    cadences = [] if a["defaults"] else ["replay.cadence.hidden=1", "replay.cadence.expert=1",
+                                         "replay.cadence.embedding=0", "replay.cadence.output=0",
+                                         "replay.cadence.optimizer=0"]
+    cfg = load(None, [*cadences, *observer,
                       *([f"replay.moe_catalog={a['catalog']}"] if a["catalog"] else []), "checkpoint.enabled=false",
-                      f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR"])
+                      f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR",
+                      *a["overrides"]])
     handle = scout_core.enable(model, opt, config=cfg, layers=dense, moe=binding)
     gen = torch.Generator().manual_seed(1000 * a["seed"] + ctx.rank)
     for step in range(1, a["steps"] + 1):
@@ -158,13 +162,14 @@ def _moe_rank(ctx: RankContext) -> dict[str, Any]:
         opt.zero_grad()
     dist.barrier()
     checks = [(c.step, c.layer, c.expert, c.rows, c.source, c.skipped) for c in handle.experts.history]
-    dense_checks = [(r.step, r.recipes, r.skipped) for r in handle.replay.history]
+    dense_checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history]
+    every = handle.experts.every
     from torch.distributed.tensor import DTensor
 
     sharded = all(isinstance(p, DTensor) for b in model.layers for m in (b.attn, b.moe.router)
                   for p in m.parameters())
     handle.close()
-    return {"expert_checks": checks, "dense_checks": dense_checks, "dense_sharded": sharded}
+    return {"expert_checks": checks, "dense_checks": dense_checks, "dense_sharded": sharded, "every": every}
 
 
 def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -182,7 +187,8 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         built.save(catalog)
     hang = bool(p.get("hang", False))
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "jsonl": jsonl,
-            "run_id": spec.name, "catalog": catalog, "hang": hang, "dense": p.get("dense", "replicated")}
+            "run_id": spec.name, "catalog": catalog, "hang": hang, "dense": p.get("dense", "replicated"),
+            "defaults": bool(p.get("defaults", False)), "overrides": list(p.get("overrides", []))}
     start = time.monotonic()
     # A hung job never returns: it stops once the observers' records have settled.
     stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
@@ -219,10 +225,13 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         if first > expect["within_steps"]:
             problems.append(f"first incident at step {first}, expected within {expect['within_steps']} steps")
     if result.ok and not hang:
-        checks = result.values()[0]["expert_checks"]
-        if len(checks) != args["steps"] or any(c[5] for c in checks):
-            problems.append(f"expert checks {checks}, expected one per step, none skipped")
         value = result.values()[0]
+        checks = value["expert_checks"]
+        if len(checks) != args["steps"] // value["every"] or any(c[5] for c in checks):
+            problems.append(f"expert checks {checks}, expected one every {value['every']} steps, none skipped")
+        recipes = sorted({r for c in value["dense_checks"] for r in c[1]})
+        if expect.get("recipes") and recipes != expect["recipes"]:
+            problems.append(f"dense recipes {recipes}, expected {expect['recipes']}")
         skipped = [c for c in value["dense_checks"] if c[2]]
         if skipped or not value["dense_checks"]:
             problems.append(f"dense checks {value['dense_checks']}: expected some, none skipped")

@@ -405,3 +405,12 @@ def test_moe_a2a_sender_cell_fails_when_receivers_are_judged_alone(monkeypatch):
         alltoall.TransferVerdict((q,), "rank", ((q, s),), "receiver") for q, s in sorted(odd)])
     (report,) = run_cells([SPECS["moe-a2a-sdc-sender"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks [8, 9, 10, 11], expected [9]" in report.details
+
+
+def test_moe_clean_cell_fails_when_the_optimizer_slice_compares_experts(monkeypatch):
+    """The optimizer recipe comparing an expert's update across EP positions (different experts): red."""
+    from scout_core.moe.binding import MoEBinding
+
+    monkeypatch.setattr(MoEBinding, "expert_parameters", lambda self: [])
+    (report,) = run_cells([SPECS["moe-clean"]], root=ROOT)
+    assert report.verdict == "FAIL" and "scopes ['peer_group']" in report.details  # 4 groups of 4: no majority

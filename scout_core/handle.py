@@ -43,6 +43,7 @@ from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ScoutConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
+from scout_core.moe.binding import expert_width
 from scout_core.moe.catalog import Catalog, CatalogDrift
 from scout_core.moe.replay import ExpertReplay
 from scout_core.progress.control import ControlPlane
@@ -179,12 +180,16 @@ class ScoutHandle:
             return
         layers = a.repeated_layers()
         names = a.layer_names if a.layers is not None and a.layer_names else None
+        if a.moe is not None:
+            _refuse_dense_moe(layers, names, a.moe)
         self.replay = ReplayEngine(
             layers, a.optimizers[0] if a.optimizers else None, config=cfg.replay, groups=self.groups,
             rule=StatisticalRule.from_config(cfg.consensus), comm_rule=StatisticalRule.for_communication(cfg.consensus),
             confirm_rounds=cfg.consensus.confirm_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
-            embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False)
+            embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
+            # Experts differ between EP positions: the optimizer slice compares only what every peer holds.
+            exclude_params=a.moe.expert_parameters() if a.moe is not None else ())
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
@@ -196,7 +201,8 @@ class ScoutHandle:
                                         reporter=self.reporter, hosts=self.hosts, catalog=catalog,
                                         comm_rule=StatisticalRule.for_communication(cfg.consensus),
                                         confirm_rounds=cfg.consensus.confirm_rounds,
-                                        determinism_every=cfg.replay.determinism_every)
+                                        determinism_every=cfg.replay.determinism_every,
+                                        deterministic=cfg.replay.deterministic, rng_providers=a.rng_providers)
 
     def _load_catalog(self, path: str, moe: Any) -> Catalog:
         """The shape catalog, checked on every rank before any group is built: a rank that cannot use it (no
@@ -206,7 +212,11 @@ class ScoutHandle:
         try:
             catalog = Catalog.load(path)
             names = moe.names or [f"moe.{i}" for i in range(len(moe.layers))]
-            catalog.check_runtime(names, device_of(moe.layers[0]))
+            expert = moe.local_experts(moe.layers[0])[0]
+            ep = next((len(g) for g in moe.ep_groups if self.rank in g), None) if moe.ep_groups else None
+            catalog.check_runtime(names, device_of(expert), position=moe.position(self.rank),
+                                  hidden=expert_width(expert, moe.hidden_size),
+                                  local_experts=len(moe.local_experts(moe.layers[0])), ep_size=ep)
         except (OSError, ValueError, KeyError, CatalogDrift) as exc:
             error = f"{type(exc).__name__}: {exc}"
         errors: list[Any] = [None] * self.world_size
@@ -227,11 +237,11 @@ class ScoutHandle:
         memory = MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=self.rank,
                              hosts=self.hosts, fallback=os.path.join(directory, "memory"))
         k = cfg.checkpoint.recipes_per_cycle
-        if self.experts is not None and self.experts.catalog is not None:
-            # A candidate is vouched for only after every catalog shape of every expert was replayed clean:
-            # one recipe cycle of the expert recipe (paper section 8).
+        if self.experts is not None:
+            # A candidate is vouched for only after every expert (and every catalog shape of each) was replayed
+            # clean: one recipe cycle of the expert recipe (paper section 8), counted in expert checks.
             k = max(k, self.experts.cycle)
-            _log.info("SCOUT: certification waits for a recipe cycle of %d checks (MoE shape catalog)", k)
+            _log.info("SCOUT: certification waits for a recipe cycle of %d expert checks", k)
         self.checkpoint = CheckpointCoordinator(
             self.snapshots, DurableStore(directory, self.rank, self.world_size),
             Certifier(recipes_per_cycle=k, static=k == 1), memory=memory, control_group=self.groups.world_control,
@@ -257,6 +267,8 @@ class ScoutHandle:
         extra: dict[str, Any] = {"caller": {}}
         if self.replay is not None:
             extra["scout"] = self.replay.sweep_state()
+        if self.experts is not None:
+            extra["scout_experts"] = self.experts.state()
         return extra
 
     def flush(self) -> None:
@@ -343,11 +355,11 @@ class ScoutHandle:
     def _certifies(self, result: BoundaryResult, expert: Any) -> bool:
         """Whether this boundary's checks can vouch for the state (the same on every rank).
 
-        With a shape catalog, the recipe cycle K counts expert checks (every layer, local expert and
-        representative once), so exactly the boundaries with an expert check certify; a dense check between
-        them still reports SDC. Otherwise only a check that replayed a layer vouches (an LM-head or optimizer
-        check on its own cadence does not), unless the layer recipe is configured off."""
-        if self.experts is not None and self.experts.catalog is not None:
+        With the expert recipe, the recipe cycle K counts expert checks (every layer, local expert and
+        catalog representative once), so exactly the boundaries with an expert check certify; a dense check
+        between them still reports SDC. Otherwise only a check that replayed a layer vouches (an LM-head or
+        optimizer check on its own cadence does not), unless the layer recipe is configured off."""
+        if self.experts is not None:
             return expert is not None
         hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
         return result.checked and ("hidden" in result.recipes or hidden_off)
@@ -420,6 +432,8 @@ class ScoutHandle:
     def _after_restore(self, snap: dict[str, Any], trust: dict[str, Any]) -> None:
         if self.replay is not None:
             self.replay.load_sweep_state(snap["extra"].get("scout", {"step": snap["step"], "checks": 0}))
+        if self.experts is not None:
+            self.experts.load_state(snap["extra"].get("scout_experts", {}))
         cert = self.checkpoint.certifier
         cert.latest, cert.verified, cert.candidate, cert.q = trust["latest"], trust["verified"], None, 0
         if self.tracker is not None:
@@ -592,3 +606,14 @@ class _Claimed:
 
 
 _CLAIMED: Any = _Claimed()
+
+
+def _refuse_dense_moe(layers: list[torch.nn.Module], names: list[str] | None, moe: Any) -> None:
+    """A dense layer that contains a bound MoE layer would replay its AllToAll on other replicas' inputs and
+    name the wrong ranks (and its experts' capture hooks would see replay rows): refuse it, saying what to do."""
+    bound = {id(m) for m in moe.layers}
+    for i, layer in enumerate(layers):
+        if any(id(m) in bound for m in layer.modules()):
+            name = names[i] if names else type(layer).__name__
+            raise ValueError(f"the dense recipe would replay {name}, which contains a MoE layer bound by moe=: "
+                             "pass layers=[...] naming the dense parts (attention, router) to enable()")

@@ -32,3 +32,13 @@ def test_a_sender_and_an_unrelated_single_transfer_in_another_replica():
 
 def test_nothing_odd_names_nobody():
     assert _named(set()) == []
+
+
+def test_two_corrupting_receivers_in_one_replica_are_named_not_their_healthy_senders():
+    odd = {(q, s) for q in (8, 10) for s in (8, 9, 10, 11)}
+    assert _named(odd) == [((8,), "rank"), ((10,), "rank")]
+
+
+def test_a_corrupting_sender_and_receiver_together():
+    odd = {(q, 9) for q in (8, 9, 10, 11)} | {(11, s) for s in (8, 9, 10, 11)}
+    assert sorted(_named(odd)) == [((9,), "rank"), ((11,), "rank")]

@@ -9,8 +9,8 @@ from scout_core.config import ScoutConfig
 from scout_core.handle import ScoutHandle
 
 
-def _handle(catalog: object | None) -> SimpleNamespace:
-    return SimpleNamespace(experts=SimpleNamespace(catalog=catalog), config=ScoutConfig(),
+def _handle(catalog: object | None, experts: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(experts=SimpleNamespace(catalog=catalog) if experts else None, config=ScoutConfig(),
                            replay=SimpleNamespace(health=SimpleNamespace(disabled=set())))
 
 
@@ -19,20 +19,33 @@ NOTHING = SimpleNamespace(checked=False, recipes=[])
 EXPERT = object()
 
 
-def test_with_a_catalog_exactly_the_expert_checks_certify():
-    """K is one recipe cycle of expert checks: a dense check between them does not advance it."""
-    h = _handle(catalog=object())
-    assert not ScoutHandle._certifies(h, HIDDEN, None)
-    assert ScoutHandle._certifies(h, HIDDEN, EXPERT)
-    assert ScoutHandle._certifies(h, NOTHING, EXPERT)
+def test_with_the_expert_recipe_exactly_the_expert_checks_certify():
+    """K is one recipe cycle of expert checks (with or without a catalog): a dense check between them does not
+    advance it."""
+    for catalog in (object(), None):
+        h = _handle(catalog=catalog)
+        assert not ScoutHandle._certifies(h, HIDDEN, None)
+        assert ScoutHandle._certifies(h, HIDDEN, EXPERT)
+        assert ScoutHandle._certifies(h, NOTHING, EXPERT)
 
 
-def test_without_a_catalog_the_layer_checks_certify():
-    h = _handle(catalog=None)
+def test_without_experts_the_layer_checks_certify():
+    h = _handle(catalog=None, experts=False)
     assert ScoutHandle._certifies(h, HIDDEN, None)
-    assert ScoutHandle._certifies(h, HIDDEN, EXPERT)
-    assert not ScoutHandle._certifies(h, NOTHING, EXPERT)
+    assert not ScoutHandle._certifies(h, NOTHING, None)
     assert not ScoutHandle._certifies(h, SimpleNamespace(checked=True, recipes=["output"]), None)
+
+
+def test_a_missing_check_starts_the_recipe_cycle_over():
+    """K = 4: a skipped check in the middle means the next four accepted checks, not the remaining ones,
+    complete the cycle (any K consecutive checks of the rotation cover every recipe; K with a hole need not)."""
+    from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier
+
+    cert = Certifier(recipes_per_cycle=4)
+    clean, missing = BoundaryEvidence(), BoundaryEvidence(missing=True)
+    actions = [cert.on_boundary(step, missing if step == 3 else clean) for step in range(1, 9)]
+    assert actions[2] is Action.SKIP
+    assert [s for s, a in enumerate(actions, start=1) if a is Action.CAPTURE_AND_PERSIST] == [7]
 
 
 def test_expert_width_reads_linear_experts_and_raw_weights():

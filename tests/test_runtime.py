@@ -242,7 +242,7 @@ def test_sampled_layer_that_did_not_run_skips_the_check_on_every_peer(tmp_path):
     for v in result.values():
         skipped = {s: why for s, why in v["history"] if why}
         assert list(skipped) == [2] and "did not run on the source" in skipped[2]
-        assert "skip: evidence missing" in v["certifier"]
+        assert "skip: evidence missing (the recipe cycle starts over)" in v["certifier"]
     assert not (tmp_path / "inc.jsonl").exists()  # a skip is not an incident, and not an error
 
 

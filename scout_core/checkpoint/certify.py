@@ -12,7 +12,8 @@ see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundar
 
 * SDC or inconclusive evidence anywhere: the candidate is rejected and recovery
   must run (:func:`decide_retrieval`); nothing is captured.
-* Missing evidence: the capture is skipped; no state changes.
+* Missing evidence: the capture is skipped, and the recipe cycle starts over
+  (``q = 0``): the skipped check's recipe was not replayed.
 * Healthy, or a straggler only (slowness is not numerical divergence): the
   current state is captured as ``latest`` and ``q`` (accepted recipes in the
   cycle) grows. When ``q`` reaches ``K`` the prior candidate is promoted to
@@ -84,7 +85,10 @@ class Certifier:
             self.history.append((step, "recover"))
             return Action.RECOVER
         if evidence.missing:
-            self.history.append((step, "skip: evidence missing"))
+            # A cycle is K consecutive accepted checks: any K consecutive checks of a rotation cover every
+            # recipe, K that skip one need not (the check's recipe was not replayed). Start over.
+            self.q = 0
+            self.history.append((step, "skip: evidence missing (the recipe cycle starts over)"))
             return Action.SKIP
         if evidence.busy:
             self.history.append((step, "skip: the previous snapshot is still being persisted"))

@@ -13,9 +13,9 @@ makes every EP group execute the *same* plan:
    EP group, and the fastest run is its time; a training-shaped all-reduce of the received rows over the
    expert peers (how expert gradients are synchronized) is timed the same way;
 3. the rows received from each EP position are signed apart and compared exactly among the expert peers; one
-   world all-gather of the odd transfers (receiver, sender) then tells a corrupting sender (its transfers
-   are odd at two or more receivers) from a corrupting receiver (odd on transfers from two or more senders)
-   and from one bad transfer (both endpoints, scope ``peer_group``) (:func:`attribute_transfers`, ``sdc``);
+   world all-gather of the odd transfers (receiver, sender) then names the fewest endpoints that explain them
+   (corrupting senders and receivers; both endpoints of a transfer nothing else explains, scope
+   ``peer_group``) (:func:`attribute_transfers`, ``sdc``);
    every rank's two times go to the same world all-gather as the plan of the next check:
    statistical C3 across the EP groups and across the expert-DP groups marks slow groups, and their
    intersection (:func:`~scout_core.topology.localize_slow_groups`) names the machine, confirmed over the
@@ -54,34 +54,35 @@ class TransferVerdict:
 
 def attribute_transfers(odd: set[tuple[int, int]]) -> list[TransferVerdict]:
     """Name the endpoints of odd AllToAll transfers ``(receiver, sender)`` (each odd among the receiver's
-    expert peers, i.e. the same transfer in the other replicas). A sender whose transfers are odd at two or
-    more receivers corrupts what it sends; of what is left, a receiver odd on transfers from two or more
-    senders corrupts what it receives; a transfer to itself is its own rank; one other odd transfer names
-    both of its endpoints (the sender's, the receiver's or the link between them: no more can be told)."""
-    by_sender: dict[int, set[int]] = {}
-    for q, s in odd:
-        by_sender.setdefault(s, set()).add(q)
-    out = []
+    expert peers, i.e. the same transfer in the other replicas) with the fewest culprits: repeatedly, the
+    endpoint that explains the most odd transfers left, as a corrupting sender or receiver (ties broken by
+    rank). When another endpoint explains exactly the same transfers (one odd transfer between two ranks),
+    they cannot be told apart: both are named, scope ``peer_group`` (either endpoint or the link)."""
     left = set(odd)
-    for s in sorted(by_sender):
-        if len(by_sender[s]) >= 2:
-            mine = tuple(sorted((q, s) for q in by_sender[s]))
-            out.append(TransferVerdict((s,), "rank", mine,
-                                       f"AllToAll replay: what rank {s} sent differs at {len(mine)} receivers"))
-            left -= set(mine)
-    by_receiver: dict[int, set[int]] = {}
-    for q, s in left:
-        by_receiver.setdefault(q, set()).add(s)
-    for q in sorted(by_receiver):
-        if len(by_receiver[q]) >= 2 or by_receiver[q] == {q}:
-            mine = tuple(sorted((q, s) for s in by_receiver[q]))
-            out.append(TransferVerdict((q,), "rank", mine,
-                                       f"AllToAll replay: what rank {q} received differs from {len(mine)} sender(s)"))
-            left -= set(mine)
-    for q, s in sorted(left):
-        out.append(TransferVerdict(tuple(sorted((q, s))), "peer_group", ((q, s),),
-                                   f"AllToAll replay: one transfer, rank {s} to rank {q}, differs (either endpoint "
-                                   "or the link between them)"))
+    out = []
+    while left:
+        cover: dict[tuple[str, int], set[tuple[int, int]]] = {}
+        for q, s in left:
+            cover.setdefault(("receiver", q), set()).add((q, s))
+            cover.setdefault(("sender", s), set()).add((q, s))
+        most = max(len(v) for v in cover.values())
+        best = sorted((k for k, v in cover.items() if len(v) == most), key=lambda k: (k[1], k[0]))
+        role, rank = best[0]
+        pairs = cover[best[0]]
+        twins = sorted({r for k in best[1:] if cover[k] == pairs and (r := k[1]) != rank})
+        transfers = tuple(sorted(pairs))
+        if twins:
+            ends = tuple(sorted({rank, *twins}))
+            out.append(TransferVerdict(ends, "peer_group", transfers,
+                                       f"AllToAll replay: transfers between ranks {list(ends)} differ (either "
+                                       "endpoint or the link between them)"))
+        elif role == "sender":
+            out.append(TransferVerdict((rank,), "rank", transfers, f"AllToAll replay: what rank {rank} sent "
+                                       f"differs at {len(pairs)} receiver(s)"))
+        else:
+            out.append(TransferVerdict((rank,), "rank", transfers, f"AllToAll replay: what rank {rank} received "
+                                       f"differs from {len(pairs)} sender(s)"))
+        left -= pairs
     return out
 
 
@@ -90,8 +91,10 @@ class AllToAllReplay:
 
     def __init__(self, *, ep_groups: Sequence[Sequence[int]], expert_peers: Sequence[int], expert_group: Any,
                  expert_ctrl: Any, world_control: Any, rank: int, hosts: dict[int, str], width: int,
-                 rule: StatisticalRule, confirm_rounds: int, device: torch.device | None = None) -> None:
+                 rule: StatisticalRule, confirm_rounds: int, device: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.device = device or torch.device("cpu")
+        self.dtype = dtype  # the experts' (a bf16 job moves bf16 rows)
         self.ep_groups = [sorted(g) for g in ep_groups]
         self.my_ep = next(g for g in self.ep_groups if rank in g)
         self.position = self.my_ep.index(rank)
@@ -151,11 +154,11 @@ class AllToAllReplay:
         if len(plan) != n or any(row is None or len(row) != n for row in plan):
             raise ValueError(f"split sizes of EP group {owner} do not form a {n}-square plan: {plan}")
         send = torch.cat([_rows(check, self.position, j, plan[self.position][j], self.width)
-                          for j in range(n)]).to(self.device)
+                          for j in range(n)]).to(self.device, self.dtype)
         out_splits = [plan[i][self.position] for i in range(n)]
         largest = max(sum(plan[i][p] for i in range(n)) for p in range(n))
-        received = torch.empty(sum(out_splits), self.width, device=self.device)
-        reduced = torch.zeros(largest, self.width, device=self.device)
+        received = torch.empty(sum(out_splits), self.width, device=self.device, dtype=self.dtype)
+        reduced = torch.zeros(largest, self.width, device=self.device, dtype=self.dtype)
         return send, received, reduced, list(plan[self.position]), out_splits
 
     def _localize(self, times: list[tuple[float, float]]) -> Localization | None:

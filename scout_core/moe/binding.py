@@ -16,7 +16,11 @@ class MoEBinding:
     """The MoE layers of a model and the groups that hold the same experts."""
 
     layers: list[nn.Module]
-    """The MoE modules; each has an ``experts`` ``ModuleList`` of this rank's local experts."""
+    """The MoE modules; each holds this rank's local experts (``experts`` below)."""
+    experts: Callable[[nn.Module], Sequence[nn.Module]] | None = None
+    """A MoE layer's local experts, each a module called on ``[rows, hidden]`` (it may return a tuple, such as
+    Megatron's ``(out, bias)``: the first tensor is the output); default: the layer's ``experts``
+    ``ModuleList`` (Megatron's ``SequentialMLP``: ``lambda m: m.local_experts``)."""
     expert_peer_groups: list[list[int]]
     """A partition of the ranks into groups holding the same experts (same EP position, other replicas)."""
     names: list[str] | None = None
@@ -37,9 +41,15 @@ class MoEBinding:
         if not self.layers:
             raise ValueError("MoEBinding needs at least one MoE layer")
         for m in self.layers:
-            if not isinstance(getattr(m, "experts", None), nn.ModuleList) or not len(m.experts):
-                raise TypeError(f"MoE layer {type(m).__name__} has no non-empty `experts` ModuleList")
-        if len({len(m.experts) for m in self.layers}) != 1:
+            experts = self.local_experts(m)
+            if not experts or not all(isinstance(e, nn.Module) for e in experts):
+                raise TypeError(f"MoE layer {type(m).__name__} has no local experts (modules): give an `experts` "
+                                "ModuleList or MoEBinding(experts=...)")
+            if any(_is_dtensor(p) for e in experts for p in e.parameters()):
+                raise ValueError(f"the experts of {type(m).__name__} are sharded (DTensor parameters, FSDP2): the "
+                                 "expert recipe compares whole experts among their replicas; keep experts out of "
+                                 "fully_shard (ignored_params=...) for now")
+        if len({len(self.local_experts(m)) for m in self.layers}) != 1:
             raise ValueError("every MoE layer must hold the same number of local experts")
         flat = sorted(r for g in self.expert_peer_groups for r in g)
         if dist.is_initialized() and flat != list(range(dist.get_world_size())):
@@ -53,6 +63,17 @@ class MoEBinding:
             raise ValueError(f"{len(self.names)} names for {len(self.layers)} MoE layers")
         if self.hidden_size is not None and self.hidden_size < 1:
             raise ValueError(f"hidden_size must be positive, got {self.hidden_size}")
+
+    def local_experts(self, layer: nn.Module) -> list[nn.Module]:
+        """The local experts of ``layer``."""
+        if self.experts is not None:
+            return list(self.experts(layer))
+        experts = getattr(layer, "experts", None)
+        return list(experts) if isinstance(experts, nn.ModuleList) else []
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """Every local expert's parameters, in every bound layer."""
+        return [p for m in self.layers for e in self.local_experts(m) for p in e.parameters()]
 
     def position(self, rank: int) -> int:
         """This rank's EP position (see ``ep_position``)."""
@@ -78,3 +99,9 @@ def expert_width(expert: nn.Module, hidden_size: int | None = None) -> int:
         raise ValueError(f"cannot tell the input width of expert {type(expert).__name__}: "
                          "set MoEBinding.hidden_size")
     return int(p.shape[0])
+
+
+def _is_dtensor(p: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)

@@ -216,14 +216,29 @@ class Catalog:
                 return list(e["representatives"])
         raise KeyError(f"no catalog entry for layer {layer!r} at EP position {position}")
 
-    def check_runtime(self, layers: list[str], device: torch.device) -> None:
-        """Raise unless this catalog serves a job replaying ``layers`` on ``device``: every layer has entries,
-        and a catalog profiled on a device (CUDA) was profiled on this device with this torch and CUDA. The
-        reference path model depends on the tile configuration alone, so its catalogs serve any device."""
+    def check_runtime(self, layers: list[str], device: torch.device, *, position: int = 0,
+                      hidden: int | None = None, local_experts: int | None = None,
+                      ep_size: int | None = None) -> None:
+        """Raise unless this catalog serves a job replaying ``layers`` on ``device`` at EP ``position``:
+        every layer has an entry for the position; the live model's expert width, local experts per position
+        and EP size (where known) are the catalog's (another capacity cannot be seen from the model: it is
+        the builder's to keep); and a catalog profiled on a device (CUDA) was profiled on this device with
+        this torch and CUDA. The reference path model depends on the tile configuration alone, so its
+        catalogs serve any device."""
         missing = sorted({name for name in layers} - {e["layer"] for e in self.entries})
         if missing:
             raise ValueError(f"the shape catalog has no entries for MoE layer(s) {missing}; it lists "
                              f"{sorted({e['layer'] for e in self.entries})} (scout catalog build --layers ...)")
+        for name in layers:
+            self.representatives(name, position)  # KeyError: built for fewer EP positions
+        model = self.environment.get("model", {})
+        live = {"hidden": hidden, "local experts": local_experts, "ep_size": ep_size}
+        built = {"hidden": model.get("hidden"), "ep_size": model.get("ep_size"),
+                 "local experts": (model["experts"] // model["ep_size"]) if "experts" in model else None}
+        wrong = [f"{k}: built {built[k]}, now {v}" for k, v in live.items() if v is not None and built[k] != v]
+        if wrong:
+            raise CatalogDrift(f"the shape catalog was built for another MoE configuration ({'; '.join(wrong)}); "
+                               "rebuild it with `scout catalog build` for this model")
         if self.environment.get("profiler") != "reference":
             now = runtime_environment(device)
             changed = sorted(k for k in now if self.environment.get(k) != now[k])

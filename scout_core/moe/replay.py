@@ -29,6 +29,7 @@ the environment fingerprint; a rank that is not evidence is reported ``inconclus
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from scout_core.moe.binding import MoEBinding, expert_width
 from scout_core.moe.catalog import Catalog
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
+from scout_core.replay.rng import RngProvider, seeded_rng_scope
 from scout_core.replay.vetting import (
     ENVIRONMENT_SURFACE,
     REPRODUCIBLE_SURFACE,
@@ -92,12 +94,15 @@ class ExpertReplay:
     def __init__(self, binding: MoEBinding, *, every: int, world_control: Any, rank: int,
                  reporter: Reporter | None, hosts: dict[int, str], catalog: Catalog | None = None,
                  comm_rule: StatisticalRule | None = None, confirm_rounds: int = 2,
-                 determinism_every: int = 10) -> None:
+                 determinism_every: int = 10, deterministic: bool = True,
+                 rng_providers: dict[str, RngProvider] | None = None) -> None:
         self.binding, self.every, self.rank = binding, every, rank
         self.hosts, self.reporter, self.catalog = hosts, reporter, catalog
-        self.determinism_every = determinism_every
+        self.determinism_every, self.deterministic = determinism_every, deterministic
+        self.rng_providers = dict(rng_providers or {})
         self.names = binding.names or [f"moe.{i}" for i in range(len(binding.layers))]
-        self.local = len(binding.layers[0].experts)
+        self.experts = [binding.local_experts(m) for m in binding.layers]
+        self.local = len(self.experts[0])
         self.position = binding.position(rank)
         enum = [sorted(g) for g in binding.expert_peer_groups]
         self.peers = next(g for g in enum if rank in g)
@@ -108,9 +113,18 @@ class ExpertReplay:
         self.guard = DiagnosisGuard(world_control, rank=rank, reporter=reporter, hosts=hosts)
         self.checks = 0
         self.history: list[ExpertCheck] = []
-        self._seen: dict[tuple[int, int], torch.Tensor] = {}  # (layer, expert) -> rows received last
+        # One recipe cycle, the same on every rank (EP positions may have different numbers of catalog shapes,
+        # and certification's K must agree job-wide).
+        n = torch.tensor([len(self.experts) * self.local * self._max_representatives()], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=world_control)
+        self._cycle = int(n.item())
+        # The rows the next check's source replays: captured only on that rank, for that (layer, expert), as
+        # a reference to the last call's input (no copy; one expert's rows held, never every expert's).
+        self._seen: dict[tuple[int, int], torch.Tensor] = {}
+        self._want: tuple[int, int] | None = None
+        self._aim()
         self._handles = [expert.register_forward_pre_hook(self._capture(li, ei))
-                         for li, layer in enumerate(binding.layers) for ei, expert in enumerate(layer.experts)]
+                         for li, experts in enumerate(self.experts) for ei, expert in enumerate(experts)]
         self._replaying = False
         self._vet_always = False
         self._untrusted: dict[int, str] = {}
@@ -118,20 +132,38 @@ class ExpertReplay:
         self._env: str | None = None
         self.alltoall: AllToAllReplay | None = None
         if binding.ep_groups is not None:
-            expert = binding.layers[0].experts[0]
             self.alltoall = AllToAllReplay(
                 ep_groups=binding.ep_groups, expert_peers=self.peers, expert_group=self.group, expert_ctrl=self.ctrl,
                 world_control=world_control, rank=rank, hosts=hosts, width=self._width(0, 0),
-                rule=comm_rule or StatisticalRule(), confirm_rounds=confirm_rounds, device=device_of(expert))
+                rule=comm_rule or StatisticalRule(), confirm_rounds=confirm_rounds,
+                device=device_of(self.experts[0][0]), dtype=self._dtype(0, 0))
 
     def _capture(self, li: int, ei: int) -> Any:
         def hook(_m: nn.Module, args: tuple) -> None:
-            if not self._replaying and args and isinstance(args[0], torch.Tensor):
-                self._seen[(li, ei)] = args[0].detach()  # the last call's rows (a reference, no copy)
+            if (li, ei) == self._want and not self._replaying and args and isinstance(args[0], torch.Tensor):
+                self._seen[(li, ei)] = args[0].detach()
         return hook
 
+    def _aim(self) -> None:
+        """Capture for the next check only: its (layer, expert), on its source."""
+        li, ei, _, si = self.rotation(self.checks)
+        self._seen.clear()
+        self._want = (li, ei) if self.peers[si] == self.rank else None
+
     def _width(self, li: int, ei: int) -> int:
-        return expert_width(self.binding.layers[li].experts[ei], self.binding.hidden_size)
+        return expert_width(self.experts[li][ei], self.binding.hidden_size)
+
+    def _dtype(self, li: int, ei: int) -> torch.dtype:
+        """The dtype of the rows an expert takes: its first floating parameter's."""
+        return next((p.dtype for p in self.experts[li][ei].parameters() if p.is_floating_point()), torch.float32)
+
+    def state(self) -> dict[str, Any]:
+        """The rotation, for snapshots: a restored job goes on where the snapshot's job was."""
+        return {"checks": self.checks}
+
+    def load_state(self, saved: dict[str, Any]) -> None:
+        self.checks = int(saved.get("checks", 0))
+        self._aim()
 
     # -- rotation -------------------------------------------------------------------------------------
 
@@ -145,19 +177,22 @@ class ExpertReplay:
         """(layer, local expert, representative index, source index) of ``check``, in mixed radix: every
         combination comes round within ``cycle x len(peers)`` checks, and one cycle covers every layer, local
         expert and representative once."""
-        n_layers = len(self.binding.layers)
+        n_layers = len(self.experts)
         li = check % n_layers
         ei = (check // n_layers) % self.local
-        k = len(self.representatives(li) or [None])
-        ri = (check // (n_layers * self.local)) % k
-        si = (check // (n_layers * self.local * k)) % len(self.peers)
+        ri = (check // (n_layers * self.local)) % len(self.representatives(li) or [None])
+        si = (check // self.cycle) % len(self.peers)
         return li, ei, ri, si
+
+    def _max_representatives(self) -> int:
+        return max(len(self.representatives(li) or [None]) for li in range(len(self.experts)))
 
     @property
     def cycle(self) -> int:
-        """Checks in one recipe cycle: every layer, local expert and representative once."""
-        reps = self.representatives(0)
-        return len(self.binding.layers) * self.local * (len(reps) if reps else 1)
+        """Checks in one recipe cycle, the same on every rank: layers x local experts x the most representatives
+        any layer has at any EP position. Any ``cycle`` consecutive checks replay every layer, local expert and
+        representative at least once."""
+        return self._cycle
 
     # -- one check -----------------------------------------------------------------------------------
 
@@ -170,7 +205,7 @@ class ExpertReplay:
         li, ei, ri, si = self.rotation(check)
         source = self.peers[si]
         reps = self.representatives(li)
-        expert = self.binding.layers[li].experts[ei]
+        expert = self.experts[li][ei]
         device = device_of(expert)
         vet = vet_due(check, self.determinism_every, self._vet_always, self.cycle)
         result = ExpertCheck(step, self.names[li], ei, -1, source)
@@ -204,7 +239,10 @@ class ExpertReplay:
         if self.alltoall is not None:
             splits = guard.run("dispatch split sizes", lambda: self._splits(li))
             a2a, result.localization, result.transfers = self.alltoall.check(check, splits, guard, step)
-            result.surfaces += a2a
+            if a2a:
+                result.surfaces += a2a
+            else:  # the AllToAll part failed somewhere (every rank alike): this check's evidence is incomplete
+                result.skipped = "AllToAll replay: diagnosis error"
         result.incidents = self._verdicts(result)
         return self._done(result)
 
@@ -222,7 +260,7 @@ class ExpertReplay:
         if rows is None:
             rows = 0 if seen is None else seen.shape[0]
         if seen is None or seen.shape[0] == 0:
-            return _seeded_rows(li, ei, rows, self._width(li, ei))
+            return _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei))
         seen = seen.detach().to("cpu", copy=True)
         reps = -(-rows // seen.shape[0]) if rows else 0
         return seen.repeat(reps, 1)[:rows] if rows else seen[:0]
@@ -241,12 +279,14 @@ class ExpertReplay:
         params = [p for p in expert.parameters() if p.requires_grad]
         self._replaying = True
         try:
-            xi = x.detach().clone().requires_grad_(x.is_floating_point())
-            out = expert(xi)
-            gen = torch.Generator().manual_seed(7_919 * check + 17)
-            grad_out = torch.randn(out.shape, generator=gen, dtype=out.dtype).to(out.device)
-            grads = torch.autograd.grad([out], [xi, *params], grad_outputs=[grad_out], allow_unused=True) \
-                if out.requires_grad else (None,) * (1 + len(params))
+            # The same seeded RNG on every peer (dropout masks alike), training's RNG streams untouched.
+            with seeded_rng_scope(7_919 * check + 101, self.rng_providers, deterministic=self.deterministic):
+                xi = x.detach().clone().requires_grad_(x.is_floating_point())
+                out = first_tensor(expert(xi))
+                gen = torch.Generator().manual_seed(7_919 * check + 17)
+                grad_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+                grads = torch.autograd.grad([out], [xi, *params], grad_outputs=[grad_out], allow_unused=True) \
+                    if out.requires_grad else (None,) * (1 + len(params))
         finally:
             self._replaying = False
         groups = [("output", [out.detach()]), ("grad_input", [g for g in grads[:1] if g is not None]),
@@ -290,13 +330,18 @@ class ExpertReplay:
 
         def replay_all() -> list[tuple[str, Any]]:
             evidence: list[tuple[str, Any]] = []
-            for li, layer in enumerate(self.binding.layers):
+            reproducible = True
+            for li, experts in enumerate(self.experts):
                 for rows in self.representatives(li) or [SWEEP_ROWS]:
-                    for ei, expert in enumerate(layer.experts):
-                        x = _seeded_rows(li, ei, rows, self._width(li, ei)).to(device_of(expert))
+                    for ei, expert in enumerate(experts):
+                        x = _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei)).to(device_of(expert))
                         tag = f"{self.names[li]}.experts.{ei}.rows{rows}"
-                        evidence += [(f"{tag}.{n}", v) for n, v in self._replay_once(expert, x, (1 << 20) + rows)]
-            evidence.append((ENVIRONMENT_SURFACE, self._environment(device_of(layer.experts[0]))))
+                        # Twice: a restarted job knows nothing of its kernels' determinism yet.
+                        signed, again = self._replay(expert, x, (1 << 20) + rows, twice=True)
+                        reproducible = reproducible and again
+                        evidence += [(f"{tag}.{n}", v) for n, v in signed]
+            evidence.append((REPRODUCIBLE_SURFACE, reproducible))
+            evidence.append((ENVIRONMENT_SURFACE, self._environment(device_of(self.experts[0][0]))))
             return evidence
 
         evidence = guard.run("expert sweep", replay_all)
@@ -390,12 +435,15 @@ class ExpertReplay:
             inc.step = result.step
         self.history.append(result)
         del self.history[:-1024]
+        self._aim()
         return result
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._seen.clear()
+        self._want = None
 
 
 SWEEP_ROWS = 64
@@ -403,7 +451,23 @@ SWEEP_ROWS = 64
 64-row tile's: without a catalog nothing says which shapes matter, see docs/moe.md)."""
 
 
-def _seeded_rows(li: int, ei: int, rows: int, width: int) -> torch.Tensor:
+def _seeded_rows(li: int, ei: int, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows for an expert that has seen none (or for the sweep): identical on every rank, no transfer."""
     gen = torch.Generator().manual_seed(1_000_003 * li + ei)
-    return torch.randn(rows, width, generator=gen)
+    return torch.randn(rows, width, generator=gen).to(dtype)
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """An expert's output tensor: itself, or the first tensor of a tuple, list, dict or dataclass it returns
+    (Megatron's experts return ``(out, bias)``)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
+    elif isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for item in out:
+            if isinstance(item, torch.Tensor):
+                return item
+    raise TypeError(f"an expert returned {type(out).__name__}, with no tensor to compare")

@@ -146,6 +146,7 @@ class ReplayEngine:
         output: torch.nn.Module | None = None,
         boundary_owner: torch.nn.Module | None = None,
         hook_optimizer: bool = True,
+        exclude_params: Sequence[torch.Tensor] = (),
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -180,7 +181,8 @@ class ReplayEngine:
         self.owner = boundary_owner
         self.captures = [LayerCapture(layer) for layer in self.layers]
         self.optimizer = optimizer
-        self.opt_slice = OptimizerSlice(optimizer, config.optimizer_slice_elems) if optimizer is not None else None
+        self.opt_slice = (OptimizerSlice(optimizer, config.optimizer_slice_elems, exclude=exclude_params)
+                          if optimizer is not None else None)
         self.step = 0
         self.checks = 0
         self.replaying = False

@@ -20,6 +20,7 @@ as the live one.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,17 +33,21 @@ _ALIGN = 64
 
 
 class OptimizerSlice:
-    def __init__(self, optimizer: torch.optim.Optimizer, slice_elems: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, slice_elems: int,
+                 exclude: Iterable[torch.Tensor] = ()) -> None:
         if slice_elems < 1:
             raise ValueError(f"slice_elems must be >= 1, got {slice_elems}")
         self.optimizer = optimizer
         self.slice_elems = slice_elems
+        # Parameters the peers do not hold alike (MoE experts: each EP position has its own, compared among
+        # their replicas by the expert recipe instead).
+        self.exclude = {id(p) for p in exclude}
         self.turn = 0
         self.pending: dict[str, Any] | None = None
 
     def _choose(self) -> tuple[int, int, torch.Tensor, dict[str, Any]] | None:
         params = [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]
-                  if p.grad is not None and local_tensor(p).numel() > 0]
+                  if p.grad is not None and local_tensor(p).numel() > 0 and id(p) not in self.exclude]
         if not params:
             return None
         gi, p = params[self.turn % len(params)]

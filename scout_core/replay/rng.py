@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RngProvider", "capture_rng", "install_rng", "replay_rng_scope"]
+__all__ = ["RngProvider", "capture_rng", "install_rng", "replay_rng_scope", "seeded_rng_scope"]
 
 RngProvider = tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]
 """(get, set) of an extra RNG a plugin registers, e.g. Megatron's tensor-parallel tracker."""
@@ -65,6 +65,18 @@ def replay_rng_scope(
         install_rng(saved, providers)
         torch.use_deterministic_algorithms(det_was, warn_only=det_warn)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
+
+
+@contextlib.contextmanager
+def seeded_rng_scope(seed: int, providers: Mapping[str, RngProvider] | None = None, *,
+                     deterministic: bool = True) -> Iterator[None]:
+    """Run the body with torch's CPU and current-device RNGs seeded by ``seed`` (the same on every peer, no
+    transfer) and deterministic kernels; every state, the providers' included, is put back afterwards."""
+    with replay_rng_scope(capture_rng(providers), providers, deterministic=deterministic):
+        torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
+        if _cuda_ready():
+            torch.cuda.manual_seed(seed)
+        yield
 
 
 def rng_fingerprint(states: Mapping[str, Any]) -> tuple[Any, ...]:
