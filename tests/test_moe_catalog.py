@@ -150,3 +150,20 @@ def test_a_fault_on_any_row_of_a_tail_tile_shows_on_a_representative(row):
     shown = [m for m in reps if not torch.equal(ReferenceGroupedGemm(fault=fault).gemm(torch.ones(m, 32), w),
                                                 ReferenceGroupedGemm().gemm(torch.ones(m, 32), w))]
     assert shown, f"a fault on tail row {row} hides from representatives {reps}"
+
+
+def test_the_catalog_is_checked_against_the_live_model():
+    """Built for another width, local expert count, EP size or fewer EP positions: refused with the reason."""
+    catalog = build_catalog(MoESpec(hidden=32, ffn=32, experts=8, ep_size=4, capacity=16))
+    cpu = torch.device("cpu")
+    catalog.check_runtime(["layers.0.moe"], cpu, position=3, hidden=32, local_experts=2, ep_size=4)
+    with pytest.raises(CatalogDrift, match="hidden: built 32, now 64"):
+        catalog.check_runtime(["layers.0.moe"], cpu, hidden=64)
+    with pytest.raises(CatalogDrift, match="local experts: built 2, now 1"):
+        catalog.check_runtime(["layers.0.moe"], cpu, local_experts=1)
+    with pytest.raises(CatalogDrift, match="ep_size: built 4, now 8"):
+        catalog.check_runtime(["layers.0.moe"], cpu, ep_size=8)
+    with pytest.raises(KeyError, match="EP position 5"):
+        catalog.check_runtime(["layers.0.moe"], cpu, position=5)
+    with pytest.raises(ValueError, match="no entries for MoE layer"):
+        catalog.check_runtime(["layers.1.moe"], cpu)

@@ -257,8 +257,8 @@ class ExpertReplay:
 
     def _source_input(self, li: int, ei: int, rows: int | None) -> torch.Tensor:
         seen = self._seen.get((li, ei))
-        if rows is None:
-            rows = 0 if seen is None else seen.shape[0]
+        if rows is None:  # no catalog: the training shape, or SWEEP_ROWS seeded rows if none were routed here
+            rows = seen.shape[0] if seen is not None and seen.shape[0] else SWEEP_ROWS
         if seen is None or seen.shape[0] == 0:
             return _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei))
         seen = seen.detach().to("cpu", copy=True)
