@@ -44,7 +44,7 @@ from scout_core.config import ScoutConfig
 from scout_core.consensus import StatisticalRule
 from scout_core.groups import ScoutGroups
 from scout_core.moe.binding import expert_width
-from scout_core.moe.catalog import Catalog, CatalogDrift
+from scout_core.moe.catalog import Catalog
 from scout_core.moe.replay import ExpertReplay
 from scout_core.progress.control import ControlPlane
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
@@ -93,6 +93,7 @@ class ScoutHandle:
         self.ddp_buckets_visible: bool | None = None
         self.replay: ReplayEngine | None = None
         self.experts: ExpertReplay | None = None
+        self._dense_in_cycle = False  # a hidden-layer check ran since the last completed recipe cycle
         """The MoE expert recipe (``enable(..., moe=...)``), or None."""
         self.snapshots: SnapshotEngine | None = None
         self.checkpoint: CheckpointCoordinator | None = None
@@ -188,8 +189,8 @@ class ScoutHandle:
             confirm_rounds=cfg.consensus.confirm_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
-            # Experts differ between EP positions: the optimizer slice compares only what every peer holds.
-            exclude_params=a.moe.expert_parameters() if a.moe is not None else ())
+            # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.
+            local_only_params=a.moe.expert_parameters() if a.moe is not None else ())
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
@@ -217,7 +218,7 @@ class ScoutHandle:
             catalog.check_runtime(names, device_of(expert), position=moe.position(self.rank),
                                   hidden=expert_width(expert, moe.hidden_size),
                                   local_experts=len(moe.local_experts(moe.layers[0])), ep_size=ep)
-        except (OSError, ValueError, KeyError, CatalogDrift) as exc:
+        except Exception as exc:  # noqa: BLE001 - any rank's failure, malformed files included, is everyone's
             error = f"{type(exc).__name__}: {exc}"
         errors: list[Any] = [None] * self.world_size
         dist.all_gather_object(errors, error, group=self.groups.world_control)
@@ -344,8 +345,11 @@ class ScoutHandle:
                                  missing=result.missing or bool(expert and expert.skipped),
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
         if self.checkpoint is not None:
+            self._dense_in_cycle = self._dense_in_cycle or "hidden" in result.recipes
             action, job = self.checkpoint.on_boundary(result.step, local, certify=self._certifies(result, expert))
             self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
+            if action in (Action.CAPTURE_AND_PERSIST, Action.RECOVER):
+                self._dense_in_cycle = False
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
         if job.sdc or job.inconclusive or job.straggler:
@@ -356,12 +360,15 @@ class ScoutHandle:
         """Whether this boundary's checks can vouch for the state (the same on every rank).
 
         With the expert recipe, the recipe cycle K counts expert checks (every layer, local expert and
-        catalog representative once), so exactly the boundaries with an expert check certify; a dense check
-        between them still reports SDC. Otherwise only a check that replayed a layer vouches (an LM-head or
-        optimizer check on its own cadence does not), unless the layer recipe is configured off."""
-        if self.experts is not None:
-            return expert is not None
+        catalog representative once), so the boundaries with an expert check certify; a dense check between
+        them still reports SDC. The boundary that would complete a cycle certifies only if a hidden-layer
+        check also ran in that cycle (the dense parts are vouched for too). Otherwise only a check that
+        replayed a layer vouches (an LM-head or optimizer check on its own cadence does not), unless the layer
+        recipe is configured off (not switched off by replay's health: then nothing is vouched for)."""
         hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
+        if self.experts is not None:
+            closes = self.checkpoint.certifier.at_cycle_boundary
+            return expert is not None and (not closes or self._dense_in_cycle or hidden_off)
         return result.checked and ("hidden" in result.recipes or hidden_off)
 
     def _act(self, result: BoundaryResult, verdicts: list[Incident], job: BoundaryEvidence,

@@ -42,3 +42,28 @@ def test_two_corrupting_receivers_in_one_replica_are_named_not_their_healthy_sen
 def test_a_corrupting_sender_and_receiver_together():
     odd = {(q, 9) for q in (8, 9, 10, 11)} | {(11, s) for s in (8, 9, 10, 11)}
     assert sorted(_named(odd)) == [((9,), "rank"), ((11,), "rank")]
+
+
+def _full(group):
+    return {(q, s) for q in group for s in group}
+
+
+def test_clean_transfers_rule_out_a_sender_that_also_sent_clean_rows():
+    """Receivers 2 and 3 corrupt, each fed only by sender 1, whose rows to 0 and 1 arrived clean."""
+    carried = {(0, 1), (1, 1), (2, 1), (3, 1), (0, 0), (1, 0)}
+    named = [(v.ranks, v.scope) for v in attribute_transfers({(2, 1), (3, 1)}, carried)]
+    assert named == [((2,), "rank"), ((3,), "rank")]
+
+
+def test_a_pattern_no_single_endpoint_explains_names_the_group():
+    odd = {(0, 2), (1, 2), (0, 3), (1, 3)}
+    named = [(v.ranks, v.scope) for v in attribute_transfers(odd, _full(range(4)))]
+    assert named == [((0, 1, 2, 3), "peer_group")]
+
+
+def test_with_every_transfer_known_the_single_culprits_stay_named():
+    full = _full(range(8, 12))
+    assert [(v.ranks, v.scope) for v in attribute_transfers({(q, 9) for q in range(8, 12)}, full)] == [((9,), "rank")]
+    odd = {(q, s) for q in (8, 10) for s in range(8, 12)}
+    assert [(v.ranks, v.scope) for v in attribute_transfers(odd, full)] == [((8,), "rank"), ((10,), "rank")]
+    assert [(v.ranks, v.scope) for v in attribute_transfers({(10, 9)}, full)] == [((9, 10), "peer_group")]

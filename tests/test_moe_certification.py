@@ -9,9 +9,12 @@ from scout_core.config import ScoutConfig
 from scout_core.handle import ScoutHandle
 
 
-def _handle(catalog: object | None, experts: bool = True) -> SimpleNamespace:
+def _handle(catalog: object | None, experts: bool = True, *, closes: bool = False,
+            dense: bool = False) -> SimpleNamespace:
     return SimpleNamespace(experts=SimpleNamespace(catalog=catalog) if experts else None, config=ScoutConfig(),
-                           replay=SimpleNamespace(health=SimpleNamespace(disabled=set())))
+                           replay=SimpleNamespace(health=SimpleNamespace(disabled=set())),
+                           checkpoint=SimpleNamespace(certifier=SimpleNamespace(at_cycle_boundary=closes)),
+                           _dense_in_cycle=dense)
 
 
 HIDDEN = SimpleNamespace(checked=True, recipes=["hidden"])
@@ -27,6 +30,18 @@ def test_with_the_expert_recipe_exactly_the_expert_checks_certify():
         assert not ScoutHandle._certifies(h, HIDDEN, None)
         assert ScoutHandle._certifies(h, HIDDEN, EXPERT)
         assert ScoutHandle._certifies(h, NOTHING, EXPERT)
+
+
+def test_a_cycle_closes_only_if_a_dense_layer_check_ran_in_it():
+    """Expert checks alone never vouch for attention and router: the boundary that would complete the cycle
+    waits for a hidden-layer check in the cycle."""
+    assert not ScoutHandle._certifies(_handle(None, closes=True), NOTHING, EXPERT)
+    assert ScoutHandle._certifies(_handle(None, closes=True, dense=True), NOTHING, EXPERT)
+    off = _handle(None, closes=True)
+    off.config.replay.cadence.hidden = 0  # the layer recipe configured off: the expert cycle is the evidence
+    assert ScoutHandle._certifies(off, NOTHING, EXPERT)
+    off.replay.health.disabled = {"hidden"}  # switched off by replay's health: nothing vouches
+    assert not ScoutHandle._certifies(off, NOTHING, EXPERT)
 
 
 def test_without_experts_the_layer_checks_certify():

@@ -52,38 +52,89 @@ class TransferVerdict:
     reason: str
 
 
-def attribute_transfers(odd: set[tuple[int, int]]) -> list[TransferVerdict]:
+def attribute_transfers(odd: set[tuple[int, int]],
+                        carried: set[tuple[int, int]] | None = None) -> list[TransferVerdict]:
     """Name the endpoints of odd AllToAll transfers ``(receiver, sender)`` (each odd among the receiver's
-    expert peers, i.e. the same transfer in the other replicas) with the fewest culprits: repeatedly, the
-    endpoint that explains the most odd transfers left, as a corrupting sender or receiver (ties broken by
-    rank). When another endpoint explains exactly the same transfers (one odd transfer between two ranks),
-    they cannot be told apart: both are named, scope ``peer_group`` (either endpoint or the link)."""
-    left = set(odd)
-    out = []
-    while left:
-        cover: dict[tuple[str, int], set[tuple[int, int]]] = {}
+    expert peers, i.e. the same transfer in the other replicas) with the fewest culprits.
+
+    ``carried``: every transfer that moved rows (default: the odd ones). A sender is a candidate only if every
+    transfer it sent is odd, a receiver only if every transfer it received is (a clean one contradicts it).
+    Each group of odd transfers linked by shared ranks is explained by the fewest candidates (greedy, from
+    each of the candidates that explain the most); if that explanation is unique, its culprits are named
+    (scope ``rank``), otherwise, or if no candidates explain it, the endpoints of the group's transfers are
+    named together (scope ``peer_group``: an endpoint or a link, no more can be told)."""
+    clean = (set(carried) if carried is not None else set(odd)) - set(odd)
+    out: list[TransferVerdict] = []
+    for part in _linked(set(odd)):
+        covers = _fewest_culprits(part, {s for _, s in clean}, {q for q, _ in clean})
+        if covers is None:
+            pairs = tuple(sorted(part))
+            out.append(TransferVerdict(_ends(pairs), "peer_group", pairs, f"AllToAll replay: transfers between "
+                                       f"ranks {list(_ends(pairs))} differ, and no one endpoint explains them "
+                                       "(either endpoints or links)"))
+            continue
+        for role, rank, pairs in covers:
+            ordered = tuple(sorted(pairs))
+            verb = f"sent differs at {len(ordered)} receiver(s)" if role == "sender" else \
+                f"received differs from {len(ordered)} sender(s)"
+            out.append(TransferVerdict((rank,), "rank", ordered, f"AllToAll replay: what rank {rank} {verb}"))
+    return sorted(out, key=lambda v: v.ranks)
+
+
+def _linked(pairs: set[tuple[int, int]]) -> list[set[tuple[int, int]]]:
+    """The odd transfers in groups that share ranks (one replica's AllToAll shares none with another's)."""
+    parts: list[tuple[set[int], set[tuple[int, int]]]] = []
+    for pair in sorted(pairs):
+        joined = [p for p in parts if p[0] & set(pair)]
+        ranks, members = set(pair), {pair}
+        for p in joined:
+            ranks |= p[0]
+            members |= p[1]
+            parts.remove(p)
+        parts.append((ranks, members))
+    return [m for _, m in parts]
+
+
+def _fewest_culprits(part: set[tuple[int, int]], bad_senders: set[int], bad_receivers: set[int]
+                     ) -> list[tuple[str, int, set[tuple[int, int]]]] | None:
+    """The unique smallest greedy explanation of ``part`` (None: none, or several of one size)."""
+
+    def cover(left: set[tuple[int, int]]) -> dict[tuple[str, int], set[tuple[int, int]]]:
+        out: dict[tuple[str, int], set[tuple[int, int]]] = {}
         for q, s in left:
-            cover.setdefault(("receiver", q), set()).add((q, s))
-            cover.setdefault(("sender", s), set()).add((q, s))
-        most = max(len(v) for v in cover.values())
-        best = sorted((k for k, v in cover.items() if len(v) == most), key=lambda k: (k[1], k[0]))
-        role, rank = best[0]
-        pairs = cover[best[0]]
-        twins = sorted({r for k in best[1:] if cover[k] == pairs and (r := k[1]) != rank})
-        transfers = tuple(sorted(pairs))
-        if twins:
-            ends = tuple(sorted({rank, *twins}))
-            out.append(TransferVerdict(ends, "peer_group", transfers,
-                                       f"AllToAll replay: transfers between ranks {list(ends)} differ (either "
-                                       "endpoint or the link between them)"))
-        elif role == "sender":
-            out.append(TransferVerdict((rank,), "rank", transfers, f"AllToAll replay: what rank {rank} sent "
-                                       f"differs at {len(pairs)} receiver(s)"))
-        else:
-            out.append(TransferVerdict((rank,), "rank", transfers, f"AllToAll replay: what rank {rank} received "
-                                       f"differs from {len(pairs)} sender(s)"))
-        left -= pairs
-    return out
+            if q not in bad_receivers:
+                out.setdefault(("receiver", q), set()).add((q, s))
+            if s not in bad_senders:
+                out.setdefault(("sender", s), set()).add((q, s))
+        return out
+
+    def greedy(first: tuple[str, int]) -> list[tuple[str, int, set[tuple[int, int]]]] | None:
+        left, chosen, pick = set(part), [], first
+        while left:
+            options = cover(left)
+            if pick is None:
+                if not options:
+                    return None
+                pick = min(options, key=lambda k: (-len(options[k]), k[1], k[0]))
+            chosen.append((*pick, options[pick]))
+            left -= options[pick]
+            pick = None
+        return chosen
+
+    options = cover(part)
+    if not options:
+        return None
+    most = max(len(v) for v in options.values())
+    found = [c for c in (greedy(k) for k in sorted(options) if len(options[k]) == most) if c is not None]
+    if not found:
+        return None
+    size = min(len(c) for c in found)
+    smallest = {frozenset(rank for _, rank, _ in c) for c in found if len(c) == size}
+    return next(c for c in found if len(c) == size) if len(smallest) == 1 else None
+
+
+def _ends(pairs: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    return tuple(sorted({r for pair in pairs for r in pair}))
 
 
 class AllToAllReplay:
@@ -121,6 +172,7 @@ class AllToAllReplay:
         owner = self.ep_groups[check % len(self.ep_groups)]
         built = guard.run("AllToAll plan", lambda: self._build(check, [everyone[r][0] for r in owner], owner))
         if not guard.agree(step) or built is None:
+            self._times = None  # nothing measured now: the next round must not count these times twice
             return [], loc, []
         send, received, reduced, in_splits, out_splits = built
         t_a2a = t_ar = float("inf")
@@ -144,7 +196,9 @@ class AllToAllReplay:
                 if r.status is C3Status.ATTRIBUTED and self.rank in r.outlier_ranks]
         odd: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(odd, mine, group=self.world_control)
-        return results, loc, attribute_transfers({tuple(t) for ts in odd for t in ts})
+        plan = [everyone[r][0] for r in owner]  # every EP group ran this plan: which transfers moved rows
+        carried = {(g[j], g[i]) for g in self.ep_groups for i in range(len(g)) for j in range(len(g)) if plan[i][j]}
+        return results, loc, attribute_transfers({tuple(t) for ts in odd for t in ts}, carried)
 
     def _build(self, check: int, plan: list[Any], owner: list[int]) -> tuple[torch.Tensor, ...] | Any:
         """The send buffer, the receive buffer and a fixed-size all-reduce payload for ``plan`` (``plan[i][j]``:

@@ -43,6 +43,7 @@ from scout_core.moe.alltoall import AllToAllReplay
 from scout_core.moe.binding import MoEBinding, expert_width
 from scout_core.moe.catalog import Catalog
 from scout_core.replay.guard import DiagnosisGuard
+from scout_core.replay.health import FAILURES_BEFORE_OFF
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider, seeded_rng_scope
 from scout_core.replay.vetting import (
@@ -123,10 +124,13 @@ class ExpertReplay:
         self._seen: dict[tuple[int, int], torch.Tensor] = {}
         self._want: tuple[int, int] | None = None
         self._aim()
-        self._handles = [expert.register_forward_pre_hook(self._capture(li, ei))
+        self._handles = [expert.register_forward_pre_hook(self._capture(li, ei), with_kwargs=True)
                          for li, experts in enumerate(self.experts) for ei, expert in enumerate(experts)]
         self._replaying = False
         self._vet_always = False
+        self._vet_until = 0  # checks before this one are vetted (a restored job knows nothing of its kernels)
+        self._failures = 0  # checks in a row skipped by a diagnosis error
+        self.disabled = False
         self._untrusted: dict[int, str] = {}
         self._untrusted_reported: set[tuple[int, str]] = set()
         self._env: str | None = None
@@ -139,9 +143,12 @@ class ExpertReplay:
                 device=device_of(self.experts[0][0]), dtype=self._dtype(0, 0))
 
     def _capture(self, li: int, ei: int) -> Any:
-        def hook(_m: nn.Module, args: tuple) -> None:
-            if (li, ei) == self._want and not self._replaying and args and isinstance(args[0], torch.Tensor):
-                self._seen[(li, ei)] = args[0].detach()
+        def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            if (li, ei) != self._want or self._replaying:
+                return
+            rows = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if rows is not None:  # a copy: frameworks free or reuse their dispatch buffers
+                self._seen[(li, ei)] = rows.detach().clone()
         return hook
 
     def _aim(self) -> None:
@@ -158,11 +165,16 @@ class ExpertReplay:
         return next((p.dtype for p in self.experts[li][ei].parameters() if p.is_floating_point()), torch.float32)
 
     def state(self) -> dict[str, Any]:
-        """The rotation, for snapshots: a restored job goes on where the snapshot's job was."""
-        return {"checks": self.checks}
+        """The rotation and what vetting learnt, for snapshots: a restored job goes on where it was."""
+        return {"checks": self.checks, "vet_always": self._vet_always,
+                "untrusted": {str(r): why for r, why in self._untrusted.items()}}
 
     def load_state(self, saved: dict[str, Any]) -> None:
         self.checks = int(saved.get("checks", 0))
+        self._vet_always = bool(saved.get("vet_always", False))
+        self._untrusted = {int(r): str(why) for r, why in saved.get("untrusted", {}).items()}
+        self._untrusted_reported = set(self._untrusted.items())
+        self._vet_until = self.checks + self.cycle  # the machines may be new: vet one whole cycle again
         self._aim()
 
     # -- rotation -------------------------------------------------------------------------------------
@@ -198,7 +210,7 @@ class ExpertReplay:
 
     def boundary(self, step: int) -> ExpertCheck | None:
         """Run the check if one is due at ``step`` (every rank calls this at every boundary)."""
-        if self.every <= 0 or step % self.every:
+        if self.every <= 0 or step % self.every or self.disabled:
             return None
         check = self.checks
         self.checks += 1
@@ -207,7 +219,7 @@ class ExpertReplay:
         reps = self.representatives(li)
         expert = self.experts[li][ei]
         device = device_of(expert)
-        vet = vet_due(check, self.determinism_every, self._vet_always, self.cycle)
+        vet = vet_due(check, self.determinism_every, self._vet_always, self.cycle) or check < self._vet_until
         result = ExpertCheck(step, self.names[li], ei, -1, source)
         guard = self.guard
         guard.reset()
@@ -250,6 +262,22 @@ class ExpertReplay:
         result.skipped = "diagnosis error"
         return self._done(result)
 
+    def _health(self, result: ExpertCheck) -> None:
+        """A failure at every check (skips are agreed job-wide, so the streak is the same on every rank):
+        after FAILURES_BEFORE_OFF in a row the expert recipe is switched off with one record, instead of a
+        diagnosis_error at every check. Certification then waits for it forever: nothing vouches for the
+        experts."""
+        self._failures = self._failures + 1 if result.skipped else 0
+        if self._failures < FAILURES_BEFORE_OFF:
+            return
+        self.disabled = True
+        if self.rank == 0 and self.reporter is not None:
+            self.reporter.emit(Incident(
+                kind=IncidentKind.DIAGNOSIS_ERROR, scope=IncidentScope.JOB, ranks=[], hosts=[], step=result.step,
+                surface="expert", evidence={"reason": "recipe_off"},
+                reason=f"the expert recipe failed {self._failures} checks in a row and is switched off (see the "
+                       "diagnosis_error records before this one); certification no longer vouches for any step"))
+
     def _splits(self, li: int) -> list[int]:
         layer = self.binding.layers[li]
         splits = self.binding.splits(layer) if self.binding.splits is not None else layer.last_plan.in_splits
@@ -261,7 +289,8 @@ class ExpertReplay:
             rows = seen.shape[0] if seen is not None and seen.shape[0] else SWEEP_ROWS
         if seen is None or seen.shape[0] == 0:
             return _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei))
-        seen = seen.detach().to("cpu", copy=True)
+        # As [rows, width] in the expert's dtype (a dispatch may hand 3-D or lower-precision rows).
+        seen = seen.detach().reshape(-1, self._width(li, ei)).to("cpu", self._dtype(li, ei), copy=True)
         reps = -(-rows // seen.shape[0]) if rows else 0
         return seen.repeat(reps, 1)[:rows] if rows else seen[:0]
 
@@ -279,8 +308,10 @@ class ExpertReplay:
         params = [p for p in expert.parameters() if p.requires_grad]
         self._replaying = True
         try:
-            # The same seeded RNG on every peer (dropout masks alike), training's RNG streams untouched.
-            with seeded_rng_scope(7_919 * check + 101, self.rng_providers, deterministic=self.deterministic):
+            # The same seeded RNG on every peer (dropout masks alike), training's RNG streams untouched; autograd
+            # on even when a caller runs the boundary under no_grad.
+            with seeded_rng_scope(7_919 * check + 101, self.rng_providers, deterministic=self.deterministic,
+                                  device=x.device), torch.enable_grad():
                 xi = x.detach().clone().requires_grad_(x.is_floating_point())
                 out = first_tensor(expert(xi))
                 gen = torch.Generator().manual_seed(7_919 * check + 17)
@@ -352,6 +383,8 @@ class ExpertReplay:
         result = ExpertCheck(step, "sweep", -1, -1, -1)
         self._vet(result, c3_exchange([v for _, v in evidence], group=self.ctrl, surfaces=[n for n, _ in evidence]))
         bad = [r for r in result.surfaces if r.status is not C3Status.AGREE]
+        # Evidence set aside (a rank not reproducible or in another environment) proves nothing either way.
+        unproven = torch.tensor([1 if result.unreliable else 0], dtype=torch.int32)
         result.surfaces = bad
         incidents = self._verdicts(result)
         for inc in incidents:
@@ -359,7 +392,8 @@ class ExpertReplay:
             inc.reason = "emergency sweep of the latest state: " + inc.reason
         flag = torch.tensor([1 if bad else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_control)
-        return "dirty" if flag.item() else "clean"
+        dist.all_reduce(unproven, op=dist.ReduceOp.MAX, group=self.world_control)
+        return "dirty" if flag.item() else "failed" if unproven.item() else "clean"
 
     # -- verdicts ---------------------------------------------------------------------------------------
 
@@ -431,6 +465,7 @@ class ExpertReplay:
                         evidence={"surfaces": {r.surface: r.to_dict() for r in results}}, reason=reason)
 
     def _done(self, result: ExpertCheck) -> ExpertCheck:
+        self._health(result)
         for inc in result.incidents:
             inc.step = result.step
         self.history.append(result)

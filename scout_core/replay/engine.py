@@ -146,7 +146,7 @@ class ReplayEngine:
         output: torch.nn.Module | None = None,
         boundary_owner: torch.nn.Module | None = None,
         hook_optimizer: bool = True,
-        exclude_params: Sequence[torch.Tensor] = (),
+        local_only_params: Sequence[torch.Tensor] = (),
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -181,7 +181,7 @@ class ReplayEngine:
         self.owner = boundary_owner
         self.captures = [LayerCapture(layer) for layer in self.layers]
         self.optimizer = optimizer
-        self.opt_slice = (OptimizerSlice(optimizer, config.optimizer_slice_elems, exclude=exclude_params)
+        self.opt_slice = (OptimizerSlice(optimizer, config.optimizer_slice_elems, local_only=local_only_params)
                           if optimizer is not None else None)
         self.step = 0
         self.checks = 0
@@ -549,6 +549,8 @@ class ReplayEngine:
         swept = BoundaryResult(self.step, surfaces=results)
         self._set_aside(swept)  # a rank known not to be evidence makes no SDC in a sweep either
         bad = [r for r in swept.surfaces if r.status is not C3Status.AGREE]
+        if swept.unreliable and not bad:
+            return "failed"  # disagreements set aside prove nothing either way: the latest state is not shown clean
         if bad:
             sweep = BoundaryResult(self.step, surfaces=bad)
             incidents = self._sdc_verdicts(sweep)

@@ -34,20 +34,20 @@ _ALIGN = 64
 
 class OptimizerSlice:
     def __init__(self, optimizer: torch.optim.Optimizer, slice_elems: int,
-                 exclude: Iterable[torch.Tensor] = ()) -> None:
+                 local_only: Iterable[torch.Tensor] = ()) -> None:
         if slice_elems < 1:
             raise ValueError(f"slice_elems must be >= 1, got {slice_elems}")
         self.optimizer = optimizer
         self.slice_elems = slice_elems
-        # Parameters the peers do not hold alike (MoE experts: each EP position has its own, compared among
-        # their replicas by the expert recipe instead).
-        self.exclude = {id(p) for p in exclude}
+        # Parameters the peers do not hold alike (MoE experts: each EP position has its own): their update is
+        # only checked against its own replay on each rank (the self-check), never compared across peers.
+        self.local_only = {id(p) for p in local_only}
         self.turn = 0
         self.pending: dict[str, Any] | None = None
 
     def _choose(self) -> tuple[int, int, torch.Tensor, dict[str, Any]] | None:
         params = [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]
-                  if p.grad is not None and local_tensor(p).numel() > 0 and id(p) not in self.exclude]
+                  if p.grad is not None and local_tensor(p).numel() > 0]
         if not params:
             return None
         gi, p = params[self.turn % len(params)]
@@ -103,6 +103,8 @@ class OptimizerSlice:
         replayed = clone.detach()
         s_replayed, s_live = sign_many([replayed, live])
         same = s_replayed.signature == s_live.signature  # bitwise, NaN payloads included
+        if id(pending["param"]) in self.local_only:
+            return [("optimizer.self_check", same)]
         return [
             ("optimizer.replayed", (s_replayed.signature, s_replayed.nonfinite)),
             ("optimizer.live", (s_live.signature, s_live.nonfinite)),

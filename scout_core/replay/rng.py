@@ -69,14 +69,18 @@ def replay_rng_scope(
 
 @contextlib.contextmanager
 def seeded_rng_scope(seed: int, providers: Mapping[str, RngProvider] | None = None, *,
-                     deterministic: bool = True) -> Iterator[None]:
-    """Run the body with torch's CPU and current-device RNGs seeded by ``seed`` (the same on every peer, no
-    transfer) and deterministic kernels; every state, the providers' included, is put back afterwards."""
-    with replay_rng_scope(capture_rng(providers), providers, deterministic=deterministic):
-        torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
-        if _cuda_ready():
-            torch.cuda.manual_seed(seed)
-        yield
+                     deterministic: bool = True, device: torch.device | None = None) -> Iterator[None]:
+    """Run the body with torch's CPU RNG and ``device``'s (a CUDA device: made current for the body) seeded by
+    ``seed`` (the same on every peer, no transfer) and deterministic kernels; every state, the providers'
+    included, is put back afterwards. The providers' own RNGs are not seeded: a body drawing from them is not
+    aligned across peers."""
+    on_cuda = device is not None and device.type == "cuda"
+    with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+        with replay_rng_scope(capture_rng(providers), providers, deterministic=deterministic):
+            torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
+            if _cuda_ready():
+                torch.cuda.manual_seed(seed)
+            yield
 
 
 def rng_fingerprint(states: Mapping[str, Any]) -> tuple[Any, ...]:
