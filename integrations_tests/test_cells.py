@@ -401,7 +401,7 @@ def test_moe_a2a_sender_cell_fails_when_receivers_are_judged_alone(monkeypatch):
     """Judging each receiver among its replicas names the corrupting sender's receivers: red."""
     from scout_core.moe import alltoall
 
-    monkeypatch.setattr(alltoall, "attribute_transfers", lambda odd: [
+    monkeypatch.setattr(alltoall, "attribute_transfers", lambda odd, carried=None: [
         alltoall.TransferVerdict((q,), "rank", ((q, s),), "receiver") for q, s in sorted(odd)])
     (report,) = run_cells([SPECS["moe-a2a-sdc-sender"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks [8, 9, 10, 11], expected [9]" in report.details
