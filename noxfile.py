@@ -18,10 +18,23 @@ def _install(session: nox.Session, extras: str = "dev") -> None:
     session.install("-e", f".[{extras}]", env=CONSTRAINTS)
 
 
+TORCHTITAN = "torchtitan==0.3.0"
+"""The TorchTitan release scout-torchtitan is tested with."""
+
+
+def _install_torchtitan(session: nox.Session) -> None:
+    """TorchTitan (without its declared dependencies: they admit a newer torch) and the plugin."""
+    plugin = ROOT / "plugins" / "scout-torchtitan"
+    session.install("-r", str(plugin / "requirements.txt"), env=CONSTRAINTS)
+    session.install("--no-deps", TORCHTITAN, env=CONSTRAINTS)
+    session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and property tests plus the fast 16-rank cells."""
+    """Unit and property tests plus the fast 16-rank cells, and the plugins' tests."""
     _install(session)
+    _install_torchtitan(session)
     session.run("python", "-m", "pytest", "-m", "not cells", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
@@ -66,4 +79,4 @@ def campaign(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff", env=CONSTRAINTS)
-    session.run("ruff", "check", "scout_core", "tests", "integrations_tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "scout_core", "tests", "integrations_tests", "benchmarks", "plugins", "noxfile.py")

@@ -1,0 +1,94 @@
+"""The toggle: SCOUT through TorchTitan's own argument parsing, with configuration alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from importlib import metadata
+
+import pytest
+from torchtitan.config import ConfigManager
+from torchtitan.models.llama3 import config_registry as llama3
+
+from scout_core.config import ConfigError, ScoutConfig
+from scout_torchtitan.config import ScoutSection, to_core
+from scout_torchtitan.config_registry import with_scout
+from scout_torchtitan.trainer import ScoutTrainer
+
+
+def parse(*flags: str):
+    return ConfigManager().parse_args(["--module", "scout_torchtitan", "--config", "llama3_debugmodel", *flags])
+
+
+def test_scout_flags_reach_the_section_and_everything_else_is_torchtitans():
+    cfg = parse("--scout.enable", "--scout.replay.cadence.hidden", "20", "--training.steps", "3")
+    assert isinstance(cfg, ScoutTrainer.Config)
+    assert cfg.scout.enable and cfg.scout.replay.cadence.hidden == 20 and cfg.training.steps == 3
+    base = llama3.llama3_debugmodel()
+    assert cfg.model_spec.name == base.model_spec.name and cfg.optimizer == base.optimizer
+    assert cfg.training.local_batch_size == base.training.local_batch_size
+    core = to_core(cfg.scout)
+    assert type(core) is ScoutConfig and core.replay.cadence.hidden == 20
+
+
+def test_without_the_switch_scout_is_off_with_its_defaults():
+    cfg = parse()
+    assert cfg.scout.enable is False
+    assert to_core(cfg.scout) == ScoutConfig()
+
+
+def test_every_schema_key_is_a_flag():
+    """The section is scout_core's schema itself, not a copy: a key added there is a flag here."""
+    assert {f.name for f in dataclasses.fields(ScoutSection)} == {f.name for f in dataclasses.fields(ScoutConfig)} | {
+        "enable"}
+
+
+def test_a_bad_value_fails_at_parsing_naming_the_flag(capsys):
+    """scout_core's validation runs as TorchTitan's parser builds the section; the parser prints it, exit 2."""
+    with pytest.raises(SystemExit) as stop:
+        parse("--scout.enable", "--scout.replay.cadence.hidden", "-1")
+    err = " ".join(capsys.readouterr().err.split())
+    assert stop.value.code == 2 and "--scout.replay.cadence.hidden: -1 is out of range; allowed: >= 0" in err
+    with pytest.raises(ConfigError, match=r"--scout\.consensus\.kappa: 0\.0 is out of range"):
+        ScoutSection(consensus=dataclasses.replace(ScoutConfig().consensus, kappa=0.0))
+
+
+def test_an_unknown_key_fails_at_parsing(capsys):
+    with pytest.raises(SystemExit):
+        parse("--scout.replay.cadence.hiddn", "3")
+    assert "hiddn" in capsys.readouterr().err
+
+
+def test_a_users_own_registry_function_in_one_line():
+    def my_config():
+        cfg = llama3.llama3_debugmodel()
+        cfg.training.steps = 7
+        return cfg
+
+    cfg = with_scout(my_config)()
+    assert isinstance(cfg, ScoutTrainer.Config) and cfg.training.steps == 7 and cfg.scout.enable is False
+    assert with_scout(my_config).__name__ == "my_config"
+
+
+def test_an_unknown_config_name_lists_what_there_is():
+    with pytest.raises(ValueError, match="llama3_debugmodel"):
+        ConfigManager().parse_args(["--module", "scout_torchtitan", "--config", "no_such_config"])
+
+
+def test_an_unsupported_torchtitan_is_refused_naming_both_versions(monkeypatch):
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.4.1" if name == "torchtitan" else real(name))
+    saved = sys.modules.pop("scout_torchtitan")
+    try:
+        with pytest.raises(ImportError, match=r"supports torchtitan >=0\.3,<0\.4; torchtitan 0\.4\.1 is installed"):
+            importlib.import_module("scout_torchtitan")
+    finally:
+        sys.modules["scout_torchtitan"] = saved
+
+
+def test_the_plugin_is_found_through_the_entry_point_group():
+    found = {ep.name: ep for ep in metadata.entry_points(group="scout.plugins")}
+    assert "torchtitan" in found
+    plugin = found["torchtitan"].load()
+    assert plugin.framework == "torchtitan" and plugin.framework_version.startswith("0.3")
