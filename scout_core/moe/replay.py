@@ -50,6 +50,7 @@ from scout_core.replay.vetting import (
     ENVIRONMENT_SURFACE,
     REPRODUCIBLE_SURFACE,
     environment_fingerprint,
+    set_aside,
     split_vetting,
     vet_due,
 )
@@ -341,12 +342,7 @@ class ExpertReplay:
         if any(why == "nondeterministic" for why in result.untrusted.values()):
             self._vet_always = True
         self._untrusted.update({r: why for r, why in result.untrusted.items() if r not in self._untrusted})
-        if not self._untrusted:
-            return
-        bad = set(self._untrusted)
-        result.unreliable = [r for r in result.surfaces if r.status is C3Status.INCONCLUSIVE
-                             or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
-        result.surfaces = [r for r in result.surfaces if r not in result.unreliable]
+        result.surfaces, result.unreliable = set_aside(result.surfaces, self._untrusted)
 
     # -- emergency sweep ---------------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ from scout_core.replay.vetting import (
     environment_fingerprint,
     optimizer_misconfigured,
     rotation,
+    set_aside,
     split_vetting,
     vet_due,
 )
@@ -629,12 +630,8 @@ class ReplayEngine:
         """Every disagreement a rank that is not evidence takes part in (found now or at any earlier check:
         intermittent nondeterminism may happen to agree with itself today) is set aside, never SDC."""
         self._untrusted.update({r: why for r, why in result.untrusted.items() if r not in self._untrusted})
-        if not self._untrusted:
-            return
-        bad = set(self._untrusted)
-        result.unreliable = [r for r in result.surfaces if r.status is C3Status.INCONCLUSIVE
-                             or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
-        result.surfaces = [r for r in result.surfaces if r not in result.unreliable]
+        if self._untrusted:
+            result.surfaces, result.unreliable = set_aside(result.surfaces, self._untrusted)
 
     _UNTRUSTED_REASON = {
         "nondeterministic": "nondeterministic: the layer replayed twice on this rank signed differently, so its "

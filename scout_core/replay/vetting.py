@@ -22,14 +22,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from scout_core.consensus import C3Result, C3Status
 
 __all__ = ["ENVIRONMENT_SURFACE", "REPRODUCIBLE_SURFACE", "SELF_CHECK_SURFACE", "environment_fingerprint",
-           "optimizer_misconfigured", "rotation", "split_vetting", "vet_due"]
+           "optimizer_misconfigured", "rotation", "set_aside", "split_vetting", "vet_due"]
 
 REPRODUCIBLE_SURFACE = "replay.reproducible"
 ENVIRONMENT_SURFACE = "replay.environment"
@@ -86,6 +86,18 @@ def split_vetting(results: Sequence[C3Result]) -> tuple[list[C3Result], dict[int
         else:
             kept.append(r)
     return kept, untrusted
+
+
+def set_aside(results: Sequence[C3Result], untrusted: Mapping[int, str]) -> tuple[list[C3Result], list[C3Result]]:
+    """(kept, set aside): every disagreement a rank that is not evidence (``untrusted``, found now or at any
+    earlier check: intermittent nondeterminism may happen to agree with itself today) takes part in is set
+    aside, never SDC; so is a disagreement without a strict majority while any rank is untrusted."""
+    if not untrusted:
+        return list(results), []
+    bad = set(untrusted)
+    unreliable = [r for r in results if r.status is C3Status.INCONCLUSIVE
+                  or (r.status is C3Status.ATTRIBUTED and bad & set(r.outlier_ranks))]
+    return [r for r in results if r not in unreliable], unreliable
 
 
 def optimizer_misconfigured(results: Sequence[C3Result]) -> C3Result | None:
