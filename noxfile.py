@@ -36,6 +36,9 @@ def tests(session: nox.Session) -> None:
     _install(session)
     _install_torchtitan(session)
     session.run("python", "-m", "pytest", "-m", "not cells", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
+    # must not carry a framework's imports (threads, allocators, hooks) into scout_core's own cells.
+    session.run("python", "-m", "pytest", "-q", "plugins/scout-torchtitan/tests", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
