@@ -601,8 +601,8 @@ def main() -> None:
         "checkpoint": bench_checkpoint(args.repeats),
         "snapshot_ab": bench_snapshot_ab(args.repeats),
     }
-    for name in ("replay", "replay_memory", "straggler", "straggler_8", "clock_noise", "catalog", "hang_real",
-                 "stall_to_verdict", "scale"):
+    for name in ("replay", "replay_memory", "straggler", "straggler_2x", "straggler_8", "clock_noise", "catalog",
+                 "hang_real", "stall_to_verdict", "scale"):
         results[name] = SECTIONS[name](args, device)
     _write(results, args)
 
@@ -615,6 +615,7 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
     "straggler": lambda a, d: straggler_bench.bench_straggler_sensitivity(),
+    "straggler_2x": lambda a, d: straggler_bench.bench_straggler_sensitivity(factor=2.0),
     "straggler_8": lambda a, d: straggler_bench.bench_straggler_sensitivity(world=8),
     "clock_noise": lambda a, d: straggler_bench.bench_clock_noise(),
     "catalog": lambda a, d: catalog_bench.bench_catalog(),

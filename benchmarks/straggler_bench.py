@@ -1,10 +1,11 @@
 """How sensitive compute-straggler detection is at the shipped defaults, on this machine: a rate, not a test.
 
-The `*-straggler-defaults` cells assert a rank made twice as slow is named at its second slowed round.
-The paper's bar is finer: a rank whose replayed compute is 1.3x slower, among 16 peers, confirmed within
-two rounds. Whether one run meets it depends on the noise of the two rounds it is judged in (a noisy
-round widens the robust threshold), so it is measured here as a rate over repeated runs of the same cells
-with the slowdown set to 1.3x, next to the measured slowdown and the rounds' spread.
+The `*-straggler-defaults` cells assert a rank made three times as slow is named at its second slowed
+round. The paper's bar is finer: a rank whose replayed compute is 1.3x slower, among 16 peers, confirmed
+within two rounds. Whether one run meets it depends on the noise of the rounds it is judged in (a noisy
+round widens the robust threshold, and the noise floor follows the host's recent noise), so it is measured
+here as a rate over repeated runs of the same cells with the slowdown set to 1.3x (and 2x), next to the
+measured slowdown and the rounds' spread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ("ddp", "fsdp2", "hsdp")
-ONSET, WITHIN = 3, 4  # slowed from step 3; confirmed at step 4 = within two rounds
+ONSET, WITHIN = 4, 5  # slowed from step 4 (after the noise floor's 3-round warm-up); named at step 5: two rounds
 
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
@@ -76,7 +77,7 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int 
 def rows(results: dict) -> list[str]:
     """README rows: per layout, the rate against the goal (every run within two rounds)."""
     lines = []
-    for key in ("straggler", "straggler_8"):
+    for key in ("straggler", "straggler_2x", "straggler_8"):
         lines += _rows_of(results.get(key))
     return lines
 

@@ -286,7 +286,7 @@ def test_straggler_at_defaults_cell_fails_with_a_blind_rule(monkeypatch):
     from scout_core.consensus import StatisticalRule
 
     monkeypatch.setattr(StatisticalRule, "from_config",
-                        classmethod(lambda cls, cfg: cls(kappa=6.0, min_ratio=2.5, min_delta=0.005)))
+                        classmethod(lambda cls, cfg: cls(kappa=6.0, min_ratio=4.0, min_delta=0.005)))
     (report,) = run_cells([SPECS["ddp-straggler-defaults"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
 

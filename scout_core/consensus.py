@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 import math
 import statistics
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "Confirmation",
     "group_disagreements",
     "MAD_NORMAL_CONSISTENCY",
+    "NoiseFloor",
     "StatisticalRule",
 ]
 
@@ -335,3 +336,64 @@ class Confirmation:
         drop = set(ranks)
         for key in [k for k in self._counts if k[1] in drop]:
             del self._counts[key]
+
+
+class NoiseFloor:
+    """How slow healthy peers have lately been: a compute straggler must be clearly slower than that too.
+
+    :func:`statistical` scales its threshold by one round's spread (MAD), which assumes light tails. A
+    device's clock can have heavy ones: on a shared host a healthy rank's replay reads above 1.3x its peers'
+    median in about one rank-round in 250, above 1.5x in one in 1,000 (docs/consensus.md, measured noise).
+    Two such rounds in a row on one rank confirm a false straggler, and over a few thousand rank-rounds
+    that happens. So a flagged peer keeps its flag only if its ratio to the round's median also exceeds
+
+        floor = 1 + ``multiple`` x (q99 - 1),
+
+    where q99 is the 99th percentile of the ratios of the peers NOT flagged in the last ``window`` rounds
+    (the healthy body, which a straggler never enters: it is flagged every round). The multiple
+    extrapolates from the body to the tail, as kappa does from the MAD. On a quiet device (a GPU's events,
+    q99 near 1.03) the floor stays below the rule's own ``min_ratio`` and the paper's rule decides alone; on
+    a noisy one the threshold in force rises with the noise instead of naming healthy ranks. Until the
+    window holds ``warmup`` rounds nothing is flagged: a floor from one or two rounds is a guess.
+
+    Pure and deterministic like the rules: every peer feeds the same results and holds the same floor.
+    ``window=0`` disables it.
+    """
+
+    def __init__(self, window: int = 64, *, multiple: float = 3.0, warmup: int = 3) -> None:
+        if window < 0 or multiple < 1 or warmup < 0:
+            raise ValueError(f"need window >= 0, multiple >= 1, warmup >= 0; got {window}, {multiple}, {warmup}")
+        self.window, self.multiple, self.warmup = window, multiple, min(warmup, window)
+        self._rounds: deque[tuple[float, ...]] = deque(maxlen=max(window, 1))
+
+    @property
+    def floor(self) -> float:
+        """The ratio to the median a flagged peer must exceed (1.0 before any round)."""
+        body = sorted(r for rnd in self._rounds for r in rnd)
+        if not body:
+            return 1.0
+        q99 = body[min(len(body) - 1, int(0.99 * len(body)))]
+        return 1.0 + self.multiple * max(q99 - 1.0, 0.0)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds in the window (the warm-up is over at ``warmup``)."""
+        return len(self._rounds) if self.window else 0
+
+    def apply(self, result: C3Result) -> C3Result:
+        """``result`` with the flags at or below the floor cleared (all of them during the warm-up); the
+        round's unflagged ratios then join the window.
+
+        Rounds without a usable median (no measurement, inconclusive, a zero median) pass unchanged and
+        leave the window as it is."""
+        if (not self.window or result.status not in (C3Status.AGREE, C3Status.ATTRIBUTED)
+                or not isinstance(result.reference, (int, float)) or result.reference <= 0):
+            return result
+        median = float(result.reference)
+        ratios = tuple(float(x) / median for x in result.evidence)
+        floor = self.floor if len(self._rounds) >= self.warmup else math.inf
+        bitmap = tuple(1 if b and r > floor else 0 for b, r in zip(result.bitmap, ratios, strict=True))
+        self._rounds.append(tuple(r for r, b in zip(ratios, result.bitmap, strict=True) if not b))
+        if bitmap == result.bitmap:
+            return result
+        return _finish(list(bitmap), result.evidence, result.peer_ranks, result.surface, result.reference)

@@ -186,7 +186,7 @@ class ScoutHandle:
         self.replay = ReplayEngine(
             layers, a.optimizers[0] if a.optimizers else None, config=cfg.replay, groups=self.groups,
             rule=StatisticalRule.from_config(cfg.consensus), comm_rule=StatisticalRule.for_communication(cfg.consensus),
-            confirm_rounds=cfg.consensus.confirm_rounds,
+            confirm_rounds=cfg.consensus.confirm_rounds, noise_window=cfg.consensus.noise_window_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
             # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.

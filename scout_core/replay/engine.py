@@ -35,7 +35,15 @@ import torch
 import torch.distributed as dist
 
 from scout_core.config import ReplayConfig
-from scout_core.consensus import C3Result, C3Status, Confirmation, StatisticalRule, c3_exchange, group_disagreements
+from scout_core.consensus import (
+    C3Result,
+    C3Status,
+    Confirmation,
+    NoiseFloor,
+    StatisticalRule,
+    c3_exchange,
+    group_disagreements,
+)
 from scout_core.groups import ScoutGroups, local_groups
 from scout_core.replay.capture import LayerCapture
 from scout_core.replay.guard import DiagnosisGuard
@@ -137,6 +145,7 @@ class ReplayEngine:
         rule: StatisticalRule | None = None,
         comm_rule: StatisticalRule | None = None,
         confirm_rounds: int = 2,
+        noise_window: int = 64,
         reporter: Reporter | None = None,
         hosts: Mapping[int, str] | None = None,
         compare_param_state: bool = True,
@@ -161,6 +170,9 @@ class ReplayEngine:
         self.rank = dist.get_rank()
         self.rule = rule or StatisticalRule()
         self.confirm = Confirmation(rounds=confirm_rounds)
+        # A compute straggler must also be slower than the slowest healthy measurement of recent rounds
+        # (a host clock's heavy tail would otherwise confirm healthy ranks now and then).
+        self.noise = NoiseFloor(noise_window)
         self.reporter = reporter
         self.hosts = dict(hosts or {})
         # Skips are agreed job-wide: replay has cross-group collectives (HSDP timing, the machine intersection).
@@ -424,6 +436,7 @@ class ReplayEngine:
                 # work is "no measurement" for all), so every rank keeps the same confirmation counts.
                 result.localization, times = self.timing.cross_group(*self._hsdp_comm, work=(work, compute_s))
                 result.timing_world = True
+            times = self.noise.apply(times)
             result.timing, result.comm_timing = times, comm
             result.stragglers = self.confirm.update(times)
             # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
