@@ -49,6 +49,7 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int 
         named_at: list[int | None] = []
         ratios: list[float] = []
         spreads: list[float] = []
+        floors: list[float] = []
         false_positives = 0
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as workdir:
@@ -62,6 +63,8 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int 
                     ratios.append(value)
                 elif key.startswith("spread."):
                     spreads.append(value)
+                elif key.startswith("floor."):
+                    floors.append(value)
         within = sum(1 for s in named_at if s is not None and s <= WITHIN)
         out["layouts"][layout] = {
             "within_two_rounds": within,
@@ -70,6 +73,7 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int 
             "measured_slowdown": _quantiles(ratios),
             "round_spread": _quantiles(spreads),
             "threshold_at_max_spread": round(1 + 4 * 1.4826 * max(spreads), 3),
+            "noise_floor": _quantiles(floors) if floors else None,  # in force in the flagged rounds
         }
     return out
 
@@ -94,12 +98,18 @@ def _rows_of(sens: dict | None) -> list[str]:
             f"| {layout.upper()} {sens['world_size']} ranks, rank {sens.get('rank', 9)} {sens['factor']}x slower "
             f"from step {ONSET} at the "
             f"shipped defaults: runs confirmed within two rounds (late: step of the verdict, None = never in 6 "
-            f"steps); measured slowdown p5/p50/p95; round spread (MAD/median) p50/p95/max "
+            f"steps); measured slowdown p5/p50/p95; round spread (MAD/median) p50/p95/max; noise floor in "
+            f"force p5/p50/max "
             f"| {r['within_two_rounds']}/{sens['runs']} (late: {late or 'none'}); "
             f"{r['measured_slowdown']['p5']}/{r['measured_slowdown']['p50']}/{r['measured_slowdown']['p95']}x; "
             f"{r['round_spread']['p50']}/{r['round_spread']['p95']}/{r['round_spread']['max']}; "
+            f"{_floor_text(r.get('noise_floor'))}; "
             f"{r['false_positives']} false positives | {goal} |")
     return lines
+
+
+def _floor_text(q: dict | None) -> str:
+    return f"{q['p5']}/{q['p50']}/{q['max']}x" if q else "never computed"
 
 
 def bench_clock_noise(width: int = 512, samples: int = 600) -> dict[str, Any]:

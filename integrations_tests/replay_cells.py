@@ -11,6 +11,7 @@ as a defective unit would. The cell compares the incident records with
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -134,7 +135,10 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     times = [(r.step, r.timing.status.value,
               {p: None if t is None else round(t, 6) for p, t in zip(r.timing.peer_ranks, r.timing.evidence)})
              for r in engine.history if r.timing is not None] if engine else []
-    return {"final": final, "checks": checks, "compared": compared, "compute_s": times,
+    # The compute noise floor in force in each flagged round (consensus.NoiseFloor), where it was finite.
+    floors = {r.step: round(r.noise_floor, 4) for r in engine.history
+              if r.noise_floor is not None and math.isfinite(r.noise_floor)} if engine else {}
+    return {"final": final, "checks": checks, "compared": compared, "compute_s": times, "floors": floors,
             "rng": sign_many([torch.get_rng_state()])[0].signature}
 
 
@@ -198,6 +202,7 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         watched = expect["ranks"]
         rounds = result.values()[watched[0]]["compute_s"]  # its own peer group holds its times
         metrics = _timing_metrics(rounds, watched[0])
+        metrics.update({f"floor.step{step}": f for step, f in result.values()[watched[0]]["floors"].items()})
         if problems:
             problems.append(_timing_summary(rounds, watched, watched[0]))
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,

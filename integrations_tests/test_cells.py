@@ -301,11 +301,14 @@ def test_hsdp_straggler_cell_fails_without_the_job_wide_comparison(monkeypatch):
 
 
 def test_clean_at_defaults_cell_fails_on_a_false_straggler(monkeypatch):
-    """A rule too tight for this machine's noise (no ratio or absolute floor) names healthy ranks: red."""
-    from scout_core.consensus import StatisticalRule
+    """A rule too tight for this machine's noise (no ratio or absolute floor, no noise floor) names healthy
+    ranks: red."""
+    from scout_core.consensus import NoiseFloor, StatisticalRule
+    from scout_core.replay import engine
 
     monkeypatch.setattr(StatisticalRule, "from_config",
                         classmethod(lambda cls, cfg: cls(kappa=0.5, min_ratio=1.0, min_delta=0.0)))
+    monkeypatch.setattr(engine, "NoiseFloor", lambda window: NoiseFloor(0))  # the rule alone
     spec = SPECS["ddp-clean-defaults"]
     short = dataclasses.replace(spec, params={**spec.params, "steps": 12})
     (report,) = run_cells([short], root=ROOT)

@@ -67,11 +67,12 @@ class ConsensusConfig:
     """Floor of the robust scale as a fraction of the median (guards MAD = 0)."""
     confirm_rounds: int = _range(2, ge=1)
     """Consecutive flagged timing rounds before a straggler is reported."""
-    noise_window_rounds: int = _range(64, ge=0)
+    noise_window_rounds: int = _range(64, ge=0, le=1024)
     """Compute timing rounds that set the noise floor: a flagged rank must also be slower, relative to the
-    median, than 1 + 3 x (the 99th percentile excess of the unflagged ranks of these rounds), and nothing is
-    flagged before 3 such rounds (a heavy-tailed device clock then raises the threshold in force instead of
-    naming healthy ranks; docs/consensus.md). 0: the statistical rule alone."""
+    median, than 1 + 3 x the 99th-percentile excess of how far unflagged ranks strayed from their own usual
+    in these rounds, and nothing is flagged in a work's first 3 rounds (a heavy-tailed device clock then
+    raises the threshold in force instead of naming healthy ranks; docs/consensus.md). 0: the statistical
+    rule alone."""
 
 
 @dataclass(kw_only=True)

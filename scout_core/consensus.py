@@ -339,61 +339,83 @@ class Confirmation:
 
 
 class NoiseFloor:
-    """How slow healthy peers have lately been: a compute straggler must be clearly slower than that too.
+    """How much slower than usual healthy peers have lately been: a compute straggler must beat that too.
 
     :func:`statistical` scales its threshold by one round's spread (MAD), which assumes light tails. A
     device's clock can have heavy ones: on a shared host a healthy rank's replay reads above 1.3x its peers'
-    median in about one rank-round in 250, above 1.5x in one in 1,000 (docs/consensus.md, measured noise).
-    Two such rounds in a row on one rank confirm a false straggler, and over a few thousand rank-rounds
-    that happens. So a flagged peer keeps its flag only if its ratio to the round's median also exceeds
+    median in about one rank-round in 250, above 1.5x in one in 1,000, a whole round at a time
+    (docs/consensus.md, measured noise). Two such rounds in a row on one rank confirm a false straggler, and
+    over a few thousand rank-rounds that happens. So a flagged peer keeps its flag only if its ratio to the
+    round's median also exceeds
 
         floor = 1 + ``multiple`` x (q99 - 1),
 
-    where q99 is the 99th percentile of the ratios of the peers NOT flagged in the last ``window`` rounds
-    (the healthy body, which a straggler never enters: it is flagged every round). The multiple
-    extrapolates from the body to the tail, as kappa does from the MAD. On a quiet device (a GPU's events,
-    q99 near 1.03) the floor stays below the rule's own ``min_ratio`` and the paper's rule decides alone; on
-    a noisy one the threshold in force rises with the noise instead of naming healthy ranks. Until the
-    window holds ``warmup`` rounds nothing is flagged: a floor from one or two rounds is a guess.
+    q99 being the 99th percentile of the healthy body: each peer's ratios of the last ``window`` rounds in
+    which the rule did not flag it, divided by that peer's own median ratio (from peers with ``OWN_AFTER``
+    such rounds; before any has, the raw ratios of all).
+    Dividing by its own median keeps what a peer always is out of the body: a device a few percent slower
+    by binning, a straggler in a group too small for the rule to flag it every round, a slow machine's
+    ranks. What is left is how far a rank strays from its own usual, which is the noise. The multiple
+    extrapolates from the body to the tail, as kappa does from the MAD. On a quiet device (a GPU's events)
+    the floor stays near ``min_ratio``; on a noisy one the threshold in force rises with the noise instead of
+    naming healthy ranks. Nothing is flagged in the first ``WARMUP`` rounds: a floor from one or two rounds is
+    a guess.
 
-    Pure and deterministic like the rules: every peer feeds the same results and holds the same floor.
+    Pure and deterministic like the rules: every peer feeds the same results and holds the same floor. A
+    caller keeps one per kind of work (layer class and shapes): different work has different noise.
     ``window=0`` disables it.
     """
 
-    def __init__(self, window: int = 64, *, multiple: float = 3.0, warmup: int = 3) -> None:
-        if window < 0 or multiple < 1 or warmup < 0:
-            raise ValueError(f"need window >= 0, multiple >= 1, warmup >= 0; got {window}, {multiple}, {warmup}")
-        self.window, self.multiple, self.warmup = window, multiple, min(warmup, window)
-        self._rounds: deque[tuple[float, ...]] = deque(maxlen=max(window, 1))
+    WARMUP = 3
+    OWN_AFTER = 8
+
+    def __init__(self, window: int = 64, *, multiple: float = 3.0) -> None:
+        if not 0 <= window <= 1024 or multiple < 1:
+            raise ValueError(f"need 0 <= window <= 1024 rounds and multiple >= 1; got {window}, {multiple}")
+        self.window, self.multiple = window, multiple
+        self._peers: dict[int, deque[float]] = {}
+        self.rounds = 0
+        """Rounds seen (the warm-up is over at ``WARMUP``)."""
 
     @property
     def floor(self) -> float:
-        """The ratio to the median a flagged peer must exceed (1.0 before any round)."""
-        body = sorted(r for rnd in self._rounds for r in rnd)
+        """The ratio to the median a flagged peer must exceed now (1.0 before any round)."""
+        # Once some peers have their own median, the body is theirs alone: a peer the rule nearly always
+        # flags (a straggler) never gets one, and the few rounds it slipped through say nothing of noise.
+        known = [ratios for ratios in self._peers.values() if len(ratios) >= self.OWN_AFTER]
+        body: list[float] = []
+        for ratios in known:
+            own = statistics.median(ratios)
+            body += [r / own for r in ratios]
+        if not known:
+            body = [r for ratios in self._peers.values() for r in ratios]
         if not body:
             return 1.0
+        body.sort()
         q99 = body[min(len(body) - 1, int(0.99 * len(body)))]
         return 1.0 + self.multiple * max(q99 - 1.0, 0.0)
 
-    @property
-    def rounds(self) -> int:
-        """Rounds in the window (the warm-up is over at ``warmup``)."""
-        return len(self._rounds) if self.window else 0
-
-    def apply(self, result: C3Result) -> C3Result:
-        """``result`` with the flags at or below the floor cleared (all of them during the warm-up); the
-        round's unflagged ratios then join the window.
+    def apply(self, result: C3Result) -> tuple[C3Result, float | None]:
+        """``result`` with the flags at or below the floor cleared (all of them during the warm-up), and the
+        floor that was in force (None when nothing was flagged or the floor is off); the round's unflagged
+        ratios then join the window.
 
         Rounds without a usable median (no measurement, inconclusive, a zero median) pass unchanged and
         leave the window as it is."""
         if (not self.window or result.status not in (C3Status.AGREE, C3Status.ATTRIBUTED)
                 or not isinstance(result.reference, (int, float)) or result.reference <= 0):
-            return result
+            return result, None
         median = float(result.reference)
-        ratios = tuple(float(x) / median for x in result.evidence)
-        floor = self.floor if len(self._rounds) >= self.warmup else math.inf
-        bitmap = tuple(1 if b and r > floor else 0 for b, r in zip(result.bitmap, ratios, strict=True))
-        self._rounds.append(tuple(r for r, b in zip(ratios, result.bitmap, strict=True) if not b))
+        ratios = [float(x) / median for x in result.evidence]
+        floor = None
+        bitmap = result.bitmap
+        if any(bitmap):  # computed only when it matters: a flagged round
+            floor = self.floor if self.rounds >= self.WARMUP else math.inf
+            bitmap = tuple(1 if b and r > floor else 0 for b, r in zip(result.bitmap, ratios, strict=True))
+        for rank, ratio, flagged in zip(result.peer_ranks, ratios, result.bitmap, strict=True):
+            if not flagged:
+                self._peers.setdefault(rank, deque(maxlen=self.window)).append(ratio)
+        self.rounds += 1
         if bitmap == result.bitmap:
-            return result
-        return _finish(list(bitmap), result.evidence, result.peer_ranks, result.surface, result.reference)
+            return result, floor
+        return _finish(list(bitmap), result.evidence, result.peer_ranks, result.surface, result.reference), floor

@@ -93,6 +93,8 @@ class BoundaryResult:
     """``timing`` compares every rank of the job (HSDP, where all peer groups replayed the same work), not
     only this peer group: its straggler verdicts are job-wide and recorded once."""
     stragglers: tuple[int, ...] = ()
+    noise_floor: float | None = None
+    """The compute noise floor in force in a flagged round (``consensus.NoiseFloor``; inf in its warm-up)."""
     group_slowdown: bool = False
     """The whole group's communication is slow against its own clean history (no outlier rank)."""
     localization: Any = None
@@ -170,9 +172,10 @@ class ReplayEngine:
         self.rank = dist.get_rank()
         self.rule = rule or StatisticalRule()
         self.confirm = Confirmation(rounds=confirm_rounds)
-        # A compute straggler must also be slower than the slowest healthy measurement of recent rounds
-        # (a host clock's heavy tail would otherwise confirm healthy ranks now and then).
-        self.noise = NoiseFloor(noise_window)
+        # A compute straggler must also stray further than healthy ranks lately did (a host clock's heavy
+        # tail would otherwise confirm healthy ranks now and then): one noise floor per kind of work.
+        self.noise_window = noise_window
+        self.noise: dict[Any, NoiseFloor] = {}
         self.reporter = reporter
         self.hosts = dict(hosts or {})
         # Skips are agreed job-wide: replay has cross-group collectives (HSDP timing, the machine intersection).
@@ -436,7 +439,9 @@ class ReplayEngine:
                 # work is "no measurement" for all), so every rank keeps the same confirmation counts.
                 result.localization, times = self.timing.cross_group(*self._hsdp_comm, work=(work, compute_s))
                 result.timing_world = True
-            times = self.noise.apply(times)
+            # The work without the layer's name: the rotation's layers of one class and shape are one work.
+            floor = self.noise.setdefault(work[1:] if work else None, NoiseFloor(self.noise_window))
+            times, result.noise_floor = floor.apply(times)
             result.timing, result.comm_timing = times, comm
             result.stragglers = self.confirm.update(times)
             # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
@@ -586,7 +591,9 @@ class ReplayEngine:
         if new:
             straggler = self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
-                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds")
+                f"replay compute slower than peers in {self.confirm.rounds} consecutive rounds"
+                + (f" (beyond this work's noise floor, {result.noise_floor:.2f}x the median)"
+                   if result.noise_floor is not None else ""))
             if result.timing_world:  # every peer group saw the same job-wide verdict: one record for the job
                 if self.rank == min(r for r in range(dist.get_world_size()) if r not in new):
                     self._emit([straggler])
