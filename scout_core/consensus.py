@@ -352,7 +352,8 @@ class NoiseFloor:
 
     q99 being the 99th percentile of the healthy body: each peer's ratios of the last ``window`` rounds in
     which the rule did not flag it, divided by that peer's own median ratio (from peers with ``OWN_AFTER``
-    such rounds; before any has, the raw ratios of all).
+    such rounds; before any has, the raw ratios of all), leaving out peers the rule keeps flagging
+    (``SUSPECT``).
     Dividing by its own median keeps what a peer always is out of the body: a device a few percent slower
     by binning, a straggler in a group too small for the rule to flag it every round, a slow machine's
     ranks. What is left is how far a rank strays from its own usual, which is the noise. The multiple
@@ -368,31 +369,40 @@ class NoiseFloor:
 
     WARMUP = 3
     OWN_AFTER = 8
+    SUSPECT = (2, 8)
+    """A peer the rule flagged in 2 of its last 8 usable rounds gives nothing to the body: it may be a
+    straggler the rule misses now and then (small groups, several slow ranks), whose missed rounds would
+    otherwise read as noise and lift the floor over its own slowdown."""
 
     def __init__(self, window: int = 64, *, multiple: float = 3.0) -> None:
         if not 0 <= window <= 1024 or multiple < 1:
             raise ValueError(f"need 0 <= window <= 1024 rounds and multiple >= 1; got {window}, {multiple}")
         self.window, self.multiple = window, multiple
         self._peers: dict[int, deque[float]] = {}
+        self._flags: dict[int, deque[bool]] = {}  # the rule's verdicts on each peer, newest last
         self.rounds = 0
         """Rounds seen (the warm-up is over at ``WARMUP``)."""
 
     @property
     def floor(self) -> float:
         """The ratio to the median a flagged peer must exceed now (1.0 before any round)."""
+        times, of = self.SUSPECT
+        healthy = {p: r for p, r in self._peers.items() if sum(list(self._flags.get(p, ()))[-of:]) < times}
         # Once some peers have their own median, the body is theirs alone: a peer the rule nearly always
-        # flags (a straggler) never gets one, and the few rounds it slipped through say nothing of noise.
-        known = [ratios for ratios in self._peers.values() if len(ratios) >= self.OWN_AFTER]
+        # flags never gets one, and the few rounds it slipped through say nothing of noise.
+        own_after = min(self.OWN_AFTER, self.window)
+        known = [ratios for ratios in healthy.values() if len(ratios) >= own_after]
         body: list[float] = []
         for ratios in known:
             own = statistics.median(ratios)
-            body += [r / own for r in ratios]
+            if own > 0 and math.isfinite(own):  # a clock that read 0 s has no usual to stray from
+                body += [r / own for r in ratios if math.isfinite(r)]
         if not known:
-            body = [r for ratios in self._peers.values() for r in ratios]
+            body = [r for ratios in healthy.values() for r in ratios if math.isfinite(r)]
         if not body:
             return 1.0
         body.sort()
-        q99 = body[min(len(body) - 1, int(0.99 * len(body)))]
+        q99 = body[min(len(body) - 1, int(0.99 * len(body)))]  # the maximum below 101 values
         return 1.0 + self.multiple * max(q99 - 1.0, 0.0)
 
     def apply(self, result: C3Result) -> tuple[C3Result, float | None]:
@@ -413,6 +423,7 @@ class NoiseFloor:
             floor = self.floor if self.rounds >= self.WARMUP else math.inf
             bitmap = tuple(1 if b and r > floor else 0 for b, r in zip(result.bitmap, ratios, strict=True))
         for rank, ratio, flagged in zip(result.peer_ranks, ratios, result.bitmap, strict=True):
+            self._flags.setdefault(rank, deque(maxlen=self.SUSPECT[1])).append(bool(flagged))
             if not flagged:
                 self._peers.setdefault(rank, deque(maxlen=self.window)).append(ratio)
         self.rounds += 1

@@ -439,8 +439,9 @@ class ReplayEngine:
                 # work is "no measurement" for all), so every rank keeps the same confirmation counts.
                 result.localization, times = self.timing.cross_group(*self._hsdp_comm, work=(work, compute_s))
                 result.timing_world = True
-            # The work without the layer's name: the rotation's layers of one class and shape are one work.
-            floor = self.noise.setdefault(work[1:] if work else None, NoiseFloor(self.noise_window))
+            # One floor per layer class and parameter shapes: the rotation's layers of one class are one
+            # work, and input shapes may change every step (ratios to the median cancel their size).
+            floor = self.noise.setdefault(work[1:3] if work else None, NoiseFloor(self.noise_window))
             times, result.noise_floor = floor.apply(times)
             result.timing, result.comm_timing = times, comm
             result.stragglers = self.confirm.update(times)
