@@ -402,7 +402,9 @@ class NoiseFloor:
         if not body:
             return 1.0
         body.sort()
-        q99 = body[min(len(body) - 1, int(0.99 * len(body)))]  # the maximum below 101 values
+        # The 99th percentile, but never the single largest value: in the first rounds the body is a few
+        # dozen values, and one freak among them would set the floor alone (a 1.65x reading, 2.95x floor).
+        q99 = body[max(0, min(int(0.99 * len(body)), len(body) - 2))]
         return 1.0 + self.multiple * max(q99 - 1.0, 0.0)
 
     def apply(self, result: C3Result) -> tuple[C3Result, float | None]:

@@ -380,7 +380,7 @@ def test_measured_noise_confirms_false_stragglers_without_the_floor():
 
 def test_noise_floor_makes_false_stragglers_rare_under_measured_noise():
     """With the floor, healthy rounds of 16 under the model (heavier-tailed than the host) confirm a healthy
-    rank about once per 12,500 rounds, against once per 130 without it (docs/consensus.md)."""
+    rank about once per 9,000 rounds, against once per 130 without it (docs/consensus.md)."""
     rng = random.Random(21)
     assert len(_confirmed(_job(rng, 20_000), NoiseFloor())) <= 6
 
