@@ -6,6 +6,8 @@ only, never imported on the GPU path.
   comes without it (a 690 MB wheel that runs nothing on a CPU), and a stand-in for triton itself would make
   torch believe triton is there. :func:`stub_triton_kernels` stands in for that one TorchTitan module
   instead: its kernels exist and raise if launched (they need a GPU's symmetric memory anyway).
+* Device type: TorchTitan picks its device type once, at import (``torchtitan.tools.utils``: the available
+  accelerator, else ``"cuda"``), and several modules copy it. :func:`use_cpu` points them all at the host.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["stub_triton_kernels"]
+__all__ = ["stub_triton_kernels", "use_cpu"]
 
 KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 _NAMES = ("copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
@@ -39,3 +41,23 @@ def stub_triton_kernels() -> bool:
         setattr(module, name, _needs_gpu(name))
     sys.modules[KERNELS] = module
     return True
+
+
+_DEVICE_TYPE_HOLDERS = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims",
+                        "torchtitan.distributed.utils", "torchtitan.components.metrics", "torchtitan.tools.profiler",
+                        "torchtitan.models.common.token_dispatcher")
+
+
+def use_cpu() -> None:
+    """Make TorchTitan build its meshes and models on the host (gloo): every module that copied the device
+    type and module at import sees ``cpu``."""
+    import importlib
+
+    import torch
+
+    for name in _DEVICE_TYPE_HOLDERS:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = torch.cpu

@@ -1,0 +1,59 @@
+"""Attach SCOUT to a built TorchTitan Trainer: its model parts, inner optimizers, meshes and state.
+
+Everything comes from the Trainer's own objects; nothing of SCOUT's mechanisms is re-implemented here
+(scout_core's framework adapter, ``enable_with``, does the rest):
+
+* chunks: ``trainer.model_parts`` (one per local pipeline stage), wrapped as TorchTitan wraps them
+  (FSDP2 / HSDP ``fully_shard``, TP DTensors);
+* optimizers: the torch optimizers inside TorchTitan's ``OptimizersContainer`` (its ``optimizers`` list, one
+  per model part), not the container: SCOUT's boundary is the last inner optimizer's step;
+* peer groups: from ``trainer.parallel_dims``, laid out as TorchTitan lays out its world mesh (pipeline
+  outermost, then data replicate, data shard, context, tensor innermost): peers vary along data replicate
+  (or data shard where there is no replication) with every other coordinate fixed, as
+  :func:`scout_core.topology.peer_groups` defines them;
+* repeated layers, embedding and output: discovered by scout_core in TorchTitan's model classes (the blocks'
+  ``ModuleDict``, ``tok_embeddings``, ``output``);
+* state: the LR schedulers and the data loader (both ``Stateful``), kept in SCOUT's snapshots so a restore
+  resumes the same batches with the same learning rate.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from scout_core.adapter import torch_adapter
+from scout_core.runtime import ScoutHandle, enable_with
+from scout_core.topology import peer_groups as peer_groups_of_shape
+from scout_torchtitan.config import to_core
+
+__all__ = ["TITAN_MESH_ORDER", "attach", "peer_groups"]
+
+log = logging.getLogger("scout_torchtitan")
+
+TITAN_MESH_ORDER = ("p", "d", "s", "c", "t", "e")
+"""TorchTitan's world mesh, outermost first: pp, dp_replicate, dp_shard, cp, tp (ParallelDims.build_mesh),
+as scout_core's axes (expert parallelism is carved out of these, not a world dimension of its own: e = 1)."""
+
+
+def peer_groups(parallel_dims: Any) -> list[list[int]]:
+    """SCOUT's peer groups for TorchTitan's ``ParallelDims``: ranks that hold the same layers' equivalent
+    state (data-parallel replicas, or the shards of one FSDP group where nothing is replicated)."""
+    shape = {"p": parallel_dims.pp, "d": parallel_dims.dp_replicate, "s": parallel_dims.dp_shard,
+             "c": parallel_dims.cp, "t": parallel_dims.tp, "e": 1}
+    if parallel_dims.ep > 1:
+        # Expert parallelism splits dp_shard x cp differently for the experts; the dense peers above still
+        # hold, the experts need scout_core's MoE binding (not wired for TorchTitan's MoE yet).
+        log.warning("scout_torchtitan: expert parallelism detected; experts are not replayed (dense layers are)")
+    return [list(g) for g in peer_groups_of_shape(shape, TITAN_MESH_ORDER)]
+
+
+def attach(trainer: Any) -> ScoutHandle:
+    """Install SCOUT on a built Trainer (every rank calls it, after ``Trainer.__init__``)."""
+    state = {name: obj for name, obj in (("lr_schedulers", getattr(trainer, "lr_schedulers", None)),
+                                          ("dataloader", getattr(trainer, "dataloader", None)))
+             if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")}
+    adapter = torch_adapter(list(trainer.model_parts), list(trainer.optimizers.optimizers),
+                            peer_groups=peer_groups(trainer.parallel_dims), state=state or None)
+    adapter.name = "torchtitan"
+    return enable_with(adapter, config=to_core(trainer.config.scout))
