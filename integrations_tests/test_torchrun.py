@@ -33,6 +33,14 @@ def _torchrun(out: Path, *extra: str, model: str, layout: str) -> subprocess.Com
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
 
 
+def _why(run: subprocess.CompletedProcess) -> str:
+    """A failed launch, readably: the ranks' own error lines (a worker's C++ abort message comes long before
+    torchrun's summary), then the end of the output."""
+    lines = run.stderr.splitlines()
+    own = [ln for ln in lines if any(k in ln for k in ("terminate called", "what():", "Error", "error:"))]
+    return "\n".join(own[:40]) + "\n...\n" + run.stderr[-2000:]
+
+
 def _finals(out: Path) -> list[dict]:
     """Each rank's final parameters, RNG and loss (not its step times)."""
     finals = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
@@ -42,9 +50,9 @@ def _finals(out: Path) -> list[dict]:
 @pytest.mark.parametrize(("model", "layout"), [("gpt2", "ddp"), ("gpt2", "fsdp2"), ("llama", "fsdp2")])
 def test_torchrun_clean_run_is_bitwise_unchanged_and_silent(tmp_path, model, layout):
     plain = _torchrun(tmp_path / "plain", model=model, layout=layout)
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert plain.returncode == 0, _why(plain)
     scout = _torchrun(tmp_path / "scout", "--scout", model=model, layout=layout)
-    assert scout.returncode == 0, scout.stderr[-3000:]
+    assert scout.returncode == 0, _why(scout)
     assert _finals(tmp_path / "scout") == _finals(tmp_path / "plain"), "SCOUT changed training numerics"
     incidents = tmp_path / "scout" / "incidents.jsonl"
     assert not incidents.exists() or list(read_incidents(incidents)) == []
