@@ -36,6 +36,7 @@ from scout_core.actions import (
 from scout_core.adapter import FrameworkAdapter
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.coordinator import CheckpointCoordinator, combine_evidence
+from scout_core.checkpoint.durable import FrameworkCheckpoints
 from scout_core.checkpoint.memory import MemorySlots, default_memory_root
 from scout_core.checkpoint.resume import Restarter, ResumeResult
 from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
@@ -99,6 +100,8 @@ class ScoutHandle:
         self.checkpoint: CheckpointCoordinator | None = None
         self.last_result: BoundaryResult | None = None
         self.last_decision: Any = None
+        self.framework_checkpoints: FrameworkCheckpoints | None = None
+        """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
         self.stopped = False
         self.stop_on_verdict = config.actions.on_verdict == "stop"
         self.exit_code = config.actions.exit_code
@@ -352,9 +355,28 @@ class ScoutHandle:
                 self._dense_in_cycle = False
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
-        if job.sdc or job.inconclusive or job.straggler:
+        verdict = job.sdc or job.inconclusive or job.straggler
+        if self.framework_checkpoints is not None and self.checkpoint is not None:
+            failure = (FailureKind.SDC if job.sdc or job.inconclusive else FailureKind.STRAGGLER) if verdict else None
+            try:
+                self.framework_checkpoints.on_boundary(result.step, action, self.checkpoint.certifier,
+                                                       failure=failure, stopping=self.stop_on_verdict)
+            except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+                self.guard.report(result.step, "checkpoint", exc, "framework checkpoint labels")
+        if verdict:
             self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
+
+    def label_framework_checkpoints(self, folder: str) -> FrameworkCheckpoints | None:
+        """Label the framework's own checkpoints in ``folder`` by certification (see
+        :mod:`scout_core.checkpoint.durable`); the caller reports each save with ``saved(step, path, certifier)``
+        and asks ``choose()`` at restart. None when SCOUT's certification is off (``checkpoint.enabled``)."""
+        if self.checkpoint is None:
+            _log.warning("SCOUT: checkpoint.enabled is false, so nothing certifies the framework's checkpoints in "
+                         "%s: they are not labelled and a restart loads what the framework chooses", folder)
+            return None
+        self.framework_checkpoints = FrameworkCheckpoints(folder, writer=self.rank == 0)
+        return self.framework_checkpoints
 
     def _certifies(self, result: BoundaryResult, expert: Any) -> bool:
         """Whether this boundary's checks can vouch for the state (the same on every rank).

@@ -1,0 +1,238 @@
+"""TorchTitan cells: real TorchTitan training (its llama3 debug model, ``Trainer.train()``) with SCOUT switched on
+by the plugin's ``scout`` config section, exactly as ``--module scout_torchtitan --scout.enable`` does.
+
+Each rank builds TorchTitan's ``llama3_debugmodel`` config from the plugin's registry, made runnable on this host
+by :mod:`scout_torchtitan.cpu`, with the cell's parallelism (``fsdp``: dp_shard = world; ``hsdp``: dp_replicate x
+dp_shard), builds the ``ScoutTrainer`` through TorchTitan's own ``config.build()`` and calls ``train()``.
+
+Faults (``faults`` in configs/cells.yaml) act inside a block, so in training and in SCOUT's replay alike:
+
+* ``layers.<i>.output``: a value of block i's feed-forward output (bit flip, set, scale); ``layers.any.output``:
+  the same in every block (a faulty device corrupts whatever it computes);
+* ``compute`` (``slow``): every block's feed-forward takes ``factor`` times its own CPU time on that rank (a slow
+  device is slow in every layer);
+* ``layers.<i>.forward`` (``freeze``): the rank stops in block i's forward.
+
+``titan-recovery-sdc`` runs the job twice: the first run stops on an SDC verdict (exit status 75) with its
+TorchTitan checkpoints labelled, the restart must load the newest verified one, bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from integrations_tests.hang_cells import _RecordsSettled
+from scout_core.cells import CellReport, CellSpec, fault_dicts
+from scout_core.config import ScoutConfig, load
+from scout_core.inject import Injector
+from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent
+from scout_core.report import read_incidents
+from scout_core.runtime import HOSTNAME_ENV
+from scout_core.signature import sign_many
+
+__all__ = ["titan_cell"]
+
+
+def _prepare() -> None:
+    """Import TorchTitan in the parent, once: forked ranks start with it loaded."""
+    prepare_parent()
+    from scout_torchtitan import cpu
+
+    cpu.stub_triton_kernels()
+    import torchtitan.trainer  # noqa: F401
+
+    import scout_torchtitan.config_registry  # noqa: F401
+
+
+def _config(a: dict[str, Any], rank: int) -> Any:
+    from scout_torchtitan import config_registry, cpu
+    from scout_torchtitan.config import ScoutSection
+
+    cfg = cpu.on_cpu(config_registry.llama3_debugmodel(), steps=a["steps"], seq_len=64, local_batch_size=2,
+                     seed=a["seed"])
+    cfg.dump_folder = os.path.join(a["workdir"], "titan")
+    par = cfg.parallelism
+    par.data_parallel_replicate_degree = a["replicate"]
+    par.data_parallel_shard_degree = -1
+    cfg.metrics.log_freq = 1000  # TorchTitan's own per-step loss logging (a collective) off the hot path
+    cfg.checkpoint.enable = a["titan_checkpoints"]
+    cfg.checkpoint.interval = 1
+    cfg.checkpoint.keep_latest_k = 0
+    core = load(None, a["scout"])
+    cfg.scout = ScoutSection(enable=True, **{f.name: getattr(core, f.name) for f in fields(ScoutConfig)})
+    return cfg
+
+
+def _install(trainer: Any, injector: Injector, rank: int) -> None:
+    step = lambda: trainer.step  # noqa: E731 - TorchTitan counts steps from 1
+    for name, block in trainer.model_parts[0].layers.items():
+        ffn = _inner(block).feed_forward
+        started: dict[str, float] = {}
+
+        def enter(_m: Any, _a: Any, name: str = name, started: dict = started) -> None:
+            injector.freeze(f"layers.{name}.forward", rank=rank, step=step())
+            started["t"] = time.thread_time()
+
+        def leave(_m: Any, _a: Any, out: torch.Tensor, name: str = name, started: dict = started) -> None:
+            injector.slow("compute", rank=rank, step=step(), compute_s=time.thread_time() - started.pop("t", 0.0))
+            with torch.no_grad():
+                injector.corrupt(f"layers.{name}.output", out, rank=rank, step=step())
+                injector.corrupt("layers.any.output", out, rank=rank, step=step())
+
+        ffn.register_forward_pre_hook(enter)
+        ffn.register_forward_hook(leave)
+
+
+def _inner(block: torch.nn.Module) -> torch.nn.Module:
+    """The block inside TorchTitan's activation-checkpoint wrapper."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
+def _signature(trainer: Any) -> list[int]:
+    """A bitwise signature of this rank's model and optimizer shards (what TorchTitan's checkpoint holds)."""
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    tensors = [local(p) for m in trainer.model_parts for p in m.parameters()]
+    for opt in trainer.optimizers.optimizers:
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            tensors += [local(v) for _k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
+    return [s.signature for s in sign_many([t.detach() for t in tensors])]
+
+
+def _titan_rank(ctx: RankContext) -> dict[str, Any]:
+    a = ctx.args
+    os.environ.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size))
+    os.environ[HOSTNAME_ENV] = f"node{ctx.rank // a['ranks_per_machine']}"
+    init_gloo(ctx, timeout_s=120)  # TorchTitan keeps a process group that already exists
+    from scout_torchtitan import cpu
+
+    cpu.use_cpu()
+    trainer = _config(a, ctx.rank).build()
+    _install(trainer, Injector(a["faults"], seed=a["seed"]), ctx.rank)
+    sigs: dict[int, list[int]] = {}
+    loaded: list[int] = []
+    if a["titan_checkpoints"]:
+        save, load_ = trainer.checkpointer.save, trainer.checkpointer.load
+
+        def save_signed(curr_step: int, last_step: bool = False) -> bool:
+            sigs[curr_step] = _signature(trainer)
+            with open(os.path.join(a["workdir"], f"sigs-{a['phase']}-r{ctx.rank}.json"), "w") as fh:
+                json.dump(sigs, fh)
+            return save(curr_step, last_step)
+
+        def load_signed(step: int = -1) -> bool:
+            done = load_(step)
+            loaded.extend([trainer.step, *_signature(trainer)] if done else [])
+            return done
+
+        trainer.checkpointer.save, trainer.checkpointer.load = save_signed, load_signed
+    trainer.train()
+    handle = trainer.scout
+    hist = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history]
+    dist.barrier()
+    trainer.close()
+    return {"checks": hist, "loaded": loaded, "steps": trainer.step}
+
+
+def _judge(incidents: list[Any], expect: dict[str, Any]) -> list[str]:
+    problems = []
+    named = sorted({r for i in incidents for r in i.ranks})
+    if sorted(expect.get("ranks", [])) != named:
+        problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
+    kinds = sorted({i.kind.value for i in incidents})
+    if sorted(expect.get("kinds", [])) != kinds:
+        problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
+    scopes = sorted({i.scope.value for i in incidents})
+    if incidents and scopes != [expect.get("scope", "rank")]:
+        problems.append(f"scopes {scopes}, expected {expect.get('scope', 'rank')} only")
+    surfaces = sorted({s for i in incidents for s in i.surface.split(";")})
+    for needle in expect.get("surfaces", []):
+        if not any(needle in s for s in surfaces):
+            problems.append(f"no incident on a surface containing {needle!r}; got {surfaces[:6]}")
+    if "steps" in expect and incidents and sorted({i.step for i in incidents}) != expect["steps"]:
+        problems.append(f"incidents at steps {sorted({i.step for i in incidents})}, expected {expect['steps']}")
+    if "class" in expect and sorted({str(i.evidence.get("class")) for i in incidents}) != [expect["class"]]:
+        problems.append(f"hang classes {sorted({str(i.evidence.get('class')) for i in incidents})}, "
+                        f"expected {expect['class']}")
+    return problems
+
+
+def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
+    _prepare()
+    p = spec.params
+    hang, recovery = bool(p.get("hang", False)), bool(p.get("recovery", False))
+    jsonl = os.path.join(workdir, "incidents.jsonl")
+    scout = [f"report.jsonl_path={jsonl}", f"report.run_id={spec.name}", "report.log_level=ERROR",
+             *(["observer.silence_threshold_s=2.0", "observer.gather_timeout_s=4.0"] if hang else []),
+             *(["checkpoint.enabled=true", f"checkpoint.directory={workdir}/scout",
+                f"checkpoint.memory_dir={workdir}/memory", "actions.on_verdict=stop"] if recovery else []),
+             *p.get("overrides", [])]
+    args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "workdir": workdir,
+            "replicate": int(p.get("replicate", 1)), "ranks_per_machine": int(p.get("ranks_per_machine", 8)),
+            "scout": scout, "titan_checkpoints": recovery, "phase": "a"}
+    start = time.monotonic()
+    stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
+    result = launch(_titan_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop,
+                    failure_grace_s=spec.timeout_s if hang else 10.0, keep_groups=hang)
+    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
+    problems: list[str] = []
+    if hang and not result.stopped:
+        problems.append("the job was expected to hang and be diagnosed, but: " + (result.failures() or "it finished"))
+    elif recovery:
+        codes = sorted({o.exitcode for o in result.outcomes})
+        if codes != [75]:
+            problems.append(f"the first run should stop with status 75 on every rank, got {codes}: "
+                            f"{result.failures()}")
+    elif not hang and not result.ok:
+        problems.append(result.failures())
+    problems += _judge(incidents, p.get("expect", {}))
+    metrics: dict[str, float] = {}
+    if result.ok and not hang:
+        checks = result.values()[0]["checks"]
+        if not checks or any(c[2] for c in checks):
+            problems.append(f"replay checks {checks}: expected some, none skipped")
+        metrics["checks"] = float(len(checks))
+    if recovery and not problems:
+        problems += _restart(spec, world_size, workdir, args, p)
+    return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
+                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
+                      details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics,
+                      time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None)
+                      if hang else None)
+
+
+def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any], p: dict[str, Any]) -> list[str]:
+    """The restart of ``titan-recovery-sdc``: the labels of the stopped run, then TorchTitan must load the
+    newest verified checkpoint (bitwise the state that run saved at that step) and train on cleanly."""
+    from scout_core.checkpoint.durable import LABELS_FILE
+
+    problems = []
+    with open(os.path.join(workdir, "titan", "checkpoint", LABELS_FILE)) as fh:
+        labels = {int(k): v["label"] for k, v in json.load(fh)["checkpoints"].items()}
+    if labels != {int(k): v for k, v in p["labels"].items()}:
+        problems.append(f"labels after the stop {labels}, expected {p['labels']}")
+    first = os.path.join(workdir, "incidents.jsonl")
+    os.replace(first, os.path.join(workdir, "incidents-first-run.jsonl"))
+    restart = {**args, "faults": [], "phase": "b"}
+    result = launch(_titan_rank, world_size, timeout_s=spec.timeout_s, args=restart, failure_grace_s=10.0)
+    if not result.ok:
+        return problems + [f"the restart failed: {result.failures()}"]
+    want = int(p["restart_step"])
+    for rank, value in enumerate(result.values()):
+        with open(os.path.join(workdir, f"sigs-a-r{rank}.json")) as fh:
+            saved = json.load(fh)[str(want)]
+        if value["loaded"] != [want, *saved]:
+            problems.append(f"rank {rank} loaded {value['loaded'][:1]} (signature equal to the run's step {want}: "
+                            f"{value['loaded'][1:] == saved}), expected step {want} bitwise")
+    again = list(read_incidents(first)) if os.path.exists(first) else []
+    if again:
+        problems.append(f"the restart reported {[(i.kind.value, i.ranks, i.step) for i in again]}, expected nothing")
+    return problems

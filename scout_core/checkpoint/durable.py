@@ -1,0 +1,169 @@
+"""Trust labels for a framework's own durable checkpoints (TorchTitan steps, Megatron iterations, DeepSpeed
+tags), and the one a restart should load.
+
+SCOUT's certifier (:mod:`scout_core.checkpoint.certify`) decides which *generations* (steps) replay evidence
+vouches for. A framework checkpoint of step ``N`` holds the state after step ``N``, so it inherits the trust of
+that step:
+
+* ``verified``: the certifier verified a generation at or after ``N`` with no SDC verdict in between (an SDC
+  verdict makes every checkpoint newer than the verified generation of that moment ``rejected``, for good);
+* ``candidate``: the certifier's candidate is at or after ``N`` (accepted checks, not yet a full cycle);
+* ``latest``: saved, no accepted check since;
+* ``rejected``: saved after the last verified generation when an SDC verdict came (it may hold the corruption,
+  however perfect its checksum).
+
+A restart loads what the retrieval policy (:func:`~scout_core.checkpoint.certify.decide_retrieval`) chose for
+the failure that stopped the job: after SDC, an unreachable machine or an unexplained stop (no emergency sweep
+can run on a framework checkpoint), the newest ``verified`` one; after a straggler verdict, the newest one that
+is not ``rejected``. The labels live in one JSON file beside the checkpoints, rewritten atomically (temporary
+file, fsync, rename, fsync of the folder) by one rank whenever a label changes, so an operator or a scheduler can
+read them too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from scout_core.checkpoint.certify import Action, Certifier, FailureKind
+
+__all__ = ["LABELS_FILE", "FrameworkCheckpoints", "LoadChoice"]
+
+_log = logging.getLogger("scout")
+
+LABELS_FILE = "scout-labels.json"
+"""The file of labels, in the framework's checkpoint folder."""
+
+
+@dataclass(frozen=True)
+class LoadChoice:
+    """What a restart loads: a checkpoint ``step`` (None: none is safe, or none exists) and why."""
+
+    step: int | None
+    label: str | None
+    failure: str
+    reason: str
+
+
+class FrameworkCheckpoints:
+    """The labels of one job's framework checkpoints. Every rank keeps the same labels (they follow the
+    certifier, which is identical on every rank); the rank with ``writer=True`` writes the file."""
+
+    def __init__(self, folder: str, *, writer: bool) -> None:
+        self.folder = folder
+        self.path = os.path.join(folder, LABELS_FILE)
+        self.writer = writer
+        self.entries: dict[int, dict[str, Any]] = {}
+        self.stopped_for: str | None = None
+        """The failure a verdict stopped the job for (read back by the restart)."""
+        self._rejected_above: int | None = None  # after an SDC verdict: newer than this is rejected
+        self._load()
+
+    # -- the file -------------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                data = json.load(fh)
+            self.entries = {int(k): dict(v) for k, v in data.get("checkpoints", {}).items()}
+            self.stopped_for = data.get("stopped_for")
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            # A torn or foreign file must not stop the restart: without labels nothing counts as verified.
+            _log.error("SCOUT: cannot read checkpoint labels %s (%s): treating every checkpoint as unlabelled",
+                       self.path, exc)
+            self.entries = {}
+
+    def _write(self) -> None:
+        if not self.writer:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        body = {"checkpoints": {str(k): v for k, v in sorted(self.entries.items())},
+                "stopped_for": self.stopped_for, "time_unix": time.time()}
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(body, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- while training -------------------------------------------------------------------------------
+
+    def saved(self, step: int, where: str, certifier: Certifier) -> None:
+        """The framework wrote its checkpoint of ``step`` (at ``where``)."""
+        self.entries[int(step)] = {"label": "latest", "path": where, "saved_unix": time.time()}
+        self._relabel(certifier)
+        self._write()
+
+    def on_boundary(self, step: int, action: Action | None, certifier: Certifier, *,
+                    failure: FailureKind | None = None, stopping: bool = False) -> None:
+        """After the certifier took this boundary's evidence. ``failure``: the kind of a verdict at it;
+        ``stopping``: the job stops for it (the restart follows it)."""
+        if action is Action.RECOVER:
+            verified = certifier.verified
+            self._rejected_above = -1 if verified is None else verified
+        if failure is not None and stopping:
+            self.stopped_for = FailureKind(failure).value
+        before = {k: v["label"] for k, v in self.entries.items()}
+        self._relabel(certifier)
+        if before != {k: v["label"] for k, v in self.entries.items()} or (failure is not None and stopping):
+            self._write()
+
+    def _relabel(self, certifier: Certifier) -> None:
+        for step, entry in self.entries.items():
+            if entry["label"] == "rejected":
+                continue  # for good: an SDC verdict found it may hold corruption
+            if self._rejected_above is not None and step > self._rejected_above:
+                entry["label"] = "rejected"
+            elif certifier.verified is not None and step <= certifier.verified:
+                entry["label"] = "verified"
+            elif certifier.candidate is not None and step <= certifier.candidate:
+                entry["label"] = "candidate"
+            else:
+                entry["label"] = "latest"
+
+    # -- at restart -----------------------------------------------------------------------------------
+
+    def choose(self, failure: FailureKind | str | None = None, *,
+               exists: Callable[[int], bool] = lambda _step: True) -> LoadChoice:
+        """The checkpoint a restart loads (the same on every rank that reads the same file). ``failure``
+        overrides the recorded one; ``exists(step)``: the checkpoint is still there (not purged, complete)."""
+        kind = FailureKind(failure or self.stopped_for or FailureKind.OTHER)
+        live = {s: e for s, e in self.entries.items() if e["label"] != "rejected" and exists(s)}
+        if kind is FailureKind.STRAGGLER:
+            pool, wanted = live, "not rejected"
+            reason = "straggler: slowness is not numerical divergence, the newest checkpoint not rejected"
+        else:
+            pool, wanted = {s: e for s, e in live.items() if e["label"] == "verified"}, "verified"
+            reason = {FailureKind.SDC: "confirmed SDC: only a verified checkpoint is safe",
+                      FailureKind.MACHINE_UNREACHABLE: "a machine is unreachable: only a verified checkpoint",
+                      }.get(kind, "no verdict explains the stop and no sweep can run on a framework checkpoint: "
+                                  "the newest verified one")
+        if not pool:
+            return LoadChoice(None, None, kind.value, f"{reason}; no {wanted} checkpoint exists")
+        step = max(pool)
+        return LoadChoice(step, pool[step]["label"], kind.value, reason)
+
+    def restarted_from(self, step: int | None) -> None:
+        """The restart loaded ``step``: newer checkpoints belong to the abandoned run and are dropped from the
+        labels (the framework overwrites them when training reaches those steps again)."""
+        dropped = sorted(s for s in self.entries if step is None or s > step)
+        for s in dropped:
+            del self.entries[s]
+        self.stopped_for = None
+        self._rejected_above = None
+        if dropped:
+            _log.warning("SCOUT: checkpoints of steps %s are newer than the restart point and no longer labelled",
+                         dropped)
+        self._write()
