@@ -52,11 +52,24 @@ def _prepare() -> None:
 
 
 def _config(a: dict[str, Any], rank: int) -> Any:
+    """TorchTitan's debug-model config with SCOUT on, in one of the two forms a user writes: the plugin's
+    registry (``--module scout_torchtitan --config llama3_debugmodel --scout.*``), or TorchTitan's own registry
+    with ``--override.imports scout_torchtitan.override.scout={...}``."""
+    import yaml
+    from torchtitan.models.llama3 import config_registry as titan_registry
+
     from scout_torchtitan import config_registry, cpu
     from scout_torchtitan.config import ScoutSection
 
-    cfg = cpu.on_cpu(config_registry.llama3_debugmodel(), steps=a["steps"], seq_len=64, local_batch_size=2,
-                     seed=a["seed"])
+    if a["form"] == "override":
+        cfg = titan_registry.llama3_debugmodel()
+        keys = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a["scout"])}
+        cfg.override.imports = [("scout_torchtitan.override.scout", keys)]
+    else:
+        cfg = config_registry.llama3_debugmodel()
+        core = load(None, a["scout"])
+        cfg.scout = ScoutSection(enable=True, **{f.name: getattr(core, f.name) for f in fields(ScoutConfig)})
+    cpu.on_cpu(cfg, steps=a["steps"], seq_len=64, local_batch_size=2, seed=a["seed"])
     cfg.dump_folder = os.path.join(a["workdir"], "titan")
     par = cfg.parallelism
     par.data_parallel_replicate_degree = a["replicate"]
@@ -65,8 +78,6 @@ def _config(a: dict[str, Any], rank: int) -> Any:
     cfg.checkpoint.enable = a["titan_checkpoints"]
     cfg.checkpoint.interval = 1
     cfg.checkpoint.keep_latest_k = 0
-    core = load(None, a["scout"])
-    cfg.scout = ScoutSection(enable=True, **{f.name: getattr(core, f.name) for f in fields(ScoutConfig)})
     return cfg
 
 
@@ -135,7 +146,7 @@ def _titan_rank(ctx: RankContext) -> dict[str, Any]:
 
         trainer.checkpointer.save, trainer.checkpointer.load = save_signed, load_signed
     trainer.train()
-    handle = trainer.scout
+    handle = trainer.checkpointer.scout
     hist = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history]
     dist.barrier()
     trainer.close()
@@ -177,7 +188,7 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
              *p.get("overrides", [])]
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "workdir": workdir,
             "replicate": int(p.get("replicate", 1)), "ranks_per_machine": int(p.get("ranks_per_machine", 8)),
-            "scout": scout, "titan_checkpoints": recovery, "phase": "a"}
+            "scout": scout, "titan_checkpoints": recovery, "phase": "a", "form": p.get("form", "module")}
     start = time.monotonic()
     stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
     result = launch(_titan_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop,

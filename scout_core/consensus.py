@@ -39,6 +39,7 @@ __all__ = [
     "MAD_NORMAL_CONSISTENCY",
     "NoiseFloor",
     "StatisticalRule",
+    "tail_floor",
 ]
 
 # Scales the median absolute deviation to the standard deviation of a normal
@@ -338,6 +339,18 @@ class Confirmation:
             del self._counts[key]
 
 
+def tail_floor(ratios: Sequence[float], multiple: float) -> float:
+    """``1 + multiple x (q99 - 1)`` of healthy ratios to their usual value (1.0 without any): how far beyond its
+    own noise a reading must be to count as slow. The 99th percentile, but never the single largest value: in
+    the first rounds there are a few dozen values, and one freak among them would set the floor alone (a
+    1.65x reading, a 2.95x floor)."""
+    body = sorted(r for r in ratios if math.isfinite(r))
+    if not body:
+        return 1.0
+    q99 = body[max(0, min(int(0.99 * len(body)), len(body) - 2))]
+    return 1.0 + multiple * max(q99 - 1.0, 0.0)
+
+
 class NoiseFloor:
     """How much slower than usual healthy peers have lately been: a compute straggler must beat that too.
 
@@ -399,13 +412,7 @@ class NoiseFloor:
                 body += [r / own for r in ratios if math.isfinite(r)]
         if not known:
             body = [r for ratios in healthy.values() for r in ratios if math.isfinite(r)]
-        if not body:
-            return 1.0
-        body.sort()
-        # The 99th percentile, but never the single largest value: in the first rounds the body is a few
-        # dozen values, and one freak among them would set the floor alone (a 1.65x reading, 2.95x floor).
-        q99 = body[max(0, min(int(0.99 * len(body)), len(body) - 2))]
-        return 1.0 + self.multiple * max(q99 - 1.0, 0.0)
+        return tail_floor(body, self.multiple)
 
     def apply(self, result: C3Result) -> tuple[C3Result, float | None]:
         """``result`` with the flags at or below the floor cleared (all of them during the warm-up), and the

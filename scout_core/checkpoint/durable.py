@@ -10,7 +10,9 @@ that step:
 * ``candidate``: the certifier's candidate is at or after ``N`` (accepted checks, not yet a full cycle);
 * ``latest``: saved, no accepted check since;
 * ``rejected``: saved after the last verified generation when an SDC verdict came (it may hold the corruption,
-  however perfect its checksum).
+  however perfect its checksum), or later in the same run: a job that goes on after the verdict
+  (``actions.on_verdict: log``) trains on from the suspect state, so nothing it saves counts as clean until a
+  restart has loaded a verified checkpoint.
 
 A restart loads what the retrieval policy (:func:`~scout_core.checkpoint.certify.decide_retrieval`) chose for
 the failure that stopped the job: after SDC, an unreachable machine or an unexplained stop (no emergency sweep
@@ -121,6 +123,8 @@ class FrameworkCheckpoints:
             self._write()
 
     def _relabel(self, certifier: Certifier) -> None:
+        """Labels only rise (latest, candidate, verified) or fall to rejected: a restarted job's certifier
+        starts empty, and must not take back what the run before it verified."""
         for step, entry in self.entries.items():
             if entry["label"] == "rejected":
                 continue  # for good: an SDC verdict found it may hold corruption
@@ -128,10 +132,8 @@ class FrameworkCheckpoints:
                 entry["label"] = "rejected"
             elif certifier.verified is not None and step <= certifier.verified:
                 entry["label"] = "verified"
-            elif certifier.candidate is not None and step <= certifier.candidate:
+            elif certifier.candidate is not None and step <= certifier.candidate and entry["label"] == "latest":
                 entry["label"] = "candidate"
-            else:
-                entry["label"] = "latest"
 
     # -- at restart -----------------------------------------------------------------------------------
 

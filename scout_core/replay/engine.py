@@ -208,7 +208,7 @@ class ReplayEngine:
         self.history: deque[BoundaryResult] = deque(maxlen=1024)  # boundaries that did work, newest last
         # Communication is judged with its own ratio floor (a shared fabric is noisier than a device's compute).
         self.timing = CommTiming(comm_rule or self.rule, confirm_rounds, world_control=self.groups.world_control,
-                                 hosts=self.hosts, compute_rule=self.rule)
+                                 hosts=self.hosts, compute_rule=self.rule, window=noise_window)
         self._hsdp_comm: tuple[float, float, Any, Any] | None = None
         recipe_of_layer = {name: ("hidden" if i < self.n_hidden else next(r for r, j in self.extra.items() if j == i))
                            for i, name in enumerate(self.names)}
@@ -610,7 +610,7 @@ class ReplayEngine:
             if self.rank == self._world_reporter(loc):  # one record for the whole job
                 self._emit([machine])
             result.incidents_global.append(machine)
-        if result.group_slowdown and self.timing.slow_group_rounds == self.confirm.rounds:
+        if result.group_slowdown and self.timing.slow_group_rounds == self.timing.temporal_rounds:
             incidents.append(self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.PEER_GROUP, self.peers, [result.comm_timing],
                 "the whole group's communication is slow against its own clean history; no member is an "

@@ -22,27 +22,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scout_core.consensus import C3Result, C3Status, StatisticalRule
+from scout_core.consensus import C3Result, C3Status, StatisticalRule, tail_floor
 from scout_core.replay.layer import sync
 from scout_core.topology import GroupTiming, LocalizationStreak, localize_slow_groups
 
 __all__ = ["BASELINE_ROUNDS", "CommTiming", "job_wide_compute", "mesh_groups", "time_hsdp_collectives"]
 
-BASELINE_ROUNDS = 5
-"""Clean communication rounds a group needs before its own history can call it slow."""
+BASELINE_ROUNDS = 10
+"""Measured communication rounds a group needs before its own history can call it slow."""
+
+TEMPORAL_EXTRA_ROUNDS = 1
+"""A group is called slow against its own history only after ``consensus.confirm_rounds`` + this many slow
+rounds in a row. Spatial consensus compares peers of the same round, so noise that slows the whole host cancels
+out; a temporal check has no such reference, and host-wide noise reaches it whole. A clean 4-rank TorchTitan job
+on this 2-core host was once called slow at two rounds: its group times are 4-9 ms with one round in twenty near
+16 ms, and two such rounds in a row beat a short history (tests/test_comm_timing.py: two rounds, 13-33 of 1,000
+simulated 30-round runs; three, none of 1,000 100-round runs)."""
+
+TAIL_MULTIPLE = 3.0
+"""A group is slow only beyond ``1 + TAIL_MULTIPLE x (q99 - 1)`` of its own history's ratios to their median
+(the compute noise floor's rule, :func:`scout_core.consensus.tail_floor`)."""
 
 
 class CommTiming:
     """Communication judgements of one rank's replay engine, identical on every peer."""
 
     def __init__(self, rule: StatisticalRule, confirm_rounds: int, *, world_control: Any,
-                 hosts: Mapping[int, str], compute_rule: StatisticalRule | None = None) -> None:
+                 hosts: Mapping[int, str], compute_rule: StatisticalRule | None = None, window: int = 64) -> None:
         self.rule = rule
         self.compute_rule = compute_rule or StatisticalRule()
         self.confirm_rounds = confirm_rounds
+        self.temporal_rounds = confirm_rounds + TEMPORAL_EXTRA_ROUNDS
         self.world_control = world_control
         self.hosts = dict(hosts)
-        self.baseline: deque[float] = deque(maxlen=10)  # group medians of recent clean rounds
+        # Group medians of recent rounds that were no slowdown, isolated slow readings included once their streak
+        # broke off unconfirmed: they are the clock's tail, and a history without them never learns it.
+        self.baseline: deque[float] = deque(maxlen=max(window, BASELINE_ROUNDS))
+        self._streak: list[float] = []  # the readings of the slow streak in progress
         self.slow_group_rounds = 0
         self.streak = LocalizationStreak()
 
@@ -111,10 +127,10 @@ class CommTiming:
         A collective spanning every peer makes every peer wait for a slow member, so
         no peer is an outlier. The group's median is compared with the distribution of
         its own clean rounds by the same robust rule as the spatial one (median plus
-        kappa robust sigmas of the history, with the ratio and absolute floors): a
-        noisy history widens the threshold instead of producing verdicts. It needs
-        ``BASELINE_ROUNDS`` clean rounds first and is confirmed over the same number
-        of consecutive rounds as stragglers.
+        kappa robust sigmas of the history, with the ratio and absolute floors) and beyond the
+        tail of that history (``TAIL_MULTIPLE``): a noisy history widens the threshold instead of
+        producing verdicts. It needs ``BASELINE_ROUNDS`` rounds of history first and is confirmed over
+        one round more than a straggler (``TEMPORAL_EXTRA_ROUNDS``).
         """
         if comm.status is C3Status.NO_MEASUREMENT:
             return False  # not evidence: the count and the clean history stay as they are
@@ -126,14 +142,20 @@ class CommTiming:
             deviations = sorted(abs(h - base) for h in history)
             scale = max(deviations[len(deviations) // 2] * 1.4826, self.rule.mad_floor_fraction * base)
             threshold = max(base + self.rule.kappa * scale, base * self.rule.min_ratio, base + self.rule.min_delta)
+            if base > 0:
+                threshold = max(threshold, base * tail_floor([h / base for h in history], TAIL_MULTIPLE))
             slow = median > threshold
         if slow:
             self.slow_group_rounds += 1
+            self._streak.append(median)
         else:
+            if self.slow_group_rounds < self.temporal_rounds:
+                self.baseline.extend(self._streak)  # an unconfirmed streak was noise: part of the history
+            self._streak.clear()
             self.slow_group_rounds = 0
             if comm.status is C3Status.AGREE:
                 self.baseline.append(median)
-        return self.slow_group_rounds >= self.confirm_rounds
+        return self.slow_group_rounds >= self.temporal_rounds
 
 
 def job_wide_compute(timings: list[Any], rule: StatisticalRule) -> C3Result:

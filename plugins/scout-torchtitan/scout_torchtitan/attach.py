@@ -25,7 +25,7 @@ from typing import Any
 from scout_core.adapter import torch_adapter
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_core.topology import peer_groups as peer_groups_of_shape
-from scout_torchtitan.config import to_core
+from scout_torchtitan.config import ScoutSection, to_core
 
 __all__ = ["TITAN_MESH_ORDER", "attach", "peer_groups"]
 
@@ -48,12 +48,13 @@ def peer_groups(parallel_dims: Any) -> list[list[int]]:
     return [list(g) for g in peer_groups_of_shape(shape, TITAN_MESH_ORDER)]
 
 
-def attach(trainer: Any) -> ScoutHandle:
-    """Install SCOUT on a built Trainer (every rank calls it, after ``Trainer.__init__``)."""
+def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
+    """Install SCOUT, configured by ``section``, on a Trainer whose model parts, optimizers, LR schedulers,
+    data loader and meshes exist (every rank calls it)."""
     state = {name: obj for name, obj in (("lr_schedulers", getattr(trainer, "lr_schedulers", None)),
                                           ("dataloader", getattr(trainer, "dataloader", None)))
              if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")}
     adapter = torch_adapter(list(trainer.model_parts), list(trainer.optimizers.optimizers),
                             peer_groups=peer_groups(trainer.parallel_dims), state=state or None)
     adapter.name = "torchtitan"
-    return enable_with(adapter, config=to_core(trainer.config.scout))
+    return enable_with(adapter, config=to_core(section))

@@ -1,0 +1,138 @@
+"""Labels of a framework's own checkpoints (scout_core.checkpoint.durable): they follow the certifier, an SDC
+verdict rejects what is newer than the verified generation for good, the restart picks by the retrieval policy,
+and the file survives a restart, a torn write and a purge."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from scout_core.checkpoint.certify import BoundaryEvidence, Certifier, FailureKind
+from scout_core.checkpoint.durable import LABELS_FILE, FrameworkCheckpoints
+
+CLEAN, SDC, STRAGGLER = BoundaryEvidence(), BoundaryEvidence(sdc=True), BoundaryEvidence(straggler=True)
+
+
+def _run(tmp_path, steps: dict[int, BoundaryEvidence], *, k: int = 1, saves=None, stop: bool = True):
+    """Boundaries at each step (evidence as given, clean otherwise); the framework saves after each boundary."""
+    cert = Certifier(recipes_per_cycle=k, static=k == 1)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    for step in range(1, max(steps) + 1):
+        evidence = steps.get(step, CLEAN)
+        action = cert.on_boundary(step, evidence)
+        failure = FailureKind.SDC if evidence.sdc else FailureKind.STRAGGLER if evidence.straggler else None
+        labels.on_boundary(step, action, cert, failure=failure, stopping=stop)
+        if saves is None or step in saves:
+            labels.saved(step, f"/ckpt/step-{step}", cert)
+    return cert, labels
+
+
+def _labels(labels: FrameworkCheckpoints) -> dict[int, str]:
+    return {s: e["label"] for s, e in labels.entries.items()}
+
+
+def test_static_certification_verifies_each_saved_step_and_sdc_rejects_the_newer(tmp_path):
+    _, labels = _run(tmp_path, {5: SDC})
+    assert _labels(labels) == {1: "verified", 2: "verified", 3: "verified", 4: "verified", 5: "rejected"}
+    choice = labels.choose()
+    assert (choice.step, choice.label, choice.failure) == (4, "verified", "sdc")
+
+
+def test_cycles_label_candidates_before_they_are_verified(tmp_path):
+    # K = 2: candidate at 2, promoted at 4 (candidate 4), promoted at 6 (candidate 6).
+    cert, labels = _run(tmp_path, {7: CLEAN}, k=2)
+    assert (cert.verified, cert.candidate) == (4, 6)
+    assert _labels(labels) == {1: "verified", 2: "verified", 3: "verified", 4: "verified", 5: "candidate",
+                               6: "candidate", 7: "latest"}
+
+
+def test_after_an_sdc_verdict_nothing_newer_is_trusted_until_a_restart(tmp_path):
+    """With ``actions.on_verdict: log`` training goes on over the corrupted state: later checks pass (the
+    corruption is in everyone's state now) and the certifier verifies again, but no checkpoint of this run after
+    the verdict may be loaded as clean."""
+    cert = Certifier(recipes_per_cycle=1, static=True)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    for step in (1, 2):
+        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.saved(step, "", cert)
+    labels.saved(3, "", cert)  # saved between checks: nothing vouches for it yet
+    assert _labels(labels)[3] == "latest"
+    labels.on_boundary(4, cert.on_boundary(4, SDC), cert, failure=FailureKind.SDC, stopping=False)
+    for step in (5, 6):  # training goes on (actions.on_verdict: log) and checks pass again
+        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.saved(step, "", cert)
+    assert cert.verified == 6
+    assert _labels(labels) == {1: "verified", 2: "verified", 3: "rejected", 5: "rejected", 6: "rejected"}
+    assert labels.choose(FailureKind.SDC).step == 2
+    assert labels.stopped_for is None  # nobody stopped for it: a restart is not bound by that verdict
+
+
+def test_a_straggler_stop_loads_the_newest_not_rejected(tmp_path):
+    _, labels = _run(tmp_path, {3: STRAGGLER}, saves={1, 3})
+    assert labels.stopped_for == "straggler"
+    assert labels.choose().step == 3
+    assert labels.choose(FailureKind.SDC).step == 3  # a straggler is not divergence: 3 is verified too
+
+
+def test_an_unexplained_stop_loads_the_newest_verified(tmp_path):
+    cert = Certifier(recipes_per_cycle=2)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    for step in (1, 2, 3, 4, 5):
+        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.saved(step, "", cert)
+    assert cert.verified == 2
+    choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()  # the restart, reading the file
+    assert (choice.step, choice.failure) == (2, "other")
+
+
+def test_nothing_verified_loads_nothing(tmp_path):
+    _, labels = _run(tmp_path, {1: SDC})
+    choice = labels.choose()
+    assert choice.step is None and "no verified checkpoint" in choice.reason
+
+
+def test_purged_or_incomplete_checkpoints_are_not_chosen(tmp_path):
+    _, labels = _run(tmp_path, {5: SDC})
+    assert labels.choose(exists=lambda s: s != 4).step == 3
+
+
+def test_the_file_is_the_state_of_a_restart_and_the_restart_forgets_the_abandoned_steps(tmp_path):
+    _run(tmp_path, {5: SDC})
+    with open(tmp_path / LABELS_FILE) as fh:
+        body = json.load(fh)
+    assert body["stopped_for"] == "sdc" and body["checkpoints"]["5"]["label"] == "rejected"
+    restart = FrameworkCheckpoints(str(tmp_path), writer=True)
+    assert restart.choose().step == 4
+    restart.restarted_from(4)
+    again = FrameworkCheckpoints(str(tmp_path), writer=False)
+    assert sorted(again.entries) == [1, 2, 3, 4] and again.stopped_for is None
+    assert not os.path.exists(tmp_path / f"{LABELS_FILE}.tmp")
+
+
+def test_only_the_writer_writes(tmp_path):
+    _run(tmp_path / "a", {2: CLEAN})
+    cert = Certifier(static=True)
+    reader = FrameworkCheckpoints(str(tmp_path / "b"), writer=False)
+    reader.saved(1, "", cert)
+    assert not os.path.exists(tmp_path / "b" / LABELS_FILE)
+
+
+@pytest.mark.parametrize("content", ["{\"checkpoints\": {\"1\": ", "[1, 2]", "not json"])
+def test_a_torn_or_foreign_file_means_no_labels_not_a_crash(tmp_path, content):
+    (tmp_path / LABELS_FILE).write_text(content)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=False)
+    assert labels.entries == {} and labels.choose().step is None
+
+
+def test_a_restarted_job_keeps_the_labels_its_predecessor_earned(tmp_path):
+    _run(tmp_path, {5: SDC})
+    restart = FrameworkCheckpoints(str(tmp_path), writer=True)
+    restart.restarted_from(restart.choose().step)
+    fresh = Certifier(static=True)  # the restarted job's certifier knows nothing yet
+    restart.saved(5, "", fresh)
+    assert {s: e["label"] for s, e in restart.entries.items()} == {1: "verified", 2: "verified", 3: "verified",
+                                                                     4: "verified", 5: "latest"}
+    restart.on_boundary(6, fresh.on_boundary(6, CLEAN), fresh)
+    assert restart.entries[5]["label"] == "verified"
