@@ -57,4 +57,9 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
     adapter = torch_adapter(list(trainer.model_parts), list(trainer.optimizers.optimizers),
                             peer_groups=peer_groups(trainer.parallel_dims), state=state or None)
     adapter.name = "torchtitan"
-    return enable_with(adapter, config=to_core(section))
+    handle = enable_with(adapter, config=to_core(section))
+    if handle.rank == 0:
+        log.info("scout_torchtitan: SCOUT attached to %d model part(s), %d optimizer(s), peer groups %s; hidden "
+                 "layers replayed every %d steps", len(adapter.chunks), len(adapter.optimizers),
+                 peer_groups(trainer.parallel_dims), section.replay.cadence.hidden)
+    return handle
