@@ -43,8 +43,10 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def cells(session: nox.Session) -> None:
-    """Every cell of configs/cells.yaml at its configured world size; JSON in runs/cells.json."""
+    """Every cell of configs/cells.yaml at its configured world size (the TorchTitan cells need TorchTitan);
+    JSON in runs/cells.json."""
     _install(session)
+    _install_torchtitan(session)
     session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
 

@@ -417,3 +417,16 @@ def test_moe_clean_cell_fails_when_the_optimizer_slice_compares_experts(monkeypa
     monkeypatch.setattr(MoEBinding, "expert_parameters", lambda self: [])
     (report,) = run_cells([SPECS["moe-clean"]], root=ROOT)
     assert report.verdict == "FAIL" and "scopes ['peer_group']" in report.details  # 4 groups of 4: no majority
+
+
+def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(monkeypatch):
+    """The guard of titan-recovery-sdc: without the plugin's choice TorchTitan loads its newest checkpoint, the
+    step-5 one saved after the SDC verdict, and the cell must say so."""
+    from scout_torchtitan import cpu
+
+    cpu.stub_triton_kernels()
+    from scout_torchtitan.checkpointer import ScoutCheckpointManager
+
+    monkeypatch.setattr(ScoutCheckpointManager, "_restart_step", lambda self, asked: asked)
+    (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "loaded [5]" in report.details, report.details

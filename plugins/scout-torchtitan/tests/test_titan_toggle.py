@@ -92,3 +92,38 @@ def test_the_plugin_is_found_through_the_entry_point_group():
     assert "torchtitan" in found
     plugin = found["torchtitan"].load()
     assert plugin.framework == "torchtitan" and plugin.framework_version.startswith("0.3")
+
+
+def test_the_readme_lists_every_flag():
+    """The README's flag table is generated from scout_core's schema; regenerate with
+    ``python -c "from scout_torchtitan.config import flags_reference as f; print(f())"``."""
+    from pathlib import Path
+
+    from scout_torchtitan.config import FLAGS_BEGIN, FLAGS_END, flags_reference
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme[readme.index(FLAGS_BEGIN):readme.index(FLAGS_END) + len(FLAGS_END)] + "\n"
+    assert block == flags_reference()
+
+
+def test_the_override_carries_scout_into_an_unchanged_config():
+    from torchtitan.config import apply_overrides
+
+    from scout_torchtitan.checkpointer import ScoutCheckpointManager
+
+    cfg = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
+                                      'scout_torchtitan.override.scout={"replay.cadence.hidden": 7}',
+                                      "--checkpoint.interval", "3"])
+    assert type(cfg) is not ScoutTrainer.Config  # TorchTitan's own config, untouched by the plugin
+    apply_overrides(cfg.override, cfg)  # as Trainer.__init__ does, before it builds anything
+    assert isinstance(cfg.checkpoint, ScoutCheckpointManager.Config) and cfg.checkpoint.interval == 3
+    assert cfg.checkpoint.scout.enable and cfg.checkpoint.scout.replay.cadence.hidden == 7
+
+
+def test_a_bad_override_key_fails_naming_it():
+    from torchtitan.config import apply_overrides
+
+    cfg = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports",
+                                      'scout_torchtitan.override.scout={"replay.cadence.hiddn": 7}'])
+    with pytest.raises(ConfigError, match=r"scout_torchtitan\.override\.scout: .*hiddn"):
+        apply_overrides(cfg.override, cfg)
