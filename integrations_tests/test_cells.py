@@ -427,6 +427,16 @@ def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(m
     cpu.stub_triton_kernels()
     from scout_torchtitan.checkpointer import ScoutCheckpointManager
 
-    monkeypatch.setattr(ScoutCheckpointManager, "_restart_step", lambda self, asked: asked)
+    monkeypatch.setattr(ScoutCheckpointManager, "_restart_plan", lambda self, asked: None)
     (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "loaded [5]" in report.details, report.details
+
+
+def test_titan_recovery_cell_fails_when_scout_restarts_its_count_from_zero(monkeypatch):
+    """The guard of the restarted run's labels: if SCOUT's step count and certification started over at 0 after
+    TorchTitan loaded step 4, the restarted run's checkpoints would never be verified."""
+    from scout_core.handle import ScoutHandle
+
+    monkeypatch.setattr(ScoutHandle, "continue_from", lambda self, step, verified: None)
+    (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "labels after the restarted run" in report.details, report.details

@@ -102,6 +102,7 @@ class ScoutHandle:
         self.last_decision: Any = None
         self.framework_checkpoints: FrameworkCheckpoints | None = None
         """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
+        self._labels_certifier: Certifier | None = None  # certifies the framework's checkpoints alone
         self.stopped = False
         self.stop_on_verdict = config.actions.on_verdict == "stop"
         self.exit_code = config.actions.exit_code
@@ -240,19 +241,28 @@ class ScoutHandle:
                                         set_extra=self._restore_extra, rng_providers=a.rng_providers)
         memory = MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=self.rank,
                              hosts=self.hosts, fallback=os.path.join(directory, "memory"))
-        k = cfg.checkpoint.recipes_per_cycle
+        self.checkpoint = CheckpointCoordinator(
+            self.snapshots, DurableStore(directory, self.rank, self.world_size),
+            self._new_certifier(), memory=memory, control_group=self.groups.world_control,
+            replicate=cfg.checkpoint.replicate_to_peer, decisions_path=os.path.join(directory, "decisions.jsonl"),
+            keep_generations=cfg.checkpoint.keep_generations,
+            on_error=lambda exc, where: self.guard.report(self._step(), "checkpoint", exc, where),
+            extra_later=a.get_state is not None)
+
+    def _new_certifier(self) -> Certifier:
+        k = self.config.checkpoint.recipes_per_cycle
         if self.experts is not None:
             # A candidate is vouched for only after every expert (and every catalog shape of each) was replayed
             # clean: one recipe cycle of the expert recipe (paper section 8), counted in expert checks.
             k = max(k, self.experts.cycle)
             _log.info("SCOUT: certification waits for a recipe cycle of %d expert checks", k)
-        self.checkpoint = CheckpointCoordinator(
-            self.snapshots, DurableStore(directory, self.rank, self.world_size),
-            Certifier(recipes_per_cycle=k, static=k == 1), memory=memory, control_group=self.groups.world_control,
-            replicate=cfg.checkpoint.replicate_to_peer, decisions_path=os.path.join(directory, "decisions.jsonl"),
-            keep_generations=cfg.checkpoint.keep_generations,
-            on_error=lambda exc, where: self.guard.report(self._step(), "checkpoint", exc, where),
-            extra_later=a.get_state is not None)
+        return Certifier(recipes_per_cycle=k, static=k == 1)
+
+    @property
+    def certifier(self) -> Certifier | None:
+        """The job's certification state: SCOUT's checkpoint coordinator's, or the one that certifies only the
+        framework's own checkpoints (:meth:`label_framework_checkpoints`); None when nothing certifies."""
+        return self.checkpoint.certifier if self.checkpoint is not None else self._labels_certifier
 
     def install_step_hooks(self) -> None:
         opts = self.adapter.optimizers
@@ -347,19 +357,26 @@ class ScoutHandle:
                                  inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
                                  missing=result.missing or bool(expert and expert.skipped),
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
-        if self.checkpoint is not None:
+        cert = self.certifier
+        if cert is not None:
             self._dense_in_cycle = self._dense_in_cycle or "hidden" in result.recipes
-            action, job = self.checkpoint.on_boundary(result.step, local, certify=self._certifies(result, expert))
-            self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
+            certify = self._certifies(result, expert)
+            if self.checkpoint is not None:
+                action, job = self.checkpoint.on_boundary(result.step, local, certify=certify)
+                self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
+            else:  # certification of the framework's checkpoints alone: nothing to capture
+                job = combine_evidence(local, self.groups.world_control, at_cycle_boundary=cert.at_cycle_boundary)
+                action = (cert.on_boundary(result.step, job) if certify or job.sdc or job.inconclusive
+                          else cert.skip_uncertified(job))
             if action in (Action.CAPTURE_AND_PERSIST, Action.RECOVER):
                 self._dense_in_cycle = False
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
         verdict = job.sdc or job.inconclusive or job.straggler
-        if self.framework_checkpoints is not None and self.checkpoint is not None:
+        if self.framework_checkpoints is not None and cert is not None:
             failure = (FailureKind.SDC if job.sdc or job.inconclusive else FailureKind.STRAGGLER) if verdict else None
             try:
-                self.framework_checkpoints.on_boundary(result.step, action, self.checkpoint.certifier,
+                self.framework_checkpoints.on_boundary(result.step, action, cert,
                                                        failure=failure, stopping=self.stop_on_verdict)
             except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
                 self.guard.report(result.step, "checkpoint", exc, "framework checkpoint labels")
@@ -367,16 +384,28 @@ class ScoutHandle:
             self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
 
-    def label_framework_checkpoints(self, folder: str) -> FrameworkCheckpoints | None:
+    def label_framework_checkpoints(self, folder: str) -> FrameworkCheckpoints:
         """Label the framework's own checkpoints in ``folder`` by certification (see
-        :mod:`scout_core.checkpoint.durable`); the caller reports each save with ``saved(step, path, certifier)``
-        and asks ``choose()`` at restart. None when SCOUT's certification is off (``checkpoint.enabled``)."""
-        if self.checkpoint is None:
-            _log.warning("SCOUT: checkpoint.enabled is false, so nothing certifies the framework's checkpoints in "
-                         "%s: they are not labelled and a restart loads what the framework chooses", folder)
-            return None
+        :mod:`scout_core.checkpoint.durable`); the caller reports each save with ``saved(step, path,
+        handle.certifier)``, asks ``choose()`` at restart and tells SCOUT where training goes on
+        (:meth:`continue_from`). Without SCOUT's own snapshots (``checkpoint.enabled`` false) the same
+        certification runs for these labels alone."""
+        if self.checkpoint is None and self._labels_certifier is None:
+            self._labels_certifier = self._new_certifier()
         self.framework_checkpoints = FrameworkCheckpoints(folder, writer=self.rank == 0)
         return self.framework_checkpoints
+
+    def continue_from(self, step: int, *, verified: int | None) -> None:
+        """The framework restored its own checkpoint of ``step`` (not one of SCOUT's snapshots): SCOUT's step
+        count, replay schedule and certification go on from there, every rank alike. ``verified``: the newest
+        verified step at or before it (the restored state's trust), or None."""
+        if self.replay is not None:
+            self.replay.continue_at(step)
+        if self.tracker is not None:
+            self.tracker.resume_at = int(step)
+        cert = self.certifier
+        if cert is not None:
+            cert.latest, cert.verified, cert.candidate, cert.q = int(step), verified, None, 0
 
     def _certifies(self, result: BoundaryResult, expert: Any) -> bool:
         """Whether this boundary's checks can vouch for the state (the same on every rank).
@@ -389,7 +418,7 @@ class ScoutHandle:
         recipe is configured off (not switched off by replay's health: then nothing is vouched for)."""
         hidden_off = self.config.replay.cadence.hidden == 0 and "hidden" not in self.replay.health.disabled
         if self.experts is not None:
-            closes = self.checkpoint.certifier.at_cycle_boundary
+            closes = self.certifier.at_cycle_boundary
             return expert is not None and (not closes or self._dense_in_cycle or hidden_off)
         return result.checked and ("hidden" in result.recipes or hidden_off)
 

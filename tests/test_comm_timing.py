@@ -80,9 +80,11 @@ def _false_verdicts(runs: int, rounds: int) -> int:
     return bad
 
 
-def test_the_measured_noise_is_never_a_slowdown():
-    """The false positive this fixes: heavy-tailed group times on a loaded host, tail rounds in a row."""
-    assert _false_verdicts(1000, 30) == 0
+def test_the_measured_noise_is_almost_never_a_slowdown():
+    """The false positive this fixes: heavy-tailed group times on a loaded host, tail rounds in a row. What is
+    left is three tail rounds in a row before the history has seen two of them: 3 of 2,000 runs of 30 judged
+    rounds (one per 20,000 rounds; the compute noise floor's rate is one per 9,000 rounds of 16 ranks)."""
+    assert _false_verdicts(2000, 30) <= 3
 
 
 def test_at_two_rounds_the_same_noise_is_called_slow(monkeypatch):
@@ -91,4 +93,24 @@ def test_at_two_rounds_the_same_noise_is_called_slow(monkeypatch):
     import scout_core.replay.timing as timing_module
 
     monkeypatch.setattr(timing_module, "TEMPORAL_EXTRA_ROUNDS", 0)
-    assert _false_verdicts(1000, 30) > 5
+    assert _false_verdicts(2000, 30) > 30
+
+
+def _detected(factor: float, runs: int = 200) -> int:
+    """Runs in which a sustained slowdown by ``factor`` (after 40 rounds of measured noise) is confirmed within
+    six rounds."""
+    hits = 0
+    for seed in range(runs):
+        rng = random.Random(seed)
+        timing = _timing()
+        for _ in range(40):
+            _round(timing, _measured_noise(rng))
+        hits += any([_round(timing, _measured_noise(rng) * factor) for _ in range(6)])
+    return hits
+
+
+def test_a_sustained_slowdown_beyond_the_noise_tail_is_found():
+    """The other side of the floor: a group 4x slower than its usual (beyond the measured 2.7x tail) is confirmed
+    in most runs, 8x in every run (a tail multiple of 3 found 4x in 58 and 8x in 116 of 200)."""
+    assert _detected(4.0) >= 170
+    assert _detected(8.0) == 200

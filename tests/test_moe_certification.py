@@ -13,7 +13,7 @@ def _handle(catalog: object | None, experts: bool = True, *, closes: bool = Fals
             dense: bool = False) -> SimpleNamespace:
     return SimpleNamespace(experts=SimpleNamespace(catalog=catalog) if experts else None, config=ScoutConfig(),
                            replay=SimpleNamespace(health=SimpleNamespace(disabled=set())),
-                           checkpoint=SimpleNamespace(certifier=SimpleNamespace(at_cycle_boundary=closes)),
+                           certifier=SimpleNamespace(at_cycle_boundary=closes),
                            _dense_in_cycle=dense)
 
 

@@ -76,6 +76,13 @@ class Certifier:
         """Whether the next accepted check closes a cycle (ranks must agree on this)."""
         return self.q + 1 == self.recipes_per_cycle
 
+    def skip_uncertified(self, evidence: BoundaryEvidence) -> Action:
+        """A boundary whose checks cannot vouch for the state (no layer was replayed) and found no SDC: nothing
+        is captured or promoted, and a check that did not run leaves a hole in the recipe cycle."""
+        if evidence.missing:
+            self.q = 0
+        return Action.SKIP
+
     def on_boundary(self, step: int, evidence: BoundaryEvidence) -> Action:
         if evidence.sdc or evidence.inconclusive:
             if self.candidate is not None:

@@ -105,9 +105,7 @@ class CheckpointCoordinator:
         local = dataclasses.replace(local, busy=self.busy)
         evidence = combine_evidence(local, self.control, at_cycle_boundary=self.certifier.at_cycle_boundary)
         if not certify and not (evidence.sdc or evidence.inconclusive):
-            if evidence.missing:  # a check that did not run leaves a hole in the recipe cycle: start it over
-                self.certifier.q = 0
-            return Action.SKIP, evidence
+            return self.certifier.skip_uncertified(evidence), evidence
         return self.apply(step, evidence), evidence
 
     @property

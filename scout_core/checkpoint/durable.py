@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,8 @@ class FrameworkCheckpoints:
         self.entries: dict[int, dict[str, Any]] = {}
         self.stopped_for: str | None = None
         """The failure a verdict stopped the job for (read back by the restart)."""
+        self.set_aside: list[str] = []
+        """Checkpoints earlier restarts moved away (newer than what they loaded)."""
         self._rejected_above: int | None = None  # after an SDC verdict: newer than this is rejected
         self._load()
 
@@ -76,6 +78,7 @@ class FrameworkCheckpoints:
                 data = json.load(fh)
             self.entries = {int(k): dict(v) for k, v in data.get("checkpoints", {}).items()}
             self.stopped_for = data.get("stopped_for")
+            self.set_aside = [str(p) for p in data.get("set_aside", [])]
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             # A torn or foreign file must not stop the restart: without labels nothing counts as verified.
             _log.error("SCOUT: cannot read checkpoint labels %s (%s): treating every checkpoint as unlabelled",
@@ -87,7 +90,7 @@ class FrameworkCheckpoints:
             return
         os.makedirs(self.folder, exist_ok=True)
         body = {"checkpoints": {str(k): v for k, v in sorted(self.entries.items())},
-                "stopped_for": self.stopped_for, "time_unix": time.time()}
+                "stopped_for": self.stopped_for, "set_aside": self.set_aside, "time_unix": time.time()}
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(body, fh, indent=1, sort_keys=True)
@@ -103,8 +106,10 @@ class FrameworkCheckpoints:
     # -- while training -------------------------------------------------------------------------------
 
     def saved(self, step: int, where: str, certifier: Certifier) -> None:
-        """The framework wrote its checkpoint of ``step`` (at ``where``)."""
-        self.entries[int(step)] = {"label": "latest", "path": where, "saved_unix": time.time()}
+        """The framework wrote its checkpoint of ``step`` (at ``where``). Step 0 is the initial state (a seed
+        checkpoint, before any training step): nothing can have corrupted it, it is verified."""
+        label = "verified" if int(step) == 0 else "latest"
+        self.entries[int(step)] = {"label": label, "path": where, "saved_unix": time.time()}
         self._relabel(certifier)
         self._write()
 
@@ -126,8 +131,8 @@ class FrameworkCheckpoints:
         """Labels only rise (latest, candidate, verified) or fall to rejected: a restarted job's certifier
         starts empty, and must not take back what the run before it verified."""
         for step, entry in self.entries.items():
-            if entry["label"] == "rejected":
-                continue  # for good: an SDC verdict found it may hold corruption
+            if entry["label"] == "rejected" or step == 0:
+                continue  # for good: an SDC verdict found it may hold corruption; step 0 is the initial state
             if self._rejected_above is not None and step > self._rejected_above:
                 entry["label"] = "rejected"
             elif certifier.verified is not None and step <= certifier.verified:
@@ -157,14 +162,15 @@ class FrameworkCheckpoints:
         step = max(pool)
         return LoadChoice(step, pool[step]["label"], kind.value, reason)
 
-    def restarted_from(self, step: int | None) -> None:
-        """The restart loaded ``step``: newer checkpoints belong to the abandoned run and are dropped from the
-        labels (the framework overwrites them when training reaches those steps again)."""
+    def restarted_from(self, step: int | None, *, set_aside: Sequence[str] = ()) -> None:
+        """The restart loaded ``step`` (None: none of these): newer checkpoints belong to the abandoned run and
+        leave the labels (``set_aside``: where the caller moved them, kept in the file for the operator)."""
         dropped = sorted(s for s in self.entries if step is None or s > step)
         for s in dropped:
             del self.entries[s]
         self.stopped_for = None
         self._rejected_above = None
+        self.set_aside = [*self.set_aside, *set_aside]
         if dropped:
             _log.warning("SCOUT: checkpoints of steps %s are newer than the restart point and no longer labelled",
                          dropped)

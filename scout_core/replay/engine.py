@@ -518,6 +518,14 @@ class ReplayEngine:
                 "untrusted": {str(r): why for r, why in self._untrusted.items()},
                 "calls": {recipe: call_to_dict(call, idx) for recipe, (call, idx) in self.last_calls.items()}}
 
+    def continue_at(self, step: int) -> None:
+        """The framework restored its own checkpoint of ``step``: the next boundary is ``step + 1`` (the same
+        on every rank), and nothing captured for another step is replayed."""
+        for c in self.captures:
+            c.take()
+        self.step = int(step)
+        self._arm(self.step + 1)
+
     def load_sweep_state(self, saved: Mapping[str, Any]) -> None:
         """Continue from a restored snapshot: same schedule, same rotation, its calls for a sweep."""
         for c in self.captures:

@@ -17,7 +17,7 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from torchtitan.components.checkpointer import CheckpointManager
+from torchtitan.components.checkpointer import BaseCheckpointManager
 from torchtitan.config import override
 
 from scout_core.config import ConfigError, ScoutConfig, load
@@ -40,8 +40,10 @@ def section_from(keys: dict[str, Any]) -> ScoutSection:
     return ScoutSection(enable=True, **{f.name: getattr(core, f.name) for f in fields(ScoutConfig)})
 
 
-@override(target=CheckpointManager.Config, exact=True,
+@override(target=BaseCheckpointManager.Config,
           description="SCOUT: hang, straggler and silent-corruption diagnosis, certified checkpoints")
-def scout(cfg: CheckpointManager.Config, **keys: Any) -> ScoutCheckpointManager.Config:
+def scout(cfg: BaseCheckpointManager.Config, **keys: Any) -> ScoutCheckpointManager.Config:
+    """Claims every checkpoint config, so that a manager SCOUT cannot carry fails at start-up naming it
+    (:func:`~scout_torchtitan.checkpointer.with_scout_checkpointer`) instead of leaving SCOUT silently off."""
     ensure_set_timeout()  # TorchTitan 0.3 on torch 2.13 stops after step 1 without it (compat.py)
     return with_scout_checkpointer(cfg, section_from(keys))

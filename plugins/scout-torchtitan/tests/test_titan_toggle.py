@@ -127,3 +127,16 @@ def test_a_bad_override_key_fails_naming_it():
                                       'scout_torchtitan.override.scout={"replay.cadence.hiddn": 7}'])
     with pytest.raises(ConfigError, match=r"scout_torchtitan\.override\.scout: .*hiddn"):
         apply_overrides(cfg.override, cfg)
+
+
+def test_a_checkpoint_manager_scout_cannot_carry_fails_at_start_up():
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    from scout_torchtitan.checkpointer import with_scout_checkpointer
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class OtherConfig(BaseCheckpointManager.Config):
+        pass
+
+    with pytest.raises(TypeError, match="OtherConfig"):
+        with_scout_checkpointer(OtherConfig(), ScoutSection(enable=True))
