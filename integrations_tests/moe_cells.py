@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import scout_core
+from integrations_tests.expect import record_problems
 from integrations_tests.hang_cells import _RecordsSettled
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
 from scout_core.cells import CellReport, CellSpec, fault_dicts
@@ -201,29 +202,7 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     elif not hang and not result.ok:
         problems.append(result.failures())
     expect = p.get("expect", {})
-    if "class" in expect:
-        classes = sorted({str(i.evidence.get("class")) for i in incidents})
-        if classes != [expect["class"]]:
-            problems.append(f"hang classes {classes}, expected {expect['class']}")
-    named = sorted({r for i in incidents for r in i.ranks})
-    if sorted(expect.get("ranks", [])) != named:
-        problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
-    kinds = sorted({i.kind.value for i in incidents})
-    if sorted(expect.get("kinds", [])) != kinds:
-        problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
-    scope = expect.get("scope", "rank")
-    if incidents and sorted({i.scope.value for i in incidents}) != [scope]:
-        problems.append(f"scopes {sorted({i.scope.value for i in incidents})}, expected {scope} only")
-    if "hosts" in expect and sorted({h for i in incidents for h in i.hosts}) != sorted(expect["hosts"]):
-        problems.append(f"hosts {sorted({h for i in incidents for h in i.hosts})}, expected {expect['hosts']}")
-    surfaces = sorted({s for i in incidents for s in i.surface.split(";")})
-    for needle in expect.get("surfaces", []):
-        if not any(needle in s for s in surfaces):
-            problems.append(f"no incident on a surface containing {needle!r}; got {surfaces[:6]}")
-    if "within_steps" in expect and incidents:
-        first = min(i.step for i in incidents)
-        if first > expect["within_steps"]:
-            problems.append(f"first incident at step {first}, expected within {expect['within_steps']} steps")
+    problems += record_problems(incidents, expect)
     if result.ok and not hang:
         value = result.values()[0]
         checks = value["expert_checks"]

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import scout_core
+from integrations_tests.expect import record_problems
 from integrations_tests.models import batches, install_block_faults, start_rank
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
@@ -158,32 +159,7 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if not result.ok:
         problems.append(result.failures())
     expect = p.get("expect", {})
-    named = sorted({r for i in incidents for r in i.ranks})
-    if sorted(expect.get("ranks", [])) != named:
-        problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
-    if "count" in expect and len(incidents) != expect["count"]:  # e.g. a job-wide verdict recorded once
-        problems.append(f"{len(incidents)} records, expected {expect['count']}")
-    kinds = sorted({i.kind.value for i in incidents})
-    if sorted(expect.get("kinds", [])) != kinds:
-        problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
-    scopes = sorted({i.scope.value for i in incidents})
-    if incidents and scopes != [expect.get("scope", "rank")]:
-        problems.append(f"scopes {scopes}, expected {expect.get('scope', 'rank')} only")
-    surfaces = sorted({i.surface for i in incidents})
-    for needle in expect.get("surfaces", []):
-        if not any(needle in s for s in surfaces):
-            problems.append(f"no incident on a surface containing {needle!r}; got {surfaces}")
-    for forbidden in expect.get("not_surfaces", []):
-        if any(forbidden in s for s in surfaces):
-            problems.append(f"unexpected incident on {forbidden!r}: {surfaces}")
-    if "hosts" in expect:
-        hosts = sorted({h for i in incidents for h in i.hosts})
-        if hosts != sorted(expect["hosts"]):
-            problems.append(f"hosts {hosts}, expected {expect['hosts']}")
-    if "steps" in expect:
-        got_steps = sorted({i.step for i in incidents})
-        if got_steps != sorted(expect["steps"]):
-            problems.append(f"incidents at steps {got_steps}, expected {expect['steps']}")
+    problems += record_problems(incidents, expect)
     if result.ok:
         checks = result.values()[0]["checks"]
         if len(checks) != args["steps"]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from integrations_tests.expect import record_problems
 from integrations_tests.hang_cells import _RecordsSettled
 from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.inject import Injector
@@ -150,29 +151,6 @@ def _titan_rank(ctx: RankContext) -> dict[str, Any]:
     return {"checks": hist, "loaded": loaded, "steps": trainer.step}
 
 
-def _judge(incidents: list[Any], expect: dict[str, Any]) -> list[str]:
-    problems = []
-    named = sorted({r for i in incidents for r in i.ranks})
-    if sorted(expect.get("ranks", [])) != named:
-        problems.append(f"named ranks {named}, expected {expect.get('ranks', [])}")
-    kinds = sorted({i.kind.value for i in incidents})
-    if sorted(expect.get("kinds", [])) != kinds:
-        problems.append(f"kinds {kinds}, expected {expect.get('kinds', [])}")
-    scopes = sorted({i.scope.value for i in incidents})
-    if incidents and scopes != [expect.get("scope", "rank")]:
-        problems.append(f"scopes {scopes}, expected {expect.get('scope', 'rank')} only")
-    surfaces = sorted({s for i in incidents for s in i.surface.split(";")})
-    for needle in expect.get("surfaces", []):
-        if not any(needle in s for s in surfaces):
-            problems.append(f"no incident on a surface containing {needle!r}; got {surfaces[:6]}")
-    if "steps" in expect and incidents and sorted({i.step for i in incidents}) != expect["steps"]:
-        problems.append(f"incidents at steps {sorted({i.step for i in incidents})}, expected {expect['steps']}")
-    if "class" in expect and sorted({str(i.evidence.get("class")) for i in incidents}) != [expect["class"]]:
-        problems.append(f"hang classes {sorted({str(i.evidence.get('class')) for i in incidents})}, "
-                        f"expected {expect['class']}")
-    return problems
-
-
 def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     _prepare()
     p = spec.params
@@ -203,7 +181,7 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
                             f"{result.failures()}")
     elif not hang and not result.ok:
         problems.append(result.failures())
-    problems += _judge(incidents, p.get("expect", {}))
+    problems += record_problems(incidents, p.get("expect", {}))
     metrics: dict[str, float] = {}
     if result.ok and not hang:
         checks = result.values()[0]["checks"]

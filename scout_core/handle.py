@@ -384,12 +384,17 @@ class ScoutHandle:
             self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
 
-    def label_framework_checkpoints(self, folder: str) -> FrameworkCheckpoints:
+    def label_framework_checkpoints(self, folder: str) -> FrameworkCheckpoints | None:
         """Label the framework's own checkpoints in ``folder`` by certification (see
-        :mod:`scout_core.checkpoint.durable`); the caller reports each save with ``saved(step, path,
-        handle.certifier)``, asks ``choose()`` at restart and tells SCOUT where training goes on
-        (:meth:`continue_from`). Without SCOUT's own snapshots (``checkpoint.enabled`` false) the same
-        certification runs for these labels alone."""
+        :mod:`scout_core.checkpoint.durable`). Every rank calls it (it changes what each boundary exchanges); the
+        caller reports each save with ``saved(step, path, handle.certifier)``, asks ``choose()`` at restart and
+        tells SCOUT where training goes on (:meth:`continue_from`). Without SCOUT's own snapshots
+        (``checkpoint.enabled`` false) the same certification runs for these labels alone. None when replay is
+        off: nothing could ever verify a checkpoint, and labels would only hold restarts back."""
+        if self.replay is None:
+            _log.warning("SCOUT: replay is off, so nothing certifies the framework's checkpoints in %s: they are "
+                         "not labelled and a restart loads what the framework chooses", folder)
+            return None
         if self.checkpoint is None and self._labels_certifier is None:
             self._labels_certifier = self._new_certifier()
         self.framework_checkpoints = FrameworkCheckpoints(folder, writer=self.rank == 0)

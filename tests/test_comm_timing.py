@@ -84,7 +84,7 @@ def test_the_measured_noise_is_almost_never_a_slowdown():
     """The false positive this fixes: heavy-tailed group times on a loaded host, tail rounds in a row. What is
     left is three tail rounds in a row before the history has seen two of them: 3 of 2,000 runs of 30 judged
     rounds (one per 20,000 rounds; the compute noise floor's rate is one per 9,000 rounds of 16 ranks)."""
-    assert _false_verdicts(2000, 30) <= 3
+    assert _false_verdicts(2000, 30) <= 6  # measured 3; twice that before this test calls it a regression
 
 
 def test_at_two_rounds_the_same_noise_is_called_slow(monkeypatch):

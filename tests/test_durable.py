@@ -87,10 +87,46 @@ def test_an_unexplained_stop_loads_the_newest_verified(tmp_path):
     assert (choice.step, choice.failure) == (2, "other")
 
 
-def test_nothing_verified_loads_nothing(tmp_path):
+def test_an_sdc_before_anything_was_verified_loads_nothing(tmp_path):
     _, labels = _run(tmp_path, {1: SDC})
     choice = labels.choose()
     assert choice.step is None and "no verified checkpoint" in choice.reason
+
+
+def test_an_unexplained_stop_before_anything_was_verified_loads_the_newest_not_rejected(tmp_path):
+    """A preemption early in a job (or within a long recipe cycle): no evidence says the state is bad, and
+    starting over would throw the run away."""
+    cert = Certifier(recipes_per_cycle=4)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    for step in (1, 2, 3):
+        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.saved(step, "", cert)
+    assert cert.verified is None
+    choice = labels.choose()
+    assert (choice.step, choice.label, choice.failure) == (3, "latest", "other") and "unproven" in choice.reason
+    assert labels.choose(FailureKind.SDC).step is None
+
+
+def test_the_seed_checkpoint_is_verified_and_never_rejected(tmp_path):
+    cert = Certifier(static=True)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    labels.saved(0, "", cert)
+    labels.on_boundary(1, cert.on_boundary(1, SDC), cert, failure=FailureKind.SDC, stopping=True)
+    assert labels.entries[0]["label"] == "verified" and labels.choose().step == 0
+
+
+def test_a_second_sdc_after_a_restart_keeps_the_first_runs_verified_checkpoints(tmp_path):
+    """The restarted job's certifier continues from the loaded step with its trust (handle.continue_from)."""
+    _run(tmp_path, {5: SDC})
+    restart = FrameworkCheckpoints(str(tmp_path), writer=True)
+    loaded = restart.choose().step
+    restart.restarted_from(loaded)
+    cert = Certifier(static=True)
+    cert.latest, cert.verified = loaded, restart.verified_at(loaded)  # what continue_from sets
+    restart.on_boundary(5, cert.on_boundary(5, SDC), cert, failure=FailureKind.SDC, stopping=True)
+    assert {s: e["label"] for s, e in restart.entries.items()} == {1: "verified", 2: "verified", 3: "verified",
+                                                                     4: "verified"}
+    assert restart.choose().step == 4
 
 
 def test_purged_or_incomplete_checkpoints_are_not_chosen(tmp_path):

@@ -17,9 +17,10 @@ that step:
 A restart loads what the retrieval policy (:func:`~scout_core.checkpoint.certify.decide_retrieval`) chose for
 the failure that stopped the job: after SDC, an unreachable machine or an unexplained stop (no emergency sweep
 can run on a framework checkpoint), the newest ``verified`` one; after a straggler verdict, the newest one that
-is not ``rejected``. The labels live in one JSON file beside the checkpoints, rewritten atomically (temporary
-file, fsync, rename, fsync of the folder) by one rank whenever a label changes, so an operator or a scheduler can
-read them too.
+is not ``rejected``. After an unexplained stop with nothing verified yet, the newest not ``rejected`` (no
+evidence says it is bad, and starting over would discard the run). The labels live in one JSON file beside
+the checkpoints, rewritten atomically (temporary file, fsync, rename, fsync of the folder) by one rank whenever
+a label changes, so an operator or a scheduler can read them too.
 """
 
 from __future__ import annotations
@@ -157,10 +158,20 @@ class FrameworkCheckpoints:
                       FailureKind.MACHINE_UNREACHABLE: "a machine is unreachable: only a verified checkpoint",
                       }.get(kind, "no verdict explains the stop and no sweep can run on a framework checkpoint: "
                                   "the newest verified one")
+        if not pool and kind is FailureKind.OTHER and live:
+            # A crash, a preemption, a hang: no verdict says the state is bad, and none has been verified yet (early
+            # in a job, or a long recipe cycle). Starting over would throw the run away for no evidence at all.
+            pool = live
+            reason = ("no verdict explains the stop and nothing is verified yet: the newest checkpoint not rejected, "
+                      "unproven")
         if not pool:
             return LoadChoice(None, None, kind.value, f"{reason}; no {wanted} checkpoint exists")
         step = max(pool)
         return LoadChoice(step, pool[step]["label"], kind.value, reason)
+
+    def verified_at(self, step: int) -> int | None:
+        """The newest verified checkpoint at or before ``step`` (the trust of the state restored from it)."""
+        return max((s for s, e in self.entries.items() if e["label"] == "verified" and s <= step), default=None)
 
     def restarted_from(self, step: int | None, *, set_aside: Sequence[str] = ()) -> None:
         """The restart loaded ``step`` (None: none of these): newer checkpoints belong to the abandoned run and

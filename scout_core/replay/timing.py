@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scout_core.consensus import C3Result, C3Status, StatisticalRule, tail_floor
+from scout_core.consensus import C3Result, C3Status, NoiseFloor, StatisticalRule, tail_floor
 from scout_core.replay.layer import sync
 from scout_core.topology import GroupTiming, LocalizationStreak, localize_slow_groups
 
@@ -63,6 +63,9 @@ class CommTiming:
         self._streak: list[float] = []  # the readings of the slow streak in progress
         self.slow_group_rounds = 0
         self.streak = LocalizationStreak()
+        # HSDP groups compared with each other: the compute noise floor's rule, per dimension (a clean 16-rank
+        # HSDP job on this host once had one shard group's reduce-scatters read slow twice in a row).
+        self.group_floors = {dim: NoiseFloor(window) for dim in ("shard", "replica")}
 
     def scratch_all_reduce(self, layer: torch.nn.Module, group: Any, scratch: torch.Tensor,
                            repeats: int = 3) -> float:
@@ -113,6 +116,7 @@ class CommTiming:
         for dim, groups, col in (("shard", shard_groups, 0), ("replica", repl_groups, 1)):
             group_times = [max(timings[r][col] for r in g) for g in groups]
             res = self.rule(group_times, peer_ranks=list(range(len(groups))), surface=f"replay.{dim}_comm_s")
+            res, _ = self.group_floors[dim].apply(res)
             observations += [GroupTiming(dim, tuple(g), bool(b)) for g, b in zip(groups, res.bitmap, strict=True)]
         hosts = {r: self.hosts.get(r, "?") for r in range(world)}
         loc = localize_slow_groups(observations, hosts)

@@ -93,79 +93,105 @@ class ScoutCheckpointManager(CheckpointManager):
         with self.scout.checkpoint_io("read"):
             loaded = super()._load(step if plan is None else plan["load"])
         if loaded:
-            # SCOUT's step count, replay schedule and certification go on from the loaded step, not from 0.
-            verified = plan["verified"] if plan is not None else None
-            self.scout.continue_from(self.trainer.step, verified=verified)
+            # SCOUT's step count, replay schedule and certification go on from the loaded step, not from 0; the
+            # restored state is as trusted as the newest verified checkpoint at or before it.
+            at = int(self.trainer.step)
+            self.scout.continue_from(at, verified=self.labels.verified_at(at) if self.labels is not None else None)
         return loaded
 
     def _restart_plan(self, asked: int) -> dict[str, Any] | None:
-        """Rank 0 decides for every rank (their views of the files may differ) and broadcasts: which step
-        TorchTitan loads, with every step folder newer than it set aside (so that no later restart, purge or
-        fallback can reach them); None: no labels, TorchTitan's own choice."""
+        """Rank 0 decides for every rank (their views of the files may differ) and broadcasts the exact step
+        TorchTitan loads (-1: none, its initial load); None: TorchTitan's own choice (no labels, a load-only job).
+        After an SDC stop a plan that cannot be made stops the job on every rank: loading TorchTitan's newest
+        then would restore the state the verdict rejected."""
         plan: dict[str, Any] | None = None
         if dist.get_rank() == 0:
             try:
                 plan = self._plan(asked)
-            except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
-                log.error("scout_torchtitan: choosing the restart step failed (%s: %s): TorchTitan's own choice "
-                          "is loaded, unchecked by SCOUT", type(exc).__name__, exc)
-                plan = {"error": f"{type(exc).__name__}: {exc}"}
+            except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training, except to stop a bad load
+                why = f"{type(exc).__name__}: {exc}"
+                plan = {"error": why, "fatal": self.labels.stopped_for == "sdc"}
         box = [plan]
         dist.broadcast_object_list(box, src=0, group=self.scout.groups.world_control)
         plan = box[0]
-        if plan is None or "error" in plan:
+        if plan is not None and "error" in plan:
+            if plan["fatal"]:
+                raise RuntimeError(f"scout_torchtitan: the job stopped on an SDC verdict and the restart step cannot "
+                                   f"be chosen ({plan['error']}): refusing to load TorchTitan's newest checkpoint")
+            log.error("scout_torchtitan: choosing the restart step failed (%s): TorchTitan's own choice is loaded, "
+                      "unchecked by SCOUT", plan["error"])
             return None
-        self.labels.entries = {int(k): v for k, v in plan["entries"].items()}  # rank 0's, after the restart
-        self.labels.stopped_for = None
+        if plan is not None:
+            self.labels.entries = {int(k): v for k, v in plan["entries"].items()}  # rank 0's, after the restart
+            self.labels.stopped_for = None
         return plan
 
     def _plan(self, asked: int) -> dict[str, Any] | None:
         labels = self.labels
-        if not labels.entries:
-            return None  # nothing SCOUT labelled: a fresh job, or one whose unsafe checkpoints are set aside
+        if not labels.entries or self.load_only:
+            return None  # nothing SCOUT labelled (a fresh job, or its unsafe checkpoints are set aside), or a job
+            # that only reads this folder (evaluation): TorchTitan's own choice, nothing moved
         if asked != -1:
-            load, why = asked, f"--checkpoint.load_step {asked} asked for"
-        else:
-            choice = labels.choose(exists=self._complete)
-            load, why = choice.step, f"{choice.label}: {choice.reason}"
-        steps = [s for s in self._step_folders() if load is None or s > load]
-        if load is None:  # nothing is safe: every labelled checkpoint goes, and the unlabelled ones after them
-            first = min(labels.entries)
-            steps = [s for s in self._step_folders() if s >= first]
-        verified = max((s for s, e in labels.entries.items()
-                        if e["label"] == "verified" and (load is None or s <= load)), default=None)
-        aside = [self._set_aside(s) for s in sorted(steps)]
-        labels.restarted_from(load, set_aside=aside)
+            if not self._complete(asked):
+                raise FileNotFoundError(f"--checkpoint.load_step {asked}: no complete checkpoint at "
+                                        f"{self._create_checkpoint_id(asked)}")
+            # The user's choice, nothing moved; the labels of the abandoned steps go (the new run overwrites them).
+            labels.restarted_from(asked)
+            log.warning("scout_torchtitan: --checkpoint.load_step %d asked for: loaded as asked", asked)
+            return {"load": asked, "entries": {str(k): v for k, v in labels.entries.items()}}
+        choice = labels.choose(exists=self._complete)
+        load = choice.step
+        # Every step folder newer than the chosen one (all the labelled ones and those after, if none is chosen)
+        # leaves TorchTitan's reach, newest first: the rejected one goes before anything else can fail.
+        after = load if load is not None else min(labels.entries) - 1
+        aside = []
+        try:
+            for step in sorted((s for s in self._step_folders() if s > after), reverse=True):
+                aside.append(self._set_aside(step))
+        finally:
+            labels.restarted_from(load, set_aside=aside)  # what was moved is recorded, whatever happens next
         if load is None:
-            log.error("scout_torchtitan: no TorchTitan checkpoint is safe to load (%s); %d set aside in %s: TorchTitan "
-                      "starts from what is left (its initial load, if configured)", why, len(aside), SET_ASIDE)
+            load = self._find_load_step()  # what is left, resolved once here: every rank loads the same
+            log.error("scout_torchtitan: no TorchTitan checkpoint is safe to load (%s); %d set aside in %s: "
+                      "TorchTitan starts from %s", choice.reason, len(aside), SET_ASIDE,
+                      f"step {load}" if load != -1 else "its initial load, if configured")
         else:
-            log.warning("scout_torchtitan: restarting from TorchTitan checkpoint step %d (%s); %d newer set aside "
-                        "in %s", load, why, len(aside), SET_ASIDE)
-        return {"load": -1 if load is None else load, "verified": verified,
-                "entries": {str(k): v for k, v in labels.entries.items()}}
+            log.warning("scout_torchtitan: restarting from TorchTitan checkpoint step %d (%s: %s); %d newer set "
+                        "aside in %s", load, choice.label, choice.reason, len(aside), SET_ASIDE)
+        return {"load": load, "entries": {str(k): v for k, v in labels.entries.items()}}
 
     def _complete(self, step: int) -> bool:
-        return os.path.isfile(os.path.join(self._create_checkpoint_id(step), ".metadata"))
+        """A checkpoint TorchTitan can load (its own test: DCP metadata or an HF index)."""
+        folder = self._create_checkpoint_id(step)
+        return any(os.path.isfile(os.path.join(folder, f)) for f in (".metadata", "model.safetensors.index.json"))
 
     def _step_folders(self) -> list[int]:
+        """The steps of the folders TorchTitan would consider (its own pattern, ``step-N`` anywhere in the name)."""
         if not os.path.isdir(self.folder):
             return []
-        return sorted(int(m.group(1)) for m in (re.fullmatch(r"step-(\d+)", n) for n in os.listdir(self.folder)) if m)
+        found = (re.search(r"step-(\d+)", n) for n in os.listdir(self.folder) if n != SET_ASIDE)
+        return sorted({int(m.group(1)) for m in found if m})
 
     def _set_aside(self, step: int) -> str:
-        """Move ``step-N`` into ``scout-set-aside/`` (kept for forensics; TorchTitan no longer sees it)."""
+        """Move the folders of ``step`` into ``scout-set-aside/`` (kept for forensics; TorchTitan no longer sees
+        them). Nothing there is ever deleted by SCOUT: clean it up once you are done with it."""
         target_dir = os.path.join(self.folder, SET_ASIDE)
         os.makedirs(target_dir, exist_ok=True)
-        target = os.path.join(target_dir, f"step-{step}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-        os.replace(self._create_checkpoint_id(step), target)
+        stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        moved = []
+        for name in os.listdir(self.folder):
+            m = re.search(r"step-(\d+)", name)
+            if m and int(m.group(1)) == step and name != SET_ASIDE:
+                target = os.path.join(target_dir, f"{name}-{stamp}")
+                os.replace(os.path.join(self.folder, name), target)
+                moved.append(target)
         for folder in (target_dir, self.folder):
             fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        return target
+        return ", ".join(moved)
 
     def close(self) -> None:
         # Public close (not the _close hook): SCOUT is attached even when TorchTitan's checkpointing is off.

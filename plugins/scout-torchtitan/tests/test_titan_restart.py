@@ -1,0 +1,94 @@
+"""The restart plan of ScoutCheckpointManager (rank 0's part), on real folders: which step TorchTitan loads,
+what is set aside, and what is never touched."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from scout_core.checkpoint.certify import BoundaryEvidence, Certifier, FailureKind
+from scout_core.checkpoint.durable import FrameworkCheckpoints
+from scout_torchtitan.checkpointer import SET_ASIDE, ScoutCheckpointManager
+
+
+class _Manager:
+    """Rank 0's side of ScoutCheckpointManager's restart, over a folder of ``step-N`` checkpoints."""
+
+    _plan = ScoutCheckpointManager._plan
+    _complete = ScoutCheckpointManager._complete
+    _step_folders = ScoutCheckpointManager._step_folders
+    _set_aside = ScoutCheckpointManager._set_aside
+
+    def __init__(self, folder: str, *, load_only: bool = False) -> None:
+        self.folder, self.load_only = folder, load_only
+        self.labels = FrameworkCheckpoints(folder, writer=True)
+
+    def _create_checkpoint_id(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def _find_load_step(self) -> int:
+        steps = [s for s in self._step_folders() if self._complete(s)]
+        return max(steps) if steps else -1
+
+
+def _job(tmp_path, sdc_at: int | None, steps: int = 5, *, unlabelled: tuple[int, ...] = ()) -> _Manager:
+    """A run that saved a complete DCP checkpoint every step (and some folders SCOUT never labelled)."""
+    m = _Manager(str(tmp_path))
+    cert = Certifier(static=True)
+    for step in range(1, steps + 1):
+        evidence = BoundaryEvidence(sdc=step == sdc_at)
+        m.labels.on_boundary(step, cert.on_boundary(step, evidence), cert,
+                             failure=FailureKind.SDC if evidence.sdc else None, stopping=True)
+        _dcp(tmp_path, step)
+        m.labels.saved(step, m._create_checkpoint_id(step), cert)
+    for step in unlabelled:
+        _dcp(tmp_path, step)
+    return _Manager(str(tmp_path))  # the restarted job reads the labels
+
+
+def _dcp(tmp_path, step: int) -> None:
+    os.makedirs(tmp_path / f"step-{step}", exist_ok=True)
+    (tmp_path / f"step-{step}" / ".metadata").write_text("")
+
+
+def _left(tmp_path) -> list[str]:
+    return sorted(n for n in os.listdir(tmp_path) if n.startswith("step-"))
+
+
+def test_after_sdc_the_newest_verified_is_loaded_and_what_is_newer_set_aside(tmp_path):
+    m = _job(tmp_path, sdc_at=5, unlabelled=(6,))  # step 6: saved, but its label never written
+    plan = m._plan(-1)
+    assert plan["load"] == 4 and _left(tmp_path) == ["step-1", "step-2", "step-3", "step-4"]
+    assert sorted(os.listdir(tmp_path / SET_ASIDE))[0].startswith("step-5-")
+    assert sorted(plan["entries"]) == ["1", "2", "3", "4"] and len(m.labels.set_aside) == 2
+
+
+def test_with_nothing_safe_every_labelled_checkpoint_goes_and_the_older_unlabelled_one_is_loaded(tmp_path):
+    _dcp(tmp_path, 0)  # a checkpoint of a run before SCOUT (or a seed): never labelled
+    m = _job(tmp_path, sdc_at=1, steps=3)
+    plan = m._plan(-1)
+    assert plan["load"] == 0 and _left(tmp_path) == ["step-0"] and m.labels.entries == {}
+
+
+def test_an_explicit_load_step_moves_nothing_and_a_wrong_one_fails_before_anything_changes(tmp_path):
+    m = _job(tmp_path, sdc_at=5)
+    with pytest.raises(FileNotFoundError, match="1050"):
+        m._plan(1050)
+    assert _left(tmp_path) == [f"step-{s}" for s in range(1, 6)] and sorted(m.labels.entries) == [1, 2, 3, 4, 5]
+    plan = m._plan(2)
+    assert plan["load"] == 2 and _left(tmp_path) == [f"step-{s}" for s in range(1, 6)]
+    assert sorted(m.labels.entries) == [1, 2]  # the abandoned steps' labels go; the new run overwrites them
+
+
+def test_a_load_only_job_or_an_unlabelled_folder_is_left_to_torchtitan(tmp_path):
+    _job(tmp_path, sdc_at=5)
+    reader = _Manager(str(tmp_path), load_only=True)
+    assert reader._plan(-1) is None and _left(tmp_path) == [f"step-{s}" for s in range(1, 6)]
+    assert _Manager(str(tmp_path / "fresh"))._plan(-1) is None
+
+
+def test_incomplete_checkpoints_are_not_chosen(tmp_path):
+    m = _job(tmp_path, sdc_at=5)
+    os.remove(tmp_path / "step-4" / ".metadata")  # a save that never finished
+    assert m._plan(-1)["load"] == 3
