@@ -169,3 +169,30 @@ def test_peers_that_closed_in_order_are_nobody_to_wait_for():
              for r in WORLD[1:]}
     stuck[0] = _ev(0, phase=Phase.COMPUTE, pending=False)
     assert classify(stuck, [WORLD]) == []
+
+
+def test_an_equal_progress_stall_waits_for_ranks_still_settling_in_the_same_collective():
+    """The race behind a rare extra record in hsdp-hang-mismatch-shape: in the episode that opens first, the
+    culprit's group {1,5,9,13} has not passed its silence threshold yet while a victim group {3,7,11,15} has.
+    The victim's 'every peer waits' is no stall of its own while ranks of the same collective may still be
+    named: nothing is reported, and the next episode, with everyone silent, names rank 9 alone."""
+    fp = ("all_reduce|group=16@0..15|shapes=1|dtypes=float32|op=SUM", 111)
+    fp9 = ("all_reduce|group=16@0..15|shapes=2|dtypes=float32|op=SUM", 222)
+    groups = [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+
+    def ev(rank, silent):
+        return dataclasses.replace(_ev(rank, step=4, op=0, fp=fp9 if rank == 9 else fp), silent=silent)
+
+    first = {r: ev(r, r in {0, 2, 3, 7, 11, 15}) for r in range(16)}
+    assert classify(first, groups) == []
+    v = _one(classify({r: ev(r, True) for r in range(16)}, groups))
+    assert v.hang_class is HangClass.PROTOCOL_MISMATCH and v.ranks == (9,)
+
+
+def test_ranks_settling_in_another_collective_do_not_postpone_a_stall():
+    fp_other = ("all_gather|group=4@1..13|shapes=1|dtypes=float32|op=-", 333)
+    groups = [[0, 4, 8, 12], [1, 5, 9, 13]]
+    evidence = {r: _ev(r, step=4, op=0) for r in groups[0]}
+    evidence |= {r: dataclasses.replace(_ev(r, step=4, op=7, fp=fp_other), silent=False) for r in groups[1]}
+    v = _one(classify(evidence, groups))
+    assert v.hang_class is HangClass.EQUAL_PROGRESS_STALL and v.ranks == (0, 4, 8, 12)

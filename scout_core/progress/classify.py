@@ -280,8 +280,12 @@ def classify_group(group: Sequence[int], evidence: Mapping[int, Evidence]) -> di
     """One peer group's summary (what its leader posts): verdicts, lost ranks, the named ranks' seqs."""
     verdicts = _group_verdicts(group, evidence)
     named = {str(r): evidence[r].seq for v in verdicts for r in v.ranks if r in evidence}
+    # The collectives that live members wait in without being silent yet (at most a few, whatever the group
+    # size): another group's stall in one of them is not settled while these members may still be named.
+    unsettled = sorted({e.fingerprint for r in group if (e := evidence.get(r)) is not None
+                        and e.alive and e.pending and not e.silent})[:8]
     return {"group": list(group), "lost": [r for r in group if r not in evidence],
-            "verdicts": [v.to_dict() for v in verdicts], "named": named}
+            "verdicts": [v.to_dict() for v in verdicts], "named": named, "unsettled": unsettled}
 
 
 def _lost_verdicts(lost: Sequence[int], hosts: Mapping[int, str], answered: int) -> list[HangVerdict]:
@@ -325,7 +329,22 @@ def merge(summaries: Sequence[Mapping[str, Any]], hosts: Mapping[int, str] | Non
     inconclusive = [v for vs in per_group for v in vs if v.hang_class is HangClass.INCONCLUSIVE]
     if inconclusive:
         return inconclusive
-    return [v for vs in per_group for v in vs]
+    # "Every peer waits at the same point" means no software culprit anywhere, which cannot be concluded while
+    # ranks of another group wait in the same collective without being silent yet: the first of them past its
+    # threshold opens the next episode, where they are judged (a rank among them with other metadata would be
+    # named there, and this group is its victim). Matched by fingerprint, so ranks in unrelated collectives
+    # never postpone a real stall.
+    unsettled = {f for s in summaries for f in s.get("unsettled", [])}
+    return [v for vs in per_group for v in vs
+            if not (v.hang_class is HangClass.EQUAL_PROGRESS_STALL and unsettled & _fingerprints(v))]
+
+
+def _fingerprints(verdict: HangVerdict) -> set[str]:
+    """The collectives a verdict's members wait in (its facts list them, or count them in a large group)."""
+    listed = verdict.evidence.get("fingerprints", [])
+    if isinstance(listed, Mapping):  # compacted: {"distinct": [[value, count], ...], "members": n}
+        listed = [value for value, _n in listed.get("distinct", [])]
+    return {str(f) for f in listed if f}
 
 
 def classify(
