@@ -9,8 +9,8 @@ Faults (``faults`` in configs/cells.yaml) act inside a block, so in training and
 
 * ``layers.<i>.output``: a value of block i's feed-forward output (bit flip, set, scale); ``layers.any.output``:
   the same in every block (a faulty device corrupts whatever it computes);
-* ``compute`` (``slow``): every block's feed-forward takes ``factor`` times its own CPU time on that rank (a slow
-  device is slow in every layer);
+* ``compute`` (``slow``): every block's attention and feed-forward take ``factor`` times their own CPU time on
+  that rank (a slow device is slow in everything it computes);
 * ``layers.<i>.forward`` (``freeze``): the rank stops in block i's forward.
 
 ``titan-recovery-sdc`` runs the job twice: the first run stops on an SDC verdict (exit status 75) with its
@@ -82,21 +82,31 @@ def _config(a: dict[str, Any], rank: int) -> Any:
 def _install(trainer: Any, injector: Injector, rank: int) -> None:
     step = lambda: trainer.step  # noqa: E731 - TorchTitan counts steps from 1
     for name, block in trainer.model_parts[0].layers.items():
-        ffn = _inner(block).feed_forward
-        started: dict[str, float] = {}
+        inner = _inner(block)
 
-        def enter(_m: Any, _a: Any, name: str = name, started: dict = started) -> None:
-            injector.freeze(f"layers.{name}.forward", rank=rank, step=step())
-            started["t"] = time.thread_time()
+        def timed(module: torch.nn.Module, name: str = name, last: bool = False) -> None:
+            """A slow device is slow in everything it computes: attention and feed-forward each take ``factor``
+            times their own CPU time (in training and replay alike)."""
+            started: dict[str, float] = {}
 
-        def leave(_m: Any, _a: Any, out: torch.Tensor, name: str = name, started: dict = started) -> None:
-            injector.slow("compute", rank=rank, step=step(), compute_s=time.thread_time() - started.pop("t", 0.0))
-            with torch.no_grad():
-                injector.corrupt(f"layers.{name}.output", out, rank=rank, step=step())
-                injector.corrupt("layers.any.output", out, rank=rank, step=step())
+            def enter(_m: Any, _a: Any) -> None:
+                if last:
+                    injector.freeze(f"layers.{name}.forward", rank=rank, step=step())
+                started["t"] = time.thread_time()
 
-        ffn.register_forward_pre_hook(enter)
-        ffn.register_forward_hook(leave)
+            def leave(_m: Any, _a: Any, out: torch.Tensor) -> None:
+                elapsed = time.thread_time() - started.pop("t", time.thread_time())
+                injector.slow("compute", rank=rank, step=step(), compute_s=elapsed)
+                if last:
+                    with torch.no_grad():
+                        injector.corrupt(f"layers.{name}.output", out, rank=rank, step=step())
+                        injector.corrupt("layers.any.output", out, rank=rank, step=step())
+
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
+
+        timed(inner.attention)
+        timed(inner.feed_forward, last=True)
 
 
 def _inner(block: torch.nn.Module) -> torch.nn.Module:
