@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scout_core.checkpoint.certify import Action, Certifier, FailureKind
+from scout_core.checkpoint.store import fsync_dir
 
 __all__ = ["LABELS_FILE", "FrameworkCheckpoints", "LoadChoice"]
 
@@ -98,11 +99,7 @@ class FrameworkCheckpoints:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
-        fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(self.folder)
 
     # -- while training -------------------------------------------------------------------------------
 

@@ -39,7 +39,8 @@ ROLES = ("candidate", "verified")
 _GEN_RE = re.compile(r"^gen-(\d{9})$")
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new file in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -90,7 +91,7 @@ def atomic_stream(path: str, emit: Callable[[_HashingFile], None], *,
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return (out.sha.hexdigest() if out.sha is not None else None), out.bytes
 
 
@@ -189,7 +190,7 @@ class DurableStore:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         directory = self._gen_dir(generation)
         os.makedirs(directory, exist_ok=True)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         shard, sidecar = self._paths(generation)
         sha, size = atomic_stream(shard, emit, digest=True)
         meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,

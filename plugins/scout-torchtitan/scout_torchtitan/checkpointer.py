@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools import filesystem
 
+from scout_core.checkpoint.store import fsync_dir
 from scout_torchtitan.config import ScoutSection
 
 __all__ = ["SET_ASIDE", "ScoutCheckpointManager", "with_scout_checkpointer"]
@@ -186,11 +187,7 @@ class ScoutCheckpointManager(CheckpointManager):
                 os.replace(os.path.join(self.folder, name), target)
                 moved.append(target)
         for folder in (target_dir, self.folder):
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(folder)
         return ", ".join(moved)
 
     def close(self) -> None:

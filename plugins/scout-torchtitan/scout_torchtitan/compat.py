@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["ensure_set_timeout"]
@@ -25,11 +26,5 @@ def ensure_set_timeout() -> bool:
 
     dist.set_timeout = _set_pg_timeout
     log.info("scout_torchtitan: torch.distributed.set_timeout (called by TorchTitan 0.3) is torch's "
-             "_set_pg_timeout on this torch %s", torch_version())
+             "_set_pg_timeout on this torch %s", torch.__version__)
     return True
-
-
-def torch_version() -> str:
-    import torch
-
-    return torch.__version__
