@@ -440,3 +440,19 @@ def test_titan_recovery_cell_fails_when_scout_restarts_its_count_from_zero(monke
     monkeypatch.setattr(ScoutHandle, "continue_from", lambda self, step, verified: None)
     (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "labels after the restarted run" in report.details, report.details
+
+
+def test_titan_moe_clean_cell_fails_when_expert_parallel_blocks_replay_whole(monkeypatch):
+    """The guard of titan-moe-ep-clean: replaying whole MoE blocks under expert parallelism (each EP position
+    holds other experts) makes the peers disagree with nothing injected, and the clean cell must turn red."""
+    import dataclasses
+
+    from scout_torchtitan import cpu
+
+    cpu.stub_triton_kernels()
+    from scout_torchtitan import attach
+
+    monkeypatch.setattr(attach, "dense_parts", lambda layers, names, ep: (layers, names))
+    spec = SPECS["titan-moe-ep-clean"]
+    (report,) = run_cells([dataclasses.replace(spec, params={**spec.params, "steps": 4})], root=ROOT)
+    assert report.verdict == "FAIL" and "sdc" in report.details, report.details

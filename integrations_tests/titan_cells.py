@@ -1,14 +1,16 @@
-"""TorchTitan cells: real TorchTitan training (its llama3 debug model, ``Trainer.train()``) with SCOUT switched on
-by the plugin's ``scout`` config section, exactly as ``--module scout_torchtitan --scout.enable`` does.
+"""TorchTitan cells: real TorchTitan training (its llama3 debug model, or ``model:`` another registered config
+such as ``deepseek_v3_debugmodel``, ``Trainer.train()``) with SCOUT switched on by the plugin's ``scout`` config
+section, exactly as ``--module scout_torchtitan --scout.enable`` does.
 
-Each rank builds TorchTitan's ``llama3_debugmodel`` config from the plugin's registry, made runnable on this host
-by :mod:`scout_torchtitan.cpu`, with the cell's parallelism (``fsdp``: dp_shard = world; ``hsdp``: dp_replicate x
-dp_shard), builds the ``ScoutTrainer`` through TorchTitan's own ``config.build()`` and calls ``train()``.
+Each rank builds the config from the plugin's registry, made runnable on this host by :mod:`scout_torchtitan.cpu`,
+with the cell's parallelism (``fsdp``: dp_shard = world; ``hsdp``: dp_replicate x dp_shard; ``ep``: expert
+parallelism), builds the ``ScoutTrainer`` through TorchTitan's own ``config.build()`` and calls ``train()``.
 
 Faults (``faults`` in configs/cells.yaml) act inside a block, so in training and in SCOUT's replay alike:
 
-* ``layers.<i>.output``: a value of block i's feed-forward output (bit flip, set, scale); ``layers.any.output``:
-  the same in every block (a faulty device corrupts whatever it computes);
+* ``layers.<i>.output``: a value of block i's feed-forward (or MoE) output (bit flip, set, scale);
+  ``layers.any.output``: the same in every block (a faulty device corrupts whatever it computes);
+  ``layers.<i>.attention.output`` / ``layers.<i>.moe.output``: that part's output;
 * ``compute`` (``slow``): every block's attention and feed-forward take ``factor`` times their own CPU time on
   that rank (a slow device is slow in everything it computes);
 * ``layers.<i>.forward`` (``freeze``): the rank stops in block i's forward.
@@ -61,7 +63,10 @@ def _config(a: dict[str, Any], rank: int) -> Any:
     from scout_torchtitan.override import section_from
 
     keys = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a["scout"])}
-    if a["form"] == "override":
+    if a["model"] != "llama3_debugmodel":
+        cfg = getattr(config_registry, a["model"])()
+        cfg.scout = section_from(keys)
+    elif a["form"] == "override":
         cfg = titan_registry.llama3_debugmodel()
         cfg.override.imports = [("scout_torchtitan.override.scout", keys)]
     else:
@@ -72,6 +77,8 @@ def _config(a: dict[str, Any], rank: int) -> Any:
     par = cfg.parallelism
     par.data_parallel_replicate_degree = a["replicate"]
     par.data_parallel_shard_degree = -1
+    par.expert_parallel_degree = a["ep"]
+    cfg.debug.seed = a["seed"]  # the same initial weights on every run (the restart's bitwise check relies on it)
     cfg.metrics.log_freq = 1000  # TorchTitan's own per-step loss logging (a collective) off the hot path
     cfg.checkpoint.enable = a["titan_checkpoints"]
     cfg.checkpoint.interval = 1
@@ -84,7 +91,7 @@ def _install(trainer: Any, injector: Injector, rank: int) -> None:
     for name, block in trainer.model_parts[0].layers.items():
         inner = _inner(block)
 
-        def timed(module: torch.nn.Module, name: str = name, last: bool = False) -> None:
+        def timed(module: torch.nn.Module, part: str, name: str = name, last: bool = False) -> None:
             """A slow device is slow in everything it computes: attention and feed-forward each take ``factor``
             times their own CPU time (in training and replay alike)."""
             started: dict[str, float] = {}
@@ -97,16 +104,19 @@ def _install(trainer: Any, injector: Injector, rank: int) -> None:
             def leave(_m: Any, _a: Any, out: torch.Tensor) -> None:
                 elapsed = time.thread_time() - started.pop("t", time.thread_time())
                 injector.slow("compute", rank=rank, step=step(), compute_s=elapsed)
-                if last:
-                    with torch.no_grad():
+                with torch.no_grad():
+                    injector.corrupt(f"layers.{name}.{part}.output", out, rank=rank, step=step())
+                    if last:
                         injector.corrupt(f"layers.{name}.output", out, rank=rank, step=step())
                         injector.corrupt("layers.any.output", out, rank=rank, step=step())
 
             module.register_forward_pre_hook(enter)
             module.register_forward_hook(leave)
 
-        timed(inner.attention)
-        timed(inner.feed_forward, last=True)
+        timed(inner.attention, "attention")
+        # A dense block's feed-forward, or an MoE block's MoE layer (DeepSeek-V3's blocks hold one or the other).
+        ffn = getattr(inner, "feed_forward", None) or inner.moe
+        timed(ffn, "feed_forward" if ffn is getattr(inner, "feed_forward", None) else "moe", last=True)
 
 
 def _inner(block: torch.nn.Module) -> torch.nn.Module:
@@ -175,7 +185,8 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
              *p.get("overrides", [])]
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "workdir": workdir,
             "replicate": int(p.get("replicate", 1)), "ranks_per_machine": int(p.get("ranks_per_machine", 8)),
-            "scout": scout, "titan_checkpoints": recovery, "phase": "a", "form": p.get("form", "module")}
+            "scout": scout, "titan_checkpoints": recovery, "phase": "a", "form": p.get("form", "module"),
+            "model": p.get("model", "llama3_debugmodel"), "ep": int(p.get("ep", 1))}
     start = time.monotonic()
     stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
     result = launch(_titan_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop,

@@ -54,6 +54,7 @@ from scout_core.progress.record import Phase, create_record
 from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
+from scout_core.replay.scratch import fsdp_owner
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 
 __all__ = ["ScoutHandle"]
@@ -193,6 +194,7 @@ class ScoutHandle:
             confirm_rounds=cfg.consensus.confirm_rounds, noise_window=cfg.consensus.noise_window_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
+            layer_owners=[fsdp_owner(layer, a.chunks) for layer in layers],
             # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.
             local_only_params=a.moe.expert_parameters() if a.moe is not None else ())
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog

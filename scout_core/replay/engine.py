@@ -157,6 +157,7 @@ class ReplayEngine:
         embedding: torch.nn.Module | None = None,
         output: torch.nn.Module | None = None,
         boundary_owner: torch.nn.Module | None = None,
+        layer_owners: Sequence[torch.nn.Module | None] | None = None,
         hook_optimizer: bool = True,
         local_only_params: Sequence[torch.Tensor] = (),
     ) -> None:
@@ -195,6 +196,10 @@ class ReplayEngine:
                 self.layers.append(module)
                 self.names.append(recipe)
         self.owner = boundary_owner
+        # A repeated layer inside an FSDP2 block it is not itself (a block's attention) unshards through it.
+        self.layer_owners = list(layer_owners) if layer_owners is not None else [None] * self.n_hidden
+        if len(self.layer_owners) != self.n_hidden:
+            raise ValueError(f"layer_owners has {len(self.layer_owners)} entries for {self.n_hidden} layers")
         self.captures = [LayerCapture(layer) for layer in self.layers]
         self.optimizer = optimizer
         self.opt_slice = (OptimizerSlice(optimizer, config.optimizer_slice_elems, local_only=local_only_params)
@@ -455,8 +460,9 @@ class ReplayEngine:
         result.incidents = self._verdicts(result)
 
     def _owner(self, idx: int) -> torch.nn.Module | None:
-        """The FSDP module that unshards a boundary module (embedding, head); repeated layers have none."""
-        return self.owner if idx >= self.n_hidden else None
+        """The FSDP module that unshards layer ``idx`` when it is not one itself: the outer module of a
+        boundary module (embedding, head), the enclosing block of a repeated layer's part."""
+        return self.owner if idx >= self.n_hidden else self.layer_owners[idx]
 
     def _unshard_bytes(self, idx: int) -> int:
         return unshard_bytes(self.layers[idx], self._owner(idx))
@@ -464,7 +470,8 @@ class ReplayEngine:
     def _reserve(self, idx: int, *, timed: bool, headroom: int) -> Scratch:
         """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's)."""
         layer = self.layers[idx]
-        return reserve(layer, self._owner(idx), time_all_reduce=timed and not fsdp_module(layer),
+        owner = self._owner(idx)  # an unshard, of the layer or its owner, is the timed collective then
+        return reserve(layer, owner, time_all_reduce=timed and not fsdp_module(layer) and not fsdp_module(owner),
                        hsdp_groups=mesh_groups(layer) if timed else None, headroom_bytes=headroom)
 
     def _replay_recipe(self, idx: int, call: ShippedCall, scratch: Scratch, *, timed: bool, vet: bool = False

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from scout_core.replay.calls import rebuild, tensor_leaves
 from scout_core.replay.capture import Captured
 from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
-from scout_core.replay.scratch import Scratch, fsdp_module
+from scout_core.replay.scratch import Scratch, fsdp_module, managed_parameters
 from scout_core.signature import sign_many
 
 __all__ = ["ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of", "gather_ranks",
@@ -143,8 +143,9 @@ def gather_ranks(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -
 
 
 def _gather_group(module: torch.nn.Module) -> Any:
-    """The process group FSDP2 all-gathers ``module``'s parameters over (its mesh's shard dimension)."""
-    for p in module.parameters():
+    """The process group FSDP2 all-gathers ``module``'s parameters over (its mesh's shard dimension); its own,
+    not a nested FSDP module's (a block's experts are sharded over a mesh of their own)."""
+    for p in (managed_parameters(module) if fsdp_module(module) else module.parameters()):
         mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
         if mesh is None:
             continue

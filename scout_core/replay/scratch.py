@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Scratch", "compute_device", "fsdp_module", "managed_parameters", "module_compute_device", "reserve",
-           "unshard_bytes"]
+__all__ = ["Scratch", "compute_device", "fsdp_module", "fsdp_owner", "managed_parameters", "module_compute_device",
+           "reserve", "unshard_bytes"]
 
 
 @dataclass
@@ -46,6 +46,26 @@ def fsdp_module(module: torch.nn.Module | None) -> bool:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
     return isinstance(module, FSDPModule)
+
+
+def fsdp_owner(module: torch.nn.Module, roots: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """The innermost FSDP2 module around ``module`` inside ``roots``, or None (``module`` unshards itself, or
+    nothing shards it). A repeated layer given as part of a ``fully_shard``-ed block (the attention of a
+    block whose experts cannot be replayed with it) is unsharded through that block."""
+    if fsdp_module(module):
+        return None
+    for root in roots:
+        names = {id(m): n for n, m in root.named_modules()}
+        name = names.get(id(module))
+        if name is None:
+            continue
+        by_name = dict(root.named_modules())
+        parts = name.split(".") if name else []
+        for k in range(len(parts) - 1, -1, -1):  # longest enclosing prefix first: the innermost
+            outer = by_name.get(".".join(parts[:k]))
+            if fsdp_module(outer):
+                return outer
+    return None
 
 
 def managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

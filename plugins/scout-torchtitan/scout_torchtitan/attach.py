@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from scout_core.adapter import torch_adapter
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_core.topology import peer_groups as peer_groups_of_shape
@@ -41,11 +43,34 @@ def peer_groups(parallel_dims: Any) -> list[list[int]]:
     state (data-parallel replicas, or the shards of one FSDP group where nothing is replicated)."""
     shape = {"p": parallel_dims.pp, "d": parallel_dims.dp_replicate, "s": parallel_dims.dp_shard,
              "c": parallel_dims.cp, "t": parallel_dims.tp, "e": 1}
-    if parallel_dims.ep > 1:
-        # Expert parallelism splits dp_shard x cp differently for the experts; the dense peers above still
-        # hold, the experts need scout_core's MoE binding (not wired for TorchTitan's MoE yet).
-        log.warning("scout_torchtitan: expert parallelism detected; experts are not replayed (dense layers are)")
     return [list(g) for g in peer_groups_of_shape(shape, TITAN_MESH_ORDER)]
+
+
+def dense_parts(layers: list[Any], names: list[str], ep: int) -> tuple[list[Any], list[str]]:
+    """The repeated layers the dense recipe replays: TorchTitan's blocks, except that under expert parallelism
+    a block with an MoE layer is replayed by its attention only (inside the block's FSDP unshard).
+
+    Why: an expert-parallel MoE holds different experts on each EP position and exchanges tokens with an
+    AllToAll, so replaying the whole block on one shared input gives each rank a different result, and the
+    peers would disagree with nothing wrong (measured: every MoE block of ``deepseek_v3_debugmodel`` at EP 2
+    named all four ranks SDC). Without expert parallelism every rank holds every expert, and the block replays
+    whole, experts included."""
+    if ep <= 1:
+        return layers, names
+    names = names or [f"layers.{i}" for i in range(len(layers))]
+    from torchtitan.models.common.moe import MoE
+
+    kept: list[tuple[Any, str]] = []
+    for layer, name in zip(layers, names):
+        block = getattr(layer, "_checkpoint_wrapped_module", layer)  # inside activation checkpointing
+        if not any(isinstance(m, MoE) for m in block.modules()):
+            kept.append((layer, name))
+        elif isinstance(getattr(block, "attention", None), torch.nn.Module):
+            kept.append((block.attention, f"{name}.attention"))
+    if len(kept) < len(layers) or any(n.endswith(".attention") for _, n in kept):
+        log.warning("scout_torchtitan: expert parallelism %d: the MoE blocks are replayed by their attention; "
+                    "their experts are not replayed", ep)
+    return [m for m, _ in kept], [n for _, n in kept]
 
 
 def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
@@ -57,6 +82,8 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
     adapter = torch_adapter(list(trainer.model_parts), list(trainer.optimizers.optimizers),
                             peer_groups=peer_groups(trainer.parallel_dims), state=state or None)
     adapter.name = "torchtitan"
+    adapter.layers, adapter.layer_names = dense_parts(adapter.repeated_layers(), list(adapter.layer_names or []),
+                                                      trainer.parallel_dims.ep)
     handle = enable_with(adapter, config=to_core(section))
     if handle.rank == 0:
         log.info("scout_torchtitan: SCOUT attached to %d model part(s), %d optimizer(s), peer groups %s; hidden "

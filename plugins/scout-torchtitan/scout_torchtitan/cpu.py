@@ -27,6 +27,7 @@ import importlib.util
 import os
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,10 @@ def use_cpu() -> None:
     """Make TorchTitan build its meshes and models on the host (gloo): every module that copied the device
     type and module at import sees ``cpu``."""
     stub_triton_kernels()
+    # TorchTitan's MoE router asks for a float32 autocast region, which the host's autocast does not support
+    # (it warns once per process and runs in float32 anyway, which is what the router wants).
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
+                            category=UserWarning)
     host = _host_device_module()
     for name in _DEVICE_TYPE_HOLDERS:
         module = importlib.import_module(name)
