@@ -456,3 +456,25 @@ def test_titan_moe_clean_cell_fails_when_expert_parallel_blocks_replay_whole(mon
     spec = SPECS["titan-moe-ep-clean"]
     (report,) = run_cells([dataclasses.replace(spec, params={**spec.params, "steps": 4})], root=ROOT)
     assert report.verdict == "FAIL" and "sdc" in report.details, report.details
+
+
+def test_titan_snapshots_cell_fails_when_the_plugin_drops_scout_snapshots(monkeypatch):
+    """The guard of titan-snapshots-clean: if ``--scout.checkpoint.enabled`` did not reach SCOUT, no rank would
+    hold an in-memory snapshot, and the cell must say so."""
+    import dataclasses
+
+    from scout_torchtitan import cpu
+
+    cpu.stub_triton_kernels()
+    from scout_torchtitan import attach
+
+    real = attach.to_core
+
+    def without_snapshots(section):
+        core = real(section)
+        return dataclasses.replace(core, checkpoint=dataclasses.replace(core.checkpoint, enabled=False))
+
+    monkeypatch.setattr(attach, "to_core", without_snapshots)
+    spec = SPECS["titan-snapshots-clean"]
+    (report,) = run_cells([dataclasses.replace(spec, params={**spec.params, "steps": 4})], root=ROOT)
+    assert report.verdict == "FAIL" and "in-memory snapshots held by ranks []" in report.details, report.details

@@ -175,6 +175,7 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     _prepare()
     p = spec.params
     hang, recovery = bool(p.get("hang", False)), bool(p.get("recovery", False))
+    snapshots = bool(p.get("snapshots", False))  # SCOUT's own snapshots beside TorchTitan's checkpoints
     jsonl = os.path.join(workdir, "incidents.jsonl")
     scout = [f"report.jsonl_path={jsonl}", f"report.run_id={spec.name}", "report.log_level=ERROR",
              *(["observer.silence_threshold_s=2.0", "observer.gather_timeout_s=4.0"] if hang else []),
@@ -182,10 +183,12 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
              # that finds SCOUT's previous snapshot still being written certifies nothing (by design), and
              # which boundaries do would depend on this host's timing.
              *(["actions.on_verdict=stop"] if recovery else []),
+             *(["checkpoint.enabled=true", f"checkpoint.directory={workdir}/scout-checkpoints",
+                f"checkpoint.memory_dir={workdir}/scout-memory"] if snapshots else []),
              *p.get("overrides", [])]
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "workdir": workdir,
             "replicate": int(p.get("replicate", 1)), "ranks_per_machine": int(p.get("ranks_per_machine", 8)),
-            "scout": scout, "titan_checkpoints": recovery, "phase": "a", "form": p.get("form", "module"),
+            "scout": scout, "titan_checkpoints": recovery or snapshots, "phase": "a", "form": p.get("form", "module"),
             "model": p.get("model", "llama3_debugmodel"), "ep": int(p.get("ep", 1))}
     start = time.monotonic()
     stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
@@ -209,6 +212,8 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         if not checks or any(c[2] for c in checks):
             problems.append(f"replay checks {checks}: expected some, none skipped")
         metrics["checks"] = float(len(checks))
+    if snapshots and result.ok:
+        problems += _snapshot_problems(workdir, world_size, args["steps"])
     if recovery and not problems:
         problems += _restart(spec, world_size, workdir, args, p)
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
@@ -216,6 +221,28 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
                       details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics,
                       time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None)
                       if hang else None)
+
+
+def _snapshot_problems(workdir: str, world_size: int, steps: int) -> list[str]:
+    """With SCOUT's snapshots on beside TorchTitan's checkpoints: every rank holds an in-memory snapshot of a
+    recent step, SCOUT certified a generation, and TorchTitan's checkpoints are labelled, some verified, none
+    rejected (a busy persist may delay a verification, never reject one)."""
+    from scout_core.checkpoint.durable import LABELS_FILE
+
+    problems = []
+    slots = [f for _root, _dirs, files in os.walk(os.path.join(workdir, "scout-memory")) for f in files
+             if f.startswith("own-")]
+    owners = sorted({int(f.split("-")[1][1:]) for f in slots})
+    if owners != list(range(world_size)):
+        problems.append(f"in-memory snapshots held by ranks {owners}, expected every rank: {sorted(slots)[:8]}")
+    newest = max((int(f.split("-")[2][1:]) for f in slots), default=0)
+    if newest < steps - 2:
+        problems.append(f"the newest in-memory snapshot is of step {newest}, expected one of the last steps")
+    with open(os.path.join(workdir, "titan", "checkpoint", LABELS_FILE)) as fh:
+        labels = {int(k): v["label"] for k, v in json.load(fh)["checkpoints"].items()}
+    if "verified" not in labels.values() or "rejected" in labels.values():
+        problems.append(f"TorchTitan's checkpoints labelled {labels}: expected some verified, none rejected")
+    return problems
 
 
 def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any], p: dict[str, Any]) -> list[str]:
