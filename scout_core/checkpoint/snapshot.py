@@ -26,7 +26,24 @@ import torch
 
 from scout_core.signature import local_tensor
 
-__all__ = ["SnapshotEngine", "local_tensor", "restore_state"]
+__all__ = ["SnapshotEngine", "local_tensor", "module_state", "restore_state"]
+
+
+def module_state(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The chunk's live parameters and persistent buffers, named as ``state_dict()`` names them, without its
+    hooks. A model's state-dict hooks may hand out converted copies (TorchTitan splits its fused ``wqkv`` into
+    ``wq``/``wk``/``wv`` on save and fuses them back on load): a snapshot copied into such a copy would restore
+    nothing, silently. (A module's ``get_extra_state`` is not part of it.)"""
+    state: dict[str, torch.Tensor] = {}
+    for prefix, module in chunk.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                state[dot + name] = param
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                state[dot + name] = buf
+    return state
 
 
 def _like_param(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -88,7 +105,7 @@ class SnapshotEngine:
             # only at the next optimizer step, which waits for the copy.
             buffers = {name for name, _ in chunk.named_buffers()} if clone_buffers else set()
             models.append({k: (local_tensor(v).clone() if k in buffers else local_tensor(v))
-                           for k, v in chunk.state_dict().items()})
+                           for k, v in module_state(chunk).items()})
         optims = []
         for opt in self.optimizers:
             sd = opt.state_dict()  # references to live state tensors; param ids are indices
@@ -299,7 +316,7 @@ def restore_state(
         raise ValueError(f"snapshot has {len(snap['model'])} chunks / {len(snap['optim'])} optimizers, "
                          f"the job has {len(chunks)} / {len(optimizers)}")
     for chunk, saved in zip(chunks, snap["model"]):
-        live = chunk.state_dict()
+        live = module_state(chunk)
         if set(live) != set(saved):
             raise ValueError(f"snapshot keys differ from the model: {sorted(set(live) ^ set(saved))[:5]}")
         for k, v in live.items():
