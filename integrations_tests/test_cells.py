@@ -429,7 +429,7 @@ def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(m
 
     monkeypatch.setattr(ScoutCheckpointManager, "_restart_plan", lambda self, asked: None)
     (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
-    assert report.verdict == "FAIL" and "loaded [5]" in report.details, report.details
+    assert report.verdict == "FAIL" and "the restart loaded step 5" in report.details, report.details
 
 
 def test_titan_recovery_cell_fails_when_scout_restarts_its_count_from_zero(monkeypatch):
@@ -455,7 +455,9 @@ def test_titan_moe_clean_cell_fails_when_expert_parallel_blocks_replay_whole(mon
     monkeypatch.setattr(attach, "dense_parts", lambda layers, names, ep: (layers, names))
     spec = SPECS["titan-moe-ep-clean"]
     (report,) = run_cells([dataclasses.replace(spec, params={**spec.params, "steps": 4})], root=ROOT)
-    assert report.verdict == "FAIL" and "sdc" in report.details, report.details
+    assert report.verdict == "FAIL", report.details
+    assert "named ranks [0, 1, 2, 3], expected []" in report.details and "kinds ['sdc'], expected []" in \
+        report.details, report.details
 
 
 def test_titan_snapshots_cell_fails_when_the_plugin_drops_scout_snapshots(monkeypatch):

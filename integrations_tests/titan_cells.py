@@ -62,14 +62,17 @@ def _config(a: dict[str, Any], rank: int) -> Any:
     from scout_torchtitan import config_registry, cpu
     from scout_torchtitan.override import section_from
 
-    keys = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a["scout"])}
-    if a["model"] != "llama3_debugmodel":
+    if a["scout"] is None:  # the same job without SCOUT (the plugin's registry, --scout.enable off)
         cfg = getattr(config_registry, a["model"])()
-        cfg.scout = section_from(keys)
+    elif a["model"] != "llama3_debugmodel":
+        cfg = getattr(config_registry, a["model"])()
+        cfg.scout = section_from({k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a["scout"])})
     elif a["form"] == "override":
+        keys = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a["scout"])}
         cfg = titan_registry.llama3_debugmodel()
         cfg.override.imports = [("scout_torchtitan.override.scout", keys)]
     else:
+        keys = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a["scout"])}
         cfg = config_registry.llama3_debugmodel()
         cfg.scout = section_from(keys)  # what --scout.enable --scout.<key> VALUE ... builds
     cpu.on_cpu(cfg, steps=a["steps"], seq_len=64, local_batch_size=2, seed=a["seed"])
@@ -160,15 +163,18 @@ def _titan_rank(ctx: RankContext) -> dict[str, Any]:
         def load_signed(step: int = -1) -> bool:
             done = load_(step)
             loaded.extend([trainer.step, *_signature(trainer)] if done else [])
+            with open(os.path.join(a["workdir"], f"loaded-{a['phase']}-r{ctx.rank}.json"), "w") as fh:
+                json.dump(loaded, fh)  # kept for a failure's diagnosis
             return done
 
         trainer.checkpointer.save, trainer.checkpointer.load = save_signed, load_signed
     trainer.train()
-    handle = trainer.checkpointer.scout
-    hist = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history]
+    handle = getattr(trainer.checkpointer, "scout", None)
+    hist = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    final = _signature(trainer)
     dist.barrier()
     trainer.close()
-    return {"checks": hist, "loaded": loaded, "steps": trainer.step}
+    return {"checks": hist, "loaded": loaded, "steps": trainer.step, "final": final}
 
 
 def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -212,6 +218,16 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         if not checks or any(c[2] for c in checks):
             problems.append(f"replay checks {checks}: expected some, none skipped")
         metrics["checks"] = float(len(checks))
+    if p.get("bitwise_without_scout") and result.ok and not problems:
+        # Harmless: the same job without SCOUT ends in the same state, bit for bit (replay, its unshards and its
+        # hooks never touch training's numbers).
+        plain = launch(_titan_rank, world_size, timeout_s=spec.timeout_s,
+                       args={**args, "scout": None, "faults": [], "phase": "plain"}, failure_grace_s=10.0)
+        if not plain.ok:
+            problems.append(f"the run without SCOUT failed: {plain.failures()}")
+        elif [v["final"] for v in plain.values()] != [v["final"] for v in result.values()]:
+            differ = [r for r, (x, y) in enumerate(zip(plain.values(), result.values())) if x["final"] != y["final"]]
+            problems.append(f"training with SCOUT ended in another state than without it on ranks {differ}")
     if snapshots and result.ok:
         problems += _snapshot_problems(workdir, world_size, args["steps"])
     if recovery and not problems:
@@ -253,7 +269,7 @@ def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any]
     problems = []
     with open(os.path.join(workdir, "titan", "checkpoint", LABELS_FILE)) as fh:
         labels = {int(k): v["label"] for k, v in json.load(fh)["checkpoints"].items()}
-    if labels != {int(k): v for k, v in p["labels"].items()}:
+    if "labels" in p and labels != {int(k): v for k, v in p["labels"].items()}:
         problems.append(f"labels after the stop {labels}, expected {p['labels']}")
     first = os.path.join(workdir, "incidents.jsonl")
     os.replace(first, os.path.join(workdir, "incidents-first-run.jsonl"))
@@ -261,13 +277,27 @@ def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any]
     result = launch(_titan_rank, world_size, timeout_s=spec.timeout_s, args=restart, failure_grace_s=10.0)
     if not result.ok:
         return problems + [f"the restart failed: {result.failures()}"]
-    want = int(p["restart_step"])
+    # The step restored: TorchTitan's chosen checkpoint, or (with SCOUT's snapshots on) SCOUT's verified snapshot,
+    # whose step depends on which checks certified before the verdict (a busy persist delays one): any allowed.
+    want = int(result.values()[0]["loaded"][0]) if result.values()[0]["loaded"] else -1
+    allowed = p.get("restart_steps", [p.get("restart_step")])
+    if want not in allowed:
+        problems.append(f"the restart loaded step {want}, expected one of {allowed}")
+        return problems
     for rank, value in enumerate(result.values()):
         with open(os.path.join(workdir, f"sigs-a-r{rank}.json")) as fh:
             saved = json.load(fh)[str(want)]
         if value["loaded"] != [want, *saved]:
             problems.append(f"rank {rank} loaded {value['loaded'][:1]} (signature equal to the run's step {want}: "
                             f"{value['loaded'][1:] == saved}), expected step {want} bitwise")
+    if "resume_source" in p:  # SCOUT restored its own snapshot: its resume record says which and from where
+        from scout_core.checkpoint.coordinator import read_records
+
+        resumes = [r for r in read_records(os.path.join(workdir, "scout-checkpoints", "decisions.jsonl"))
+                   if r.get("record") == "resume"]
+        got = [(r.get("source"), r.get("generation")) for r in resumes]
+        if got != [(p["resume_source"], want)]:
+            problems.append(f"SCOUT's resume records {got}, expected [({p['resume_source']!r}, {want})]")
     again = list(read_incidents(first)) if os.path.exists(first) else []
     if again:
         problems.append(f"the restart reported {[(i.kind.value, i.ranks, i.step) for i in again]}, expected nothing")
@@ -279,6 +309,7 @@ def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any]
     if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
         problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
     aside = [os.path.basename(x).split("-")[1] for x in body.get("set_aside", [])]
-    if aside != [str(s) for s in p["set_aside"]]:
-        problems.append(f"set aside {body.get('set_aside')}, expected the steps {p['set_aside']}")
+    expected_aside = p["set_aside"] if "set_aside" in p else list(range(int(p["saved_through"]), want, -1))
+    if aside != [str(s) for s in expected_aside]:
+        problems.append(f"set aside {body.get('set_aside')}, expected the steps {expected_aside}")
     return problems

@@ -53,6 +53,9 @@ class FrameworkAdapter:
     layers: list[nn.Module] | None = None
     """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
     layer_names: list[str] | None = None
+    marked_layers: list[nn.Module] | None = None
+    """Modules whose forward and backward mark progress for the hang path, when they are not ``layers`` (the
+    replay samples a block's part, but a hang is placed by the block); None = the repeated layers."""
     embedding: nn.Module | None = None
     output: nn.Module | None = None
     boundary_owner: nn.Module | None = None

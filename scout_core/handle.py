@@ -38,7 +38,7 @@ from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, F
 from scout_core.checkpoint.coordinator import CheckpointCoordinator, combine_evidence
 from scout_core.checkpoint.durable import FrameworkCheckpoints
 from scout_core.checkpoint.memory import MemorySlots, default_memory_root
-from scout_core.checkpoint.resume import Restarter, ResumeResult
+from scout_core.checkpoint.resume import Restarter, ResumeResult, drop_newer
 from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
 from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ScoutConfig
@@ -54,7 +54,7 @@ from scout_core.progress.record import Phase, create_record
 from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
-from scout_core.replay.scratch import fsdp_owner
+from scout_core.replay.scratch import fsdp_owners
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 
 __all__ = ["ScoutHandle"]
@@ -173,7 +173,8 @@ class ScoutHandle:
                                f"start within {cfg.observer.startup_timeout_s}s (control store "
                                f"{plane.host}:{plane.port}, {plane.kind})")
         self.observer_startup_s = time.monotonic() - start
-        tracker.install_module_hooks(self.adapter.repeated_layers(), backward=cfg.observer.layer_backward_marks)
+        marked = self.adapter.marked_layers or self.adapter.repeated_layers()
+        tracker.install_module_hooks(marked, backward=cfg.observer.layer_backward_marks)
         tracker.install_optimizer_hooks(self.adapter.optimizers)
         ddp = [c for c in self.adapter.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)]
         if ddp:
@@ -194,7 +195,7 @@ class ScoutHandle:
             confirm_rounds=cfg.consensus.confirm_rounds, noise_window=cfg.consensus.noise_window_rounds,
             reporter=self.reporter, hosts=self.hosts, rng_providers=a.rng_providers, layer_names=names,
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
-            layer_owners=[fsdp_owner(layer, a.chunks) for layer in layers],
+            layer_owners=fsdp_owners(layers, a.chunks),
             # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.
             local_only_params=a.moe.expert_parameters() if a.moe is not None else ())
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
@@ -405,7 +406,11 @@ class ScoutHandle:
     def continue_from(self, step: int, *, verified: int | None) -> None:
         """The framework restored its own checkpoint of ``step`` (not one of SCOUT's snapshots): SCOUT's step
         count, replay schedule and certification go on from there, every rank alike. ``verified``: the newest
-        verified step at or before it (the restored state's trust), or None."""
+        verified step at or before it (the restored state's trust), or None. SCOUT's own snapshots newer than
+        ``step`` belong to the abandoned run and are deleted, so a later restart never mixes them in."""
+        if self.checkpoint is not None:
+            self.checkpoint.flush()
+            drop_newer(self.checkpoint, int(step), rank=self.rank)
         if self.replay is not None:
             self.replay.continue_at(step)
         if self.tracker is not None:

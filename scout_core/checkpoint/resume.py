@@ -37,7 +37,7 @@ from scout_core.checkpoint.certify import Certifier, FailureKind, decide_retriev
 from scout_core.checkpoint.coordinator import CheckpointCoordinator, read_records, record_decision
 from scout_core.checkpoint.store import agree_on_generation
 
-__all__ = ["ResumeResult", "Restarter", "vote_latest"]
+__all__ = ["ResumeResult", "Restarter", "drop_newer", "vote_latest"]
 
 _log = logging.getLogger("scout")
 
@@ -222,17 +222,7 @@ class Restarter:
         return mine
 
     def _drop_newer(self, step: int, *, keep_verified: bool = False) -> None:
-        """Every rank deletes its in-memory snapshots and durable generations newer than ``step`` (-1: all
-        of them; ``keep_verified``: durable candidates only)."""
-        gone = self.coord.memory.drop_newer(step, self.coord.sources)
-        store = self.coord.store
-        for gen, role in sorted(store.local_generations(check_bytes=False).items()):
-            if gen > step and not (keep_verified and role == "verified"):
-                store.remove(gen)
-                gone.append(f"durable {role} generation {gen}")
-        if gone:
-            _log.warning("SCOUT resume: rank %d deleted %d in-memory snapshot(s) newer than step %d: %s",
-                         self.rank, len(gone), step, ", ".join(gone))
+        drop_newer(self.coord, step, rank=self.rank, keep_verified=keep_verified)
 
     def _sweep(self, latest: int, fetch: dict[int, int]) -> bool:
         """Restore the latest state and replay every layer on its saved calls; clean on every rank.
@@ -259,3 +249,18 @@ class Restarter:
             if schedule is not None:
                 self.replay.load_sweep_state(schedule)
         return clean
+
+
+def drop_newer(coord: CheckpointCoordinator, step: int, *, rank: int, keep_verified: bool = False) -> None:
+    """This rank deletes its in-memory snapshots and durable generations newer than ``step`` (-1: all of them;
+    ``keep_verified``: durable candidates only): what a restart from ``step`` abandoned must never be mixed
+    with the new run's shards at a later restart."""
+    gone = coord.memory.drop_newer(step, coord.sources)
+    store = coord.store
+    for gen, role in sorted(store.local_generations(check_bytes=False).items()):
+        if gen > step and not (keep_verified and role == "verified"):
+            store.remove(gen)
+            gone.append(f"durable {role} generation {gen}")
+    if gone:
+        _log.warning("SCOUT resume: rank %d deleted %d in-memory snapshot(s) newer than step %d: %s",
+                     rank, len(gone), step, ", ".join(gone))

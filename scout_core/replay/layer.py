@@ -118,8 +118,9 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
         cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
         return cls.forward.__get__(layer), gather_s, layer.reshard
     if owner is not None and fsdp_module(owner):
-        # A boundary module (embedding, LM head) whose parameters the outer FSDP module manages.
-        dist.barrier(group=_gather_group(owner))
+        # A boundary module (embedding, LM head) or a block's part whose parameters the enclosing FSDP module
+        # manages; its own parameters name the group (the owner may also hold experts sharded elsewhere).
+        dist.barrier(group=_gather_group(layer) or _gather_group(owner))
         start = time.perf_counter()
         owner.unshard()
         sync(list(layer.parameters()))
@@ -136,7 +137,8 @@ def release_of(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> 
 
 def gather_ranks(layer: torch.nn.Module, owner: torch.nn.Module | None = None) -> tuple[int, ...]:
     """Global ranks of the all-gather that unshards ``layer`` (or its FSDP2 ``owner``), ascending."""
-    group = _gather_group(layer if fsdp_module(layer) or owner is None else owner)
+    group = _gather_group(layer) if fsdp_module(layer) or owner is None else (
+        _gather_group(layer) or _gather_group(owner))
     if group is None:
         return ()
     return tuple(sorted(dist.get_process_group_ranks(group)))

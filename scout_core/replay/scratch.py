@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Scratch", "compute_device", "fsdp_module", "fsdp_owner", "managed_parameters", "module_compute_device",
+__all__ = ["Scratch", "compute_device", "fsdp_module", "fsdp_owners", "managed_parameters", "module_compute_device",
            "reserve", "unshard_bytes"]
 
 
@@ -48,24 +48,28 @@ def fsdp_module(module: torch.nn.Module | None) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def fsdp_owner(module: torch.nn.Module, roots: list[torch.nn.Module]) -> torch.nn.Module | None:
-    """The innermost FSDP2 module around ``module`` inside ``roots``, or None (``module`` unshards itself, or
-    nothing shards it). A repeated layer given as part of a ``fully_shard``-ed block (the attention of a
-    block whose experts cannot be replayed with it) is unsharded through that block."""
-    if fsdp_module(module):
-        return None
-    for root in roots:
-        names = {id(m): n for n, m in root.named_modules()}
-        name = names.get(id(module))
-        if name is None:
-            continue
+def fsdp_owners(modules: list[torch.nn.Module], roots: list[torch.nn.Module]) -> list[torch.nn.Module | None]:
+    """For each of ``modules``, the innermost FSDP2 module around it inside ``roots``, or None (it unshards
+    itself, or nothing shards it). A repeated layer given as part of a ``fully_shard``-ed block (the attention
+    of a block whose experts cannot be replayed with it) is unsharded through that block."""
+    name_of: dict[int, tuple[str, dict[str, torch.nn.Module]]] = {}
+    for root in roots:  # one walk per root, however many layers
         by_name = dict(root.named_modules())
-        parts = name.split(".") if name else []
-        for k in range(len(parts) - 1, -1, -1):  # longest enclosing prefix first: the innermost
-            outer = by_name.get(".".join(parts[:k]))
-            if fsdp_module(outer):
-                return outer
-    return None
+        for name, m in by_name.items():
+            name_of.setdefault(id(m), (name, by_name))
+    owners: list[torch.nn.Module | None] = []
+    for module in modules:
+        owner = None
+        if not fsdp_module(module) and id(module) in name_of:
+            name, by_name = name_of[id(module)]
+            parts = name.split(".") if name else []
+            for k in range(len(parts) - 1, -1, -1):  # longest enclosing prefix first: the innermost
+                outer = by_name.get(".".join(parts[:k]))
+                if fsdp_module(outer):
+                    owner = outer
+                    break
+        owners.append(owner)
+    return owners
 
 
 def managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -105,7 +109,19 @@ def unshard_bytes(layer: torch.nn.Module, owner: torch.nn.Module | None) -> int:
     gathered = layer if fsdp_module(layer) else (owner if fsdp_module(owner) else None)
     if gathered is None:
         return 0
-    return 2 * sum(p.numel() * p.element_size() for p in managed_parameters(gathered))
+    return 2 * sum(_gathered_numel(p) * p.element_size() for p in managed_parameters(gathered))
+
+
+def _gathered_numel(param: torch.Tensor) -> int:
+    """Elements FSDP2's all-gather yields for ``param``: its local shard times the size of the mesh dimension
+    FSDP shards it over (the first sharded one: FSDP's dimension is outermost, before TP or EP). A DTensor's
+    ``numel()`` is its global size, which for an expert-parallel weight counts every EP position's experts."""
+    spec = getattr(param, "_spec", None)
+    if spec is None:
+        return param.numel()
+    local = param.to_local().numel()  # type: ignore[attr-defined]
+    dims = [d for d, pl in enumerate(spec.placements) if pl.is_shard()]
+    return local * (spec.mesh.size(dims[0]) if dims else 1)
 
 
 def reserve(layer: torch.nn.Module, owner: torch.nn.Module | None, *, time_all_reduce: bool,

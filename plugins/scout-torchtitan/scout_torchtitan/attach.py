@@ -13,8 +13,8 @@ Everything comes from the Trainer's own objects; nothing of SCOUT's mechanisms i
   :func:`scout_core.topology.peer_groups` defines them;
 * repeated layers, embedding and output: discovered by scout_core in TorchTitan's model classes (the blocks'
   ``ModuleDict``, ``tok_embeddings``, ``output``);
-* state: the LR schedulers and the data loader (both ``Stateful``), kept in SCOUT's snapshots so a restore
-  resumes the same batches with the same learning rate.
+* state: the LR schedulers, the data loader (both ``Stateful``) and the Trainer's token count, kept in SCOUT's
+  snapshots so a restore resumes the same batches with the same learning rate.
 """
 
 from __future__ import annotations
@@ -54,36 +54,65 @@ def dense_parts(layers: list[Any], names: list[str], ep: int) -> tuple[list[Any]
     AllToAll, so replaying the whole block on one shared input gives each rank a different result, and the
     peers would disagree with nothing wrong (measured: every MoE block of ``deepseek_v3_debugmodel`` at EP 2
     named all four ranks SDC). Without expert parallelism every rank holds every expert, and the block replays
-    whole, experts included."""
+    whole, experts included. The attention is found by structure, not by name (``attention`` in most of
+    TorchTitan's models, ``attn`` in Qwen3.5): the block's child without an MoE layer that holds the most
+    parameters (the norms beside it are tiny, and not replayed)."""
     if ep <= 1:
         return layers, names
     names = names or [f"layers.{i}" for i in range(len(layers))]
     from torchtitan.models.common.moe import MoE
 
+    def has_moe(module: torch.nn.Module) -> bool:
+        return any(isinstance(m, MoE) for m in module.modules())
+
     kept: list[tuple[Any, str]] = []
+    dropped: list[str] = []
     for layer, name in zip(layers, names):
         block = getattr(layer, "_checkpoint_wrapped_module", layer)  # inside activation checkpointing
-        if not any(isinstance(m, MoE) for m in block.modules()):
+        if not has_moe(block):
             kept.append((layer, name))
-        elif isinstance(getattr(block, "attention", None), torch.nn.Module):
-            kept.append((block.attention, f"{name}.attention"))
-    if len(kept) < len(layers) or any(n.endswith(".attention") for _, n in kept):
-        log.warning("scout_torchtitan: expert parallelism %d: the MoE blocks are replayed by their attention; "
-                    "their experts are not replayed", ep)
+            continue
+        parts = [(sum(p.numel() for p in child.parameters()), child_name, child)
+                 for child_name, child in block.named_children() if not has_moe(child)]
+        parts = [p for p in parts if p[0] > 0]
+        if parts:
+            _, child_name, child = max(parts, key=lambda p: p[0])
+            kept.append((child, f"{name}.{child_name}"))
+        else:
+            dropped.append(name)
+    replaced = [n for _, n in kept if n not in names]
+    if replaced:
+        log.warning("scout_torchtitan: expert parallelism %d: %d MoE block(s) are replayed by their %s only; their "
+                    "experts, router, shared experts and norms are not replayed", ep, len(replaced),
+                    replaced[0].rsplit(".", 1)[-1])
+    if dropped:
+        log.warning("scout_torchtitan: expert parallelism %d: MoE block(s) %s have no dense part to replay: not "
+                    "replayed", ep, ", ".join(dropped))
+    if not kept:
+        raise ValueError(f"scout_torchtitan: expert parallelism {ep}: no block of this model has a dense part SCOUT "
+                         "can replay; switch replay off (--scout.replay.enabled false) or run without EP")
     return [m for m, _ in kept], [n for _, n in kept]
 
 
 def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
     """Install SCOUT, configured by ``section``, on a Trainer whose model parts, optimizers, LR schedulers,
     data loader and meshes exist (every rank calls it)."""
-    state = {name: obj for name, obj in (("lr_schedulers", getattr(trainer, "lr_schedulers", None)),
-                                          ("dataloader", getattr(trainer, "dataloader", None)))
-             if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")}
+    state: dict[str, Any] = {
+        name: obj for name, obj in (("lr_schedulers", getattr(trainer, "lr_schedulers", None)),
+                                    ("dataloader", getattr(trainer, "dataloader", None)))
+        if obj is not None and hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")}
+    if hasattr(trainer, "ntokens_seen"):
+        # The Trainer's own count of tokens (its ``step`` is the snapshot's step, set by the restart): read when
+        # the next batch is fetched, before the Trainer adds that batch's tokens.
+        state["train_state"] = (lambda: {"ntokens_seen": int(trainer.ntokens_seen)},
+                                lambda saved: setattr(trainer, "ntokens_seen", int(saved["ntokens_seen"])))
     adapter = torch_adapter(list(trainer.model_parts), list(trainer.optimizers.optimizers),
                             peer_groups=peer_groups(trainer.parallel_dims), state=state or None)
     adapter.name = "torchtitan"
-    adapter.layers, adapter.layer_names = dense_parts(adapter.repeated_layers(), list(adapter.layer_names or []),
+    blocks = adapter.repeated_layers()
+    adapter.layers, adapter.layer_names = dense_parts(blocks, list(adapter.layer_names or []),
                                                       trainer.parallel_dims.ep)
+    adapter.marked_layers = blocks  # hangs are placed by TorchTitan's blocks, whatever part replay samples
     handle = enable_with(adapter, config=to_core(section))
     if handle.rank == 0:
         log.info("scout_torchtitan: SCOUT attached to %d model part(s), %d optimizer(s), peer groups %s; hidden "

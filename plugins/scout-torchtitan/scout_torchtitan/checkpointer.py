@@ -89,8 +89,30 @@ class ScoutCheckpointManager(CheckpointManager):
                 self.scout.guard.report(curr_step, "checkpoint", exc, "labelling TorchTitan's checkpoint")
         return wrote
 
-    def _load(self, step: int = -1) -> bool:
-        plan = self._restart_plan(step) if self.labels is not None else None
+    def load(self, step: int = -1) -> bool:
+        """With SCOUT's snapshots on (``--scout.checkpoint.enabled``), SCOUT's retrieval policy restores its own
+        snapshot first (from memory when it can: the fast path), then TorchTitan loads a checkpoint of its own
+        only if the one its labels choose is newer; otherwise TorchTitan's load, as below. Also runs when
+        TorchTitan's own checkpointing is off: SCOUT's snapshots are then the only ones."""
+        scout = self.scout
+        if scout is None or scout.checkpoint is None or step != -1 or getattr(self, "load_only", False):
+            return super().load(step)
+        result = scout.resume()
+        restored = result.step
+        if restored is not None:
+            self.trainer.step = restored  # the Trainer's count (the data loader and LR schedulers came back with
+            # the snapshot's caller state)
+            if dist.get_rank() == 0:
+                log.warning("scout_torchtitan: SCOUT restored its %s snapshot of step %d%s (%s)", result.source,
+                            restored, " from memory" if result.from_memory else "", result.reason)
+        if not self.enable:
+            return restored is not None
+        return self._load(step, restored=restored)
+
+    def _load(self, step: int = -1, restored: int | None = None) -> bool:
+        plan = self._restart_plan(step, restored) if self.labels is not None else None
+        if restored is not None and (plan is None or plan["load"] is None):
+            return True  # SCOUT's snapshot is the state: TorchTitan loads nothing over it
         with self.scout.checkpoint_io("read"):
             loaded = super()._load(step if plan is None else plan["load"])
         if loaded:
@@ -100,18 +122,20 @@ class ScoutCheckpointManager(CheckpointManager):
             self.scout.continue_from(at, verified=self.labels.verified_at(at) if self.labels is not None else None)
         return loaded
 
-    def _restart_plan(self, asked: int) -> dict[str, Any] | None:
+    def _restart_plan(self, asked: int, restored: int | None = None) -> dict[str, Any] | None:
         """Rank 0 decides for every rank (their views of the files may differ) and broadcasts the exact step
-        TorchTitan loads (-1: none, its initial load); None: TorchTitan's own choice (no labels, a load-only job).
+        TorchTitan loads (-1: none, its initial load; None: nothing over SCOUT's ``restored`` snapshot); None:
+        TorchTitan's own choice (no labels, a load-only job).
         After an SDC stop a plan that cannot be made stops the job on every rank: loading TorchTitan's newest
         then would restore the state the verdict rejected."""
         plan: dict[str, Any] | None = None
         if dist.get_rank() == 0:
             try:
-                plan = self._plan(asked)
+                plan = self._plan(asked, restored)
             except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training, except to stop a bad load
                 why = f"{type(exc).__name__}: {exc}"
-                plan = {"error": why, "fatal": self.labels.stopped_for == "sdc"}
+                # Fatal only when TorchTitan's newest would be loaded: a restored SCOUT snapshot stays otherwise.
+                plan = {"error": why, "fatal": self.labels.stopped_for == "sdc" and restored is None}
         box = [plan]
         dist.broadcast_object_list(box, src=0, group=self.scout.groups.world_control)
         plan = box[0]
@@ -127,8 +151,24 @@ class ScoutCheckpointManager(CheckpointManager):
             self.labels.stopped_for = None
         return plan
 
-    def _plan(self, asked: int) -> dict[str, Any] | None:
+    def _plan(self, asked: int, restored: int | None = None) -> dict[str, Any] | None:
         labels = self.labels
+        if restored is not None:
+            choice = labels.choose(exists=self._complete) if labels.entries else None
+            if choice is None or choice.step is None or choice.step <= restored:
+                # SCOUT's snapshot is the newest safe state: every TorchTitan step folder after it leaves
+                # TorchTitan's reach (a later save of the same step must not land on an abandoned one).
+                aside = []
+                try:
+                    for step in sorted((s for s in self._step_folders() if s > restored), reverse=True):
+                        aside.append(self._set_aside(step))
+                finally:
+                    labels.restarted_from(restored, set_aside=aside)
+                if aside:
+                    log.warning("scout_torchtitan: %d TorchTitan checkpoint(s) newer than SCOUT's snapshot of step "
+                                "%d set aside in %s", len(aside), restored, SET_ASIDE)
+                return {"load": None, "entries": {str(k): v for k, v in labels.entries.items()}}
+            # A TorchTitan checkpoint the labels trust is newer than SCOUT's snapshot: it is loaded over it.
         if not labels.entries or self.load_only:
             return None  # nothing SCOUT labelled (a fresh job, or its unsafe checkpoints are set aside), or a job
             # that only reads this folder (evaluation): TorchTitan's own choice, nothing moved

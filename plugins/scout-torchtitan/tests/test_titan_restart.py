@@ -92,3 +92,19 @@ def test_incomplete_checkpoints_are_not_chosen(tmp_path):
     m = _job(tmp_path, sdc_at=5)
     os.remove(tmp_path / "step-4" / ".metadata")  # a save that never finished
     assert m._plan(-1)["load"] == 3
+
+
+def test_a_restored_scout_snapshot_newer_than_the_chosen_checkpoint_stays_and_later_folders_go(tmp_path):
+    """SCOUT restored its snapshot of step 4 (--scout.checkpoint.enabled): TorchTitan loads nothing over it, its
+    step folders after 4 (the rejected 5, the unlabelled 6) are set aside, the labels go on from 4."""
+    m = _job(tmp_path, sdc_at=5, unlabelled=(6,))
+    plan = m._plan(-1, restored=4)
+    assert plan["load"] is None and _left(tmp_path) == ["step-1", "step-2", "step-3", "step-4"]
+    assert sorted(plan["entries"]) == ["1", "2", "3", "4"]
+
+
+def test_a_checkpoint_the_labels_trust_newer_than_scouts_snapshot_is_loaded_over_it(tmp_path):
+    """SCOUT could restore only an older snapshot (step 2): TorchTitan's verified step 4 is newer and is loaded."""
+    m = _job(tmp_path, sdc_at=5)
+    plan = m._plan(-1, restored=2)
+    assert plan["load"] == 4 and _left(tmp_path) == ["step-1", "step-2", "step-3", "step-4"]
