@@ -151,3 +151,101 @@ def test_vetting_says_when_a_replay_is_not_reproducible():
     assert done.reproducible is False
     assert replay_layer(block, block, "b", call, variants=[1.0], providers={}, deterministic=True,
                         compare_param_state=False).reproducible is None  # not vetted
+
+
+def _document_mask_mod(positions):
+    """A document mask as TorchTitan builds one for packed sequences: a closure over the batch's document ids."""
+    doc_ids = torch.cumsum((positions == 0).int(), dim=1) - 1
+
+    def document_mask(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return document_mask
+
+
+class _FlexStyleBlock(torch.nn.Module):
+    """A block called as TorchTitan calls its blocks under FlexAttention: ``block(x, attention_masks, positions)``
+    with a ``BlockMask``; the mask is applied densely (FlexAttention has no CPU backward)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, attention_masks, positions=None):
+        from torch.nn.attention.flex_attention import create_mask
+
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        b, s, _ = x.shape
+        allowed = create_mask(attention_masks.mask_mod, b, 1, s, s, device=x.device)[:, 0]
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+        return x + torch.softmax(scores, dim=-1) @ v
+
+
+def _packed_positions(seed, b=2, s=128):
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(b, s, generator=g) < 0.05
+    starts[:, 0] = True
+    pos = torch.zeros(b, s, dtype=torch.long)
+    for i in range(b):
+        run = 0
+        for j in range(s):
+            run = 0 if starts[i, j] else run + 1
+            pos[i, j] = run
+    return pos
+
+
+def test_a_flex_attention_block_mask_with_a_closure_travels_and_rebuilds():
+    """TorchTitan's default attention gives each block a BlockMask whose mask_mod closes over the batch's
+    document ids: neither pickles, so every check of such a block failed. It now ships as block tensors plus
+    the closure's values, and the peer's rebuilt mask is the source's, from the tensors it received."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask
+
+    pos = _packed_positions(1)
+    mask_mod = and_masks(_document_mask_mod(pos), lambda b, h, q, kv: q >= 0)  # torch's own closure, nested
+    mask = create_block_mask(mask_mod, 2, None, 128, 128, device="cpu")
+    tensors, spec = flatten_call(((torch.ones(1), mask), {"positions": pos}))
+    assert spec_from_tensor(spec_to_tensor(pickle.loads(pickle.dumps(spec)))) is not None  # both transports
+    received = [t.clone() for t in tensors]
+    (_, rebuilt), _ = rebuild(pickle.loads(pickle.dumps(spec)), received)
+    want = create_mask(mask_mod, 2, 1, 128, 128, device="cpu")
+    assert type(rebuilt) is type(mask) and torch.equal(create_mask(rebuilt.mask_mod, 2, 1, 128, 128), want)
+    assert torch.equal(rebuilt.kv_indices, mask.kv_indices) and rebuilt.BLOCK_SIZE == mask.BLOCK_SIZE
+    # The closure reads the received tensor, not the source's: another batch's document ids give its mask.
+    other = _packed_positions(2)
+    doc_slot = next(i for i, t in enumerate(tensors) if t.dtype == torch.int64 and t.shape == (2, 128)
+                    and not torch.equal(t, pos))
+    received[doc_slot] = torch.cumsum((other == 0).int(), dim=1) - 1
+    (_, rebuilt), _ = rebuild(spec, received)
+    assert torch.equal(create_mask(rebuilt.mask_mod, 2, 1, 128, 128),
+                       create_mask(and_masks(_document_mask_mod(other), lambda b, h, q, kv: q >= 0), 2, 1, 128, 128))
+
+
+def test_a_function_spec_never_carries_code_and_refuses_one_this_process_cannot_find():
+    tensors, spec = flatten_call(_document_mask_mod(_packed_positions(3)))
+    assert not any(isinstance(v, (bytes, type(_document_mask_mod.__code__))) for v in spec)
+    forged = (spec[0], spec[1], "_document_mask_mod.<locals>.not_there", *spec[3:])
+    with pytest.raises(ValueError, match="cannot find"):
+        rebuild(forged, tensors)
+
+
+def test_replay_of_a_flex_style_block_on_a_peer_matches_the_source():
+    """The whole path a peer takes: the announced call, empty buffers of its shapes, the source's tensors
+    copied in (the broadcast), the replay; the peer's own, different document mask plays no part."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch.manual_seed(0)
+    block = _FlexStyleBlock()
+    x = torch.randn(2, 128, 16, requires_grad=True)
+    pos = _packed_positions(4)
+    mask = create_block_mask(_document_mask_mod(pos), 2, None, 128, 128, device="cpu")
+    captured, _ = _captured_call(block, (x, mask, pos), {})
+    meta = call_meta(captured, {})
+    source = receive_buffers(meta, captured, torch.device("cpu"), is_source=True)
+    peer = receive_buffers(pickle.loads(pickle.dumps(meta)), None, torch.device("cpu"), is_source=False)
+    for buf, t in zip(peer.tensors, source.tensors):
+        buf.copy_(t)
+    for i, g in peer.grad_outputs.items():
+        g.copy_(source.grad_outputs[i])
+    runs = [replay_layer(block, block, "b", call, variants=[1.0], providers={}, deterministic=True,
+                         compare_param_state=False).surfaces for call in (source, peer)]
+    assert runs[0] == runs[1] and any(n == "b.x1.output" for n, _ in runs[0])

@@ -16,11 +16,24 @@ call is split into
 Dataclasses are rebuilt without calling ``__init__`` (``init=False`` fields and
 ``__post_init__`` side effects stay as they were); named tuples and dict
 subclasses (``OrderedDict``) keep their type.
+
+Two more kinds of leaf travel, as FlexAttention calls need them (TorchTitan's
+default attention hands every block a ``BlockMask``):
+
+* a ``BlockMask`` (torch's FlexAttention mask: block tensors plus a ``mask_mod``
+  function), rebuilt from its attributes without ``__init__``, like a dataclass;
+* a function that cannot be pickled by name, such as a ``mask_mod`` closure over
+  the batch's document ids: shipped as its module, qualified name and closure
+  values (tensors among them travel as tensors), and rebuilt from the code object
+  of the module the receiving rank already imported, never from code carried in
+  the spec.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,6 +53,23 @@ _MAP = "map"
 _DC = "dataclass"
 _NT = "namedtuple"
 _VAL = "value"
+_OBJ = "object"
+_FN = "function"
+_EMPTY_CELL = "empty-cell"
+
+
+def _shipped_by_attributes(value: Any) -> bool:
+    """Objects rebuilt from their attributes: torch's FlexAttention ``BlockMask`` (no dataclass, no pickle)."""
+    flex = sys.modules.get("torch.nn.attention.flex_attention")
+    return flex is not None and isinstance(value, flex.BlockMask)
+
+
+def _by_name(fn: types.FunctionType) -> bool:
+    """True when pickle can ship ``fn`` by reference (its module has it under its qualified name)."""
+    obj: Any = sys.modules.get(fn.__module__)
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn
 
 
 def _flatten(value: Any, out: list[torch.Tensor]) -> Any:
@@ -55,6 +85,17 @@ def _flatten(value: Any, out: list[torch.Tensor]) -> Any:
         return (_SEQ, type(value), [_flatten(v, out) for v in value])
     if isinstance(value, dict):
         return (_MAP, type(value), [(k, _flatten(v, out)) for k, v in value.items()])
+    if _shipped_by_attributes(value):
+        return (_OBJ, type(value), [(k, _flatten(v, out)) for k, v in vars(value).items()])
+    if isinstance(value, types.FunctionType) and not _by_name(value):
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(_flatten(cell.cell_contents, out))
+            except ValueError:  # a cell not yet assigned
+                cells.append((_EMPTY_CELL,))
+        return (_FN, value.__module__, value.__qualname__, _flatten(value.__defaults__, out),
+                _flatten(value.__kwdefaults__, out), cells)
     return (_VAL, value)
 
 
@@ -86,12 +127,49 @@ def rebuild(spec: Any, tensors: list[Any], leaf: Callable[[Any], Any] | None = N
     if tag == _MAP:
         kind, items = spec[1], [(k, rebuild(s, tensors, leaf)) for k, s in spec[2]]
         return dict(items) if kind is dict else _make_map(kind, items)
-    if tag == _DC:
+    if tag in (_DC, _OBJ):
         obj = object.__new__(spec[1])
         for name, s in spec[2]:
             object.__setattr__(obj, name, rebuild(s, tensors, leaf))  # frozen dataclasses too
         return obj
+    if tag == _FN:
+        _, module, qualname, defaults, kwdefaults, cells = spec
+        code = _local_code(module, qualname)
+        closure = tuple(types.CellType() if c[0] == _EMPTY_CELL else types.CellType(rebuild(c, tensors, leaf))
+                        for c in cells)
+        fn = types.FunctionType(code, sys.modules[module].__dict__, code.co_name, rebuild(defaults, tensors, leaf),
+                                closure or None)
+        fn.__kwdefaults__ = rebuild(kwdefaults, tensors, leaf)
+        fn.__qualname__ = qualname
+        return fn
     raise ValueError(f"not a call spec: {spec!r}")
+
+
+_CODES: dict[tuple[str, str], types.CodeType] = {}
+
+
+def _local_code(module: str, qualname: str) -> types.CodeType:
+    """The code object of function ``qualname`` (``f.<locals>.g``) in ``module``, found in the code of its
+    enclosing function in this process (the module must already be imported): the same code object every time,
+    so a compiled caller's guards keep matching."""
+    key = (module, qualname)
+    if key not in _CODES:
+        if module not in sys.modules:
+            raise ValueError(f"call spec names function {module}.{qualname}, whose module is not imported")
+        top: Any = sys.modules[module]
+        for part in qualname.split(".<locals>.")[0].split("."):
+            top = getattr(top, part, None)
+        top = getattr(top, "__func__", top)
+        stack = [top.__code__] if hasattr(top, "__code__") else []
+        while stack:
+            code = stack.pop()
+            if getattr(code, "co_qualname", code.co_name) == qualname:
+                _CODES[key] = code
+                break
+            stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        else:
+            raise ValueError(f"call spec names function {module}.{qualname}, which this process cannot find")
+    return _CODES[key]
 
 
 def _make_seq(kind: type, items: list[Any]) -> Any:
