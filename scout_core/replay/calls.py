@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -88,15 +89,35 @@ def _flatten(value: Any, out: list[torch.Tensor]) -> Any:
     if _shipped_by_attributes(value):
         return (_OBJ, type(value), [(k, _flatten(v, out)) for k, v in vars(value).items()])
     if isinstance(value, types.FunctionType) and not _by_name(value):
-        cells = []
-        for cell in value.__closure__ or ():
+        shipping = _shipping()
+        if id(value) not in shipping:  # a recursive inner function reaches itself through its closure: left to
+            shipping.add(id(value))    # pickle, which refuses it (the check is skipped with a record)
             try:
-                cells.append(_flatten(cell.cell_contents, out))
-            except ValueError:  # a cell not yet assigned
-                cells.append((_EMPTY_CELL,))
-        return (_FN, value.__module__, value.__qualname__, _flatten(value.__defaults__, out),
-                _flatten(value.__kwdefaults__, out), cells)
+                return _flatten_function(value, out)
+            finally:
+                shipping.discard(id(value))
     return (_VAL, value)
+
+
+_LOCAL = threading.local()
+
+
+def _shipping() -> set[int]:
+    """The functions this thread is flattening right now."""
+    if not hasattr(_LOCAL, "functions"):
+        _LOCAL.functions = set()
+    return _LOCAL.functions
+
+
+def _flatten_function(value: types.FunctionType, out: list[torch.Tensor]) -> Any:
+    cells = []
+    for cell in value.__closure__ or ():
+        try:
+            cells.append(_flatten(cell.cell_contents, out))
+        except ValueError:  # a cell not yet assigned
+            cells.append((_EMPTY_CELL,))
+    return (_FN, value.__module__, value.__qualname__, _flatten(value.__defaults__, out),
+            _flatten(value.__kwdefaults__, out), cells)
 
 
 def flatten_call(value: Any) -> tuple[list[torch.Tensor], Any]:
