@@ -260,3 +260,44 @@ def test_a_recursive_inner_function_is_refused_not_recursed_forever():
     _, spec = flatten_call(outer())
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         pickle.dumps(spec)  # the check that carries it is skipped with a record, as before
+
+
+def _two_masks(window):
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    near = lambda b, h, q, kv: (q - kv) < window  # noqa: E731
+    return causal, near
+
+
+def _branch_mask(short, limit):
+    if short:
+        def mask(b, h, q, kv):
+            return kv < limit
+    else:
+        def mask(b, h, q, kv):
+            return kv >= limit
+    return mask
+
+
+def test_functions_of_one_qualified_name_rebuild_as_the_one_the_source_ran():
+    """Two lambdas of one function, or one name defined in two branches (TorchTitan's packed-document mask), share
+    a qualified name: each is rebuilt from its own code (by its first line), never from the first one found."""
+    q, kv = torch.tensor([5]), torch.tensor([1])
+    for fn in (*_two_masks(2), _branch_mask(True, 3), _branch_mask(False, 3)):
+        tensors, spec = flatten_call(fn)
+        rebuilt = rebuild(pickle.loads(pickle.dumps(spec)), tensors)
+        assert rebuilt.__code__ is fn.__code__ and torch.equal(rebuilt(0, 0, q, kv), fn(0, 0, q, kv))
+
+
+def test_closures_the_receiver_cannot_rebuild_exactly_are_left_to_pickle():
+    """Two lambdas on one line (the receiver could not tell them apart), or a closure over a module (peers would
+    replay the source's copy): not shipped; pickle refuses them and the check is skipped with a record."""
+    pair = (lambda x: x + 1, lambda x: x + 2)  # noqa: E731
+    net = torch.nn.Linear(2, 2)
+
+    def uses_module(x):
+        return net(x)
+
+    for fn in (*pair, uses_module):
+        _, spec = flatten_call(fn)
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            pickle.dumps(spec)

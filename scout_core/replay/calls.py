@@ -32,6 +32,7 @@ default attention hands every block a ``BlockMask``):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import threading
 import types
@@ -88,7 +89,7 @@ def _flatten(value: Any, out: list[torch.Tensor]) -> Any:
         return (_MAP, type(value), [(k, _flatten(v, out)) for k, v in value.items()])
     if _shipped_by_attributes(value):
         return (_OBJ, type(value), [(k, _flatten(v, out)) for k, v in vars(value).items()])
-    if isinstance(value, types.FunctionType) and not _by_name(value):
+    if isinstance(value, types.FunctionType) and not _by_name(value) and _rebuildable(value):
         shipping = _shipping()
         if id(value) not in shipping:  # a recursive inner function reaches itself through its closure: left to
             shipping.add(id(value))    # pickle, which refuses it (the check is skipped with a record)
@@ -116,8 +117,55 @@ def _flatten_function(value: types.FunctionType, out: list[torch.Tensor]) -> Any
             cells.append(_flatten(cell.cell_contents, out))
         except ValueError:  # a cell not yet assigned
             cells.append((_EMPTY_CELL,))
-    return (_FN, value.__module__, value.__qualname__, _flatten(value.__defaults__, out),
-            _flatten(value.__kwdefaults__, out), cells)
+    code = value.__code__
+    return (_FN, value.__module__, _code_name(code), _flatten(value.__defaults__, out),
+            _flatten(value.__kwdefaults__, out), cells, code.co_firstlineno)
+
+
+_SHIPPABLE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+_MAX_CLOSURE_ITEMS = 256
+
+
+def _rebuildable(fn: types.FunctionType) -> bool:
+    """Ship ``fn`` by its closure only if a receiver finds exactly its code (not another function of the same
+    qualified name: two branches or two lambdas of one function) and its closure holds only data a call
+    carries anyway (tensors, numbers, strings, further such functions, small containers of them). Anything
+    else (a module, a big or cyclic structure) is left to pickle: the check that carries it is skipped with
+    a record, and the training step that captured it is never slowed or broken."""
+    try:
+        if _local_code(fn.__module__, _code_name(fn.__code__), fn.__code__.co_firstlineno) is not fn.__code__:
+            return False
+    except ValueError:
+        return False
+    budget = [_MAX_CLOSURE_ITEMS]
+
+    def ok(value: Any, depth: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 6:
+            return False
+        if isinstance(value, _SHIPPABLE_LEAVES) or _shipped_by_attributes(value):
+            return True
+        if isinstance(value, types.FunctionType):
+            return _by_name(value) or all(ok(_cell(c), depth + 1) for c in value.__closure__ or ())
+        if isinstance(value, (tuple, list)):
+            return all(ok(v, depth + 1) for v in value)
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and ok(v, depth + 1) for k, v in value.items())
+        return False
+
+    return all(ok(_cell(c), 1) for c in fn.__closure__ or ())
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # not yet assigned
+        return None
+
+
+def _code_name(code: types.CodeType) -> str:
+    """The qualified name of the code itself (``functools.wraps`` renames the function, never its code)."""
+    return getattr(code, "co_qualname", code.co_name)
 
 
 def flatten_call(value: Any) -> tuple[list[torch.Tensor], Any]:
@@ -154,8 +202,8 @@ def rebuild(spec: Any, tensors: list[Any], leaf: Callable[[Any], Any] | None = N
             object.__setattr__(obj, name, rebuild(s, tensors, leaf))  # frozen dataclasses too
         return obj
     if tag == _FN:
-        _, module, qualname, defaults, kwdefaults, cells = spec
-        code = _local_code(module, qualname)
+        _, module, qualname, defaults, kwdefaults, cells, line = spec
+        code = _local_code(module, qualname, line)
         closure = tuple(types.CellType() if c[0] == _EMPTY_CELL else types.CellType(rebuild(c, tensors, leaf))
                         for c in cells)
         fn = types.FunctionType(code, sys.modules[module].__dict__, code.co_name, rebuild(defaults, tensors, leaf),
@@ -166,30 +214,33 @@ def rebuild(spec: Any, tensors: list[Any], leaf: Callable[[Any], Any] | None = N
     raise ValueError(f"not a call spec: {spec!r}")
 
 
-_CODES: dict[tuple[str, str], types.CodeType] = {}
+_CODES: dict[tuple[str, str, int], types.CodeType] = {}
 
 
-def _local_code(module: str, qualname: str) -> types.CodeType:
-    """The code object of function ``qualname`` (``f.<locals>.g``) in ``module``, found in the code of its
-    enclosing function in this process (the module must already be imported): the same code object every time,
-    so a compiled caller's guards keep matching."""
-    key = (module, qualname)
+def _local_code(module: str, qualname: str, line: int) -> types.CodeType:
+    """The code object of function ``qualname`` (``f.<locals>.g``) starting at ``line`` in ``module``, found
+    in the code of its enclosing function in this process (the module must already be imported): the same
+    code object every time, so a compiled caller's guards keep matching. Two candidates (two lambdas on one
+    line) are refused: the receiver could not tell which one the source ran."""
+    key = (module, qualname, line)
     if key not in _CODES:
         if module not in sys.modules:
             raise ValueError(f"call spec names function {module}.{qualname}, whose module is not imported")
         top: Any = sys.modules[module]
         for part in qualname.split(".<locals>.")[0].split("."):
             top = getattr(top, part, None)
-        top = getattr(top, "__func__", top)
+        top = inspect.unwrap(getattr(top, "__func__", top)) if callable(top) else top
         stack = [top.__code__] if hasattr(top, "__code__") else []
+        found = []
         while stack:
             code = stack.pop()
-            if getattr(code, "co_qualname", code.co_name) == qualname:
-                _CODES[key] = code
-                break
+            if _code_name(code) == qualname and code.co_firstlineno == line:
+                found.append(code)
             stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-        else:
-            raise ValueError(f"call spec names function {module}.{qualname}, which this process cannot find")
+        if len(found) != 1:
+            raise ValueError(f"call spec names function {module}.{qualname} (line {line}), which this process "
+                             f"cannot find exactly once ({len(found)} candidates)")
+        _CODES[key] = found[0]
     return _CODES[key]
 
 

@@ -59,7 +59,10 @@ class LayerCapture:
     def _pre(self, _m: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if not self.armed or self.suspended or self.captured is not None:
             return
-        tensors, spec = flatten_call((tuple(args), dict(kwargs)))
+        try:
+            tensors, spec = flatten_call((tuple(args), dict(kwargs)))
+        except Exception:  # noqa: BLE001 - diagnosis never breaks training: this step's call is not captured,
+            return  # and the check finds no call (skipped like a layer that did not run)
         self.captured = Captured(tensors=[t.detach() for t in tensors], spec=spec,
                                  requires_grad=[bool(t.requires_grad) for t in tensors])
 
