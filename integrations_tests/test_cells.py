@@ -427,7 +427,7 @@ def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(m
     cpu.stub_triton_kernels()
     from scout_torchtitan.checkpointer import ScoutCheckpointManager
 
-    monkeypatch.setattr(ScoutCheckpointManager, "_restart_plan", lambda self, asked: None)
+    monkeypatch.setattr(ScoutCheckpointManager, "_restart_plan", lambda self, asked, restored=None: None)
     (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "the restart loaded step 5" in report.details, report.details
 
@@ -437,7 +437,7 @@ def test_titan_recovery_cell_fails_when_scout_restarts_its_count_from_zero(monke
     TorchTitan loaded step 4, the restarted run's checkpoints would never be verified."""
     from scout_core.handle import ScoutHandle
 
-    monkeypatch.setattr(ScoutHandle, "continue_from", lambda self, step, verified: None)
+    monkeypatch.setattr(ScoutHandle, "continue_from", lambda self, step, verified, abandon_newer=True: None)
     (report,) = run_cells([SPECS["titan-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "labels after the restarted run" in report.details, report.details
 
@@ -453,6 +453,7 @@ def test_titan_moe_clean_cell_fails_when_expert_parallel_blocks_replay_whole(mon
     from scout_torchtitan import attach
 
     monkeypatch.setattr(attach, "dense_parts", lambda layers, names, ep: (layers, names))
+    monkeypatch.setattr(attach, "expert_binding", lambda trainer, chunks: None)  # (with it, scout_core refuses)
     spec = SPECS["titan-moe-ep-clean"]
     (report,) = run_cells([dataclasses.replace(spec, params={**spec.params, "steps": 4})], root=ROOT)
     assert report.verdict == "FAIL", report.details
@@ -480,3 +481,27 @@ def test_titan_snapshots_cell_fails_when_the_plugin_drops_scout_snapshots(monkey
     spec = SPECS["titan-snapshots-clean"]
     (report,) = run_cells([dataclasses.replace(spec, params={**spec.params, "steps": 4})], root=ROOT)
     assert report.verdict == "FAIL" and "in-memory snapshots held by ranks []" in report.details, report.details
+
+
+def test_titan_expert_cell_fails_without_the_expert_binding(monkeypatch):
+    """The guard of titan-moe-expert-sdc: without the plugin's binding of TorchTitan's grouped experts nothing
+    replays the experts, and the corrupted expert goes unnamed."""
+    from scout_torchtitan import cpu
+
+    cpu.stub_triton_kernels()
+    from scout_torchtitan import attach
+
+    monkeypatch.setattr(attach, "expert_binding", lambda trainer, chunks: None)
+    (report,) = run_cells([SPECS["titan-moe-expert-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [], expected [1]" in report.details, report.details
+
+
+def test_titan_snapshot_recovery_cell_fails_when_scout_does_not_restore_its_snapshot(monkeypatch):
+    """The guard of titan-recovery-snapshots: if the restart ignored SCOUT's snapshots (TorchTitan's own verified
+    checkpoint loaded instead), SCOUT's resume record is missing and the cell must say so."""
+    from scout_core.checkpoint.resume import ResumeResult
+    from scout_core.handle import ScoutHandle
+
+    monkeypatch.setattr(ScoutHandle, "resume", lambda self, failure=None: ResumeResult(step=None, reason="ignored"))
+    (report,) = run_cells([SPECS["titan-recovery-snapshots"]], root=ROOT)
+    assert report.verdict == "FAIL" and "SCOUT's resume records []" in report.details, report.details

@@ -10,7 +10,8 @@ Faults (``faults`` in configs/cells.yaml) act inside a block, so in training and
 
 * ``layers.<i>.output``: a value of block i's feed-forward (or MoE) output (bit flip, set, scale);
   ``layers.any.output``: the same in every block (a faulty device corrupts whatever it computes);
-  ``layers.<i>.attention.output`` / ``layers.<i>.moe.output``: that part's output;
+  ``layers.<i>.attention.output`` / ``layers.<i>.moe.output`` / ``layers.<i>.experts.output``: that part's
+  output (the experts: TorchTitan's ``GroupedExperts``, all local experts of the layer);
 * ``compute`` (``slow``): every block's attention and feed-forward take ``factor`` times their own CPU time on
   that rank (a slow device is slow in everything it computes);
 * ``layers.<i>.forward`` (``freeze``): the rank stops in block i's forward.
@@ -120,6 +121,14 @@ def _install(trainer: Any, injector: Injector, rank: int) -> None:
         # A dense block's feed-forward, or an MoE block's MoE layer (DeepSeek-V3's blocks hold one or the other).
         ffn = getattr(inner, "feed_forward", None) or inner.moe
         timed(ffn, "feed_forward" if ffn is getattr(inner, "feed_forward", None) else "moe", last=True)
+        experts = getattr(getattr(getattr(inner, "moe", None), "routed_experts", None), "inner_experts", None)
+        if experts is not None:  # the grouped experts' output, in training and in SCOUT's expert replay alike
+
+            def corrupt_experts(_m: Any, _a: Any, out: torch.Tensor, name: str = name) -> None:
+                with torch.no_grad():
+                    injector.corrupt(f"layers.{name}.experts.output", out, rank=rank, step=step())
+
+            experts.register_forward_hook(corrupt_experts)
 
 
 def _inner(block: torch.nn.Module) -> torch.nn.Module:
@@ -171,6 +180,8 @@ def _titan_rank(ctx: RankContext) -> dict[str, Any]:
     trainer.train()
     handle = getattr(trainer.checkpointer, "scout", None)
     hist = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    if handle is not None and handle.experts is not None:
+        hist += [(c.step, ["expert"], c.skipped) for c in handle.experts.history]
     final = _signature(trainer)
     dist.barrier()
     trainer.close()

@@ -403,12 +403,13 @@ class ScoutHandle:
         self.framework_checkpoints = FrameworkCheckpoints(folder, writer=self.rank == 0)
         return self.framework_checkpoints
 
-    def continue_from(self, step: int, *, verified: int | None) -> None:
+    def continue_from(self, step: int, *, verified: int | None, abandon_newer: bool = True) -> None:
         """The framework restored its own checkpoint of ``step`` (not one of SCOUT's snapshots): SCOUT's step
         count, replay schedule and certification go on from there, every rank alike. ``verified``: the newest
         verified step at or before it (the restored state's trust), or None. SCOUT's own snapshots newer than
-        ``step`` belong to the abandoned run and are deleted, so a later restart never mixes them in."""
-        if self.checkpoint is not None:
+        ``step`` belong to the abandoned run and are deleted, so a later restart never mixes them in
+        (``abandon_newer=False``: a job that only reads the checkpoint keeps them)."""
+        if self.checkpoint is not None and abandon_newer:
             self.checkpoint.flush()
             drop_newer(self.checkpoint, int(step), rank=self.rank)
         if self.replay is not None:

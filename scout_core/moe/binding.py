@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -36,6 +37,14 @@ class MoEBinding:
     ``ep_groups`` is given, else 0 (every position has the same dimensions)."""
     hidden_size: int | None = None
     """Width of the rows an expert takes; default: found from the expert (see :func:`expert_width`)."""
+    materialize: Callable[[nn.Module], Callable[[], None]] | None = None
+    """For experts sharded at rest (FSDP2 DTensor weights): makes one MoE layer's local experts whole and returns
+    what undoes it (an FSDP unshard and its reshard). Every rank calls it for the same layer at the same check,
+    so it may be a collective."""
+
+    # An expert may be a *view* of a grouped-experts module (one module holding every local expert's weights,
+    # called once per step with all routed rows): the view's ``capture_module`` is the module training calls,
+    # and its ``rows_from(args, kwargs)`` picks this expert's rows from that call.
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -45,7 +54,7 @@ class MoEBinding:
             if not experts or not all(isinstance(e, nn.Module) for e in experts):
                 raise TypeError(f"MoE layer {type(m).__name__} has no local experts (modules): give an `experts` "
                                 "ModuleList or MoEBinding(experts=...)")
-            if any(_is_dtensor(p) for e in experts for p in e.parameters()):
+            if self.materialize is None and any(_is_dtensor(p) for e in experts for p in e.parameters()):
                 raise ValueError(f"the experts of {type(m).__name__} are sharded (DTensor parameters, FSDP2): the "
                                  "expert recipe compares whole experts among their replicas; keep experts out of "
                                  "fully_shard (ignored_params=...) for now")
@@ -70,6 +79,18 @@ class MoEBinding:
             return list(self.experts(layer))
         experts = getattr(layer, "experts", None)
         return list(experts) if isinstance(experts, nn.ModuleList) else []
+
+    @staticmethod
+    def capture_module(expert: nn.Module) -> nn.Module:
+        """The module whose calls in training carry ``expert``'s rows (itself, or a view's grouped module)."""
+        return getattr(expert, "capture_module", expert)
+
+    @staticmethod
+    def rows(expert: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """``expert``'s rows in a call of its capture module (a view picks its own; else the first tensor)."""
+        if hasattr(expert, "rows_from"):
+            return expert.rows_from(args, kwargs)
+        return next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Every local expert's parameters, in every bound layer."""

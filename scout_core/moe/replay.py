@@ -29,8 +29,9 @@ the environment fingerprint; a rank that is not evidence is reported ``inconclus
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,7 @@ from scout_core.replay.vetting import (
     vet_due,
 )
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
-from scout_core.signature import sign_many
+from scout_core.signature import local_tensor, sign_many
 
 __all__ = ["ExpertCheck", "ExpertReplay", "MoEBinding"]
 
@@ -125,7 +126,8 @@ class ExpertReplay:
         self._seen: dict[tuple[int, int], torch.Tensor] = {}
         self._want: tuple[int, int] | None = None
         self._aim()
-        self._handles = [expert.register_forward_pre_hook(self._capture(li, ei), with_kwargs=True)
+        self._handles = [binding.capture_module(expert).register_forward_pre_hook(self._capture(li, ei, expert),
+                                                                                  with_kwargs=True)
                          for li, experts in enumerate(self.experts) for ei, expert in enumerate(experts)]
         self._replaying = False
         self._vet_always = False
@@ -143,11 +145,11 @@ class ExpertReplay:
                 rule=comm_rule or StatisticalRule(), confirm_rounds=confirm_rounds,
                 device=device_of(self.experts[0][0]), dtype=self._dtype(0, 0))
 
-    def _capture(self, li: int, ei: int) -> Any:
+    def _capture(self, li: int, ei: int, expert: nn.Module) -> Any:
         def hook(_m: nn.Module, args: tuple, kwargs: dict) -> None:
             if (li, ei) != self._want or self._replaying:
                 return
-            rows = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            rows = self.binding.rows(expert, args, kwargs)
             if rows is not None:  # a copy: frameworks free or reuse their dispatch buffers
                 self._seen[(li, ei)] = rows.detach().clone()
         return hook
@@ -238,7 +240,8 @@ class ExpertReplay:
             return self._skip(result)
         dist.broadcast(x, src=source, group=self.group)
         result.rows = shape[0]
-        replayed = guard.run("expert replay", lambda: self._replay(expert, x, check, twice=vet))
+        with self._materialized(li):
+            replayed = guard.run("expert replay", lambda: self._replay(expert, x, check, twice=vet))
         if not guard.agree(step) or replayed is None:
             return self._skip(result)
         evidence, reproducible = replayed
@@ -258,6 +261,20 @@ class ExpertReplay:
                 result.skipped = "AllToAll replay: diagnosis error"
         result.incidents = self._verdicts(result)
         return self._done(result)
+
+    @contextlib.contextmanager
+    def _materialized(self, li: int) -> Iterator[None]:
+        """Layer ``li``'s experts whole for the replay (``MoEBinding.materialize``, on every rank alike); a
+        failure is kept by the guard (the replay then fails too, and the agreement skips the check)."""
+        if self.binding.materialize is None:
+            yield
+            return
+        release = self.guard.run("expert unshard", lambda: self.binding.materialize(self.binding.layers[li]))
+        try:
+            yield
+        finally:
+            if release is not None:
+                self.guard.run("expert reshard", release)
 
     def _skip(self, result: ExpertCheck) -> ExpertCheck:
         result.skipped = "diagnosis error"
@@ -321,8 +338,10 @@ class ExpertReplay:
                     if out.requires_grad else (None,) * (1 + len(params))
         finally:
             self._replaying = False
-        groups = [("output", [out.detach()]), ("grad_input", [g for g in grads[:1] if g is not None]),
-                  ("grad_param", [g for g in grads[1:] if g is not None])]
+        # Local values of DTensors (an expert-parallel weight's gradient): signing them must not communicate.
+        groups = [("output", [local_tensor(out.detach())]),
+                  ("grad_input", [local_tensor(g) for g in grads[:1] if g is not None]),
+                  ("grad_param", [local_tensor(g) for g in grads[1:] if g is not None])]
         out_sig = []
         for name, tensors in groups:
             if tensors:
@@ -359,14 +378,16 @@ class ExpertReplay:
             evidence: list[tuple[str, Any]] = []
             reproducible = True
             for li, experts in enumerate(self.experts):
-                for rows in self.representatives(li) or [SWEEP_ROWS]:
-                    for ei, expert in enumerate(experts):
-                        x = _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei)).to(device_of(expert))
-                        tag = f"{self.names[li]}.experts.{ei}.rows{rows}"
-                        # Twice: a restarted job knows nothing of its kernels' determinism yet.
-                        signed, again = self._replay(expert, x, (1 << 20) + rows, twice=True)
-                        reproducible = reproducible and again
-                        evidence += [(f"{tag}.{n}", v) for n, v in signed]
+                with self._materialized(li):
+                    for rows in self.representatives(li) or [SWEEP_ROWS]:
+                        for ei, expert in enumerate(experts):
+                            x = _seeded_rows(li, ei, rows, self._width(li, ei),
+                                             self._dtype(li, ei)).to(device_of(expert))
+                            tag = f"{self.names[li]}.experts.{ei}.rows{rows}"
+                            # Twice: a restarted job knows nothing of its kernels' determinism yet.
+                            signed, again = self._replay(expert, x, (1 << 20) + rows, twice=True)
+                            reproducible = reproducible and again
+                            evidence += [(f"{tag}.{n}", v) for n, v in signed]
             evidence.append((REPRODUCIBLE_SURFACE, reproducible))
             evidence.append((ENVIRONMENT_SURFACE, self._environment(device_of(self.experts[0][0]))))
             return evidence

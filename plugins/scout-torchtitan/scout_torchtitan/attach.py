@@ -28,6 +28,7 @@ from scout_core.adapter import torch_adapter
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_core.topology import peer_groups as peer_groups_of_shape
 from scout_torchtitan.config import ScoutSection, to_core
+from scout_torchtitan.moe import expert_binding
 
 __all__ = ["TITAN_MESH_ORDER", "attach", "peer_groups"]
 
@@ -82,9 +83,9 @@ def dense_parts(layers: list[Any], names: list[str], ep: int) -> tuple[list[Any]
             dropped.append(name)
     replaced = [n for _, n in kept if n not in names]
     if replaced:
-        log.warning("scout_torchtitan: expert parallelism %d: %d MoE block(s) are replayed by their %s only; their "
-                    "experts, router, shared experts and norms are not replayed", ep, len(replaced),
-                    replaced[0].rsplit(".", 1)[-1])
+        log.warning("scout_torchtitan: expert parallelism %d: the dense recipe replays %d MoE block(s) by their %s "
+                    "(their experts are the expert recipe's; router, shared experts and norms are not replayed)",
+                    ep, len(replaced), replaced[0].rsplit(".", 1)[-1])
     if dropped:
         log.warning("scout_torchtitan: expert parallelism %d: MoE block(s) %s have no dense part to replay: not "
                     "replayed", ep, ", ".join(dropped))
@@ -106,8 +107,9 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
         # the next batch is fetched, before the Trainer adds that batch's tokens.
         state["train_state"] = (lambda: {"ntokens_seen": int(trainer.ntokens_seen)},
                                 lambda saved: setattr(trainer, "ntokens_seen", int(saved["ntokens_seen"])))
-    adapter = torch_adapter(list(trainer.model_parts), list(trainer.optimizers.optimizers),
-                            peer_groups=peer_groups(trainer.parallel_dims), state=state or None)
+    chunks = list(trainer.model_parts)
+    adapter = torch_adapter(chunks, list(trainer.optimizers.optimizers), peer_groups=peer_groups(trainer.parallel_dims),
+                            state=state or None, moe=expert_binding(trainer, chunks))
     adapter.name = "torchtitan"
     blocks = adapter.repeated_layers()
     adapter.layers, adapter.layer_names = dense_parts(blocks, list(adapter.layer_names or []),

@@ -34,6 +34,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools import filesystem
 
 from scout_core.checkpoint.store import fsync_dir
+from scout_core.config import CheckpointConfig
 from scout_torchtitan.config import ScoutSection
 
 __all__ = ["SET_ASIDE", "ScoutCheckpointManager", "with_scout_checkpointer"]
@@ -53,6 +54,7 @@ class ScoutCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, *, states: dict[str, Any], **kwargs: Any) -> None:
         self.scout: Any = None
         self.labels: Any = None
+        self._failure: str | None = None  # the failure kind behind SCOUT's own restore, when it made one
         super().__init__(config, states=states, **kwargs)
         trainer = states.get("train_state")
         if trainer is None or not hasattr(trainer, "parallel_dims"):
@@ -67,7 +69,7 @@ class ScoutCheckpointManager(CheckpointManager):
             trainer.config.training.disable_cuda_graphs = True
         from scout_torchtitan.attach import attach
 
-        self.scout = attach(trainer, config.scout)
+        self.scout = attach(trainer, _job_local(config.scout, trainer.config.dump_folder, config.folder))
         _mark_batches(trainer, self.scout)
         if self.enable:
             if filesystem.is_remote(self.folder):
@@ -99,6 +101,11 @@ class ScoutCheckpointManager(CheckpointManager):
             return super().load(step)
         result = scout.resume()
         restored = result.step
+        # TorchTitan's checkpoint may replace SCOUT's snapshot only under the same policy: after SDC (or a sweep
+        # that found it), or whenever SCOUT fell back to its verified generation, a verified one.
+        decision = result.decision or {}
+        self._failure = ("sdc" if result.source == "verified" or decision.get("sweep_clean") is False
+                         else decision.get("failure"))
         if restored is not None:
             self.trainer.step = restored  # the Trainer's count (the data loader and LR schedulers came back with
             # the snapshot's caller state)
@@ -119,7 +126,9 @@ class ScoutCheckpointManager(CheckpointManager):
             # SCOUT's step count, replay schedule and certification go on from the loaded step, not from 0; the
             # restored state is as trusted as the newest verified checkpoint at or before it.
             at = int(self.trainer.step)
-            self.scout.continue_from(at, verified=self.labels.verified_at(at) if self.labels is not None else None)
+            # (A load-only job, evaluation, abandons nothing: SCOUT's snapshots of the run it reads stay.)
+            self.scout.continue_from(at, verified=self.labels.verified_at(at) if self.labels is not None else None,
+                                     abandon_newer=not self.load_only)
         return loaded
 
     def _restart_plan(self, asked: int, restored: int | None = None) -> dict[str, Any] | None:
@@ -143,8 +152,9 @@ class ScoutCheckpointManager(CheckpointManager):
             if plan["fatal"]:
                 raise RuntimeError(f"scout_torchtitan: the job stopped on an SDC verdict and the restart step cannot "
                                    f"be chosen ({plan['error']}): refusing to load TorchTitan's newest checkpoint")
-            log.error("scout_torchtitan: choosing the restart step failed (%s): TorchTitan's own choice is loaded, "
-                      "unchecked by SCOUT", plan["error"])
+            log.error("scout_torchtitan: choosing the restart step failed (%s): %s", plan["error"],
+                      f"SCOUT's snapshot of step {restored} is kept" if restored is not None
+                      else "TorchTitan's own choice is loaded, unchecked by SCOUT")
             return None
         if plan is not None:
             self.labels.entries = {int(k): v for k, v in plan["entries"].items()}  # rank 0's, after the restart
@@ -154,7 +164,7 @@ class ScoutCheckpointManager(CheckpointManager):
     def _plan(self, asked: int, restored: int | None = None) -> dict[str, Any] | None:
         labels = self.labels
         if restored is not None:
-            choice = labels.choose(exists=self._complete) if labels.entries else None
+            choice = labels.choose(self._failure, exists=self._complete) if labels.entries else None
             if choice is None or choice.step is None or choice.step <= restored:
                 # SCOUT's snapshot is the newest safe state: every TorchTitan step folder after it leaves
                 # TorchTitan's reach (a later save of the same step must not land on an abandoned one).
@@ -238,6 +248,17 @@ class ScoutCheckpointManager(CheckpointManager):
                 scout.close()  # may raise ScoutStop (a pending stop): TorchTitan's own close runs regardless
         finally:
             super().close()
+
+
+def _job_local(section: ScoutSection, dump_folder: str, folder: str) -> ScoutSection:
+    """SCOUT's snapshot store inside this job's own checkpoint folder (``<dump_folder>/<checkpoint.folder>/scout``)
+    unless ``--scout.checkpoint.directory`` is set: the schema's default, ``checkpoints`` in the working
+    directory, would let a restart of another job from the same directory restore this job's snapshots (the
+    in-memory slots are keyed by the store's path, too)."""
+    if section.checkpoint.directory != CheckpointConfig().directory:
+        return section
+    store = os.path.join(dump_folder, folder, "scout")
+    return dataclasses.replace(section, checkpoint=dataclasses.replace(section.checkpoint, directory=store))
 
 
 def _mark_batches(trainer: Any, scout: Any) -> None:
