@@ -10,8 +10,8 @@ Faults (``faults`` in configs/cells.yaml) act inside a block, so in training and
 
 * ``layers.<i>.output``: a value of block i's feed-forward (or MoE) output (bit flip, set, scale);
   ``layers.any.output``: the same in every block (a faulty device corrupts whatever it computes);
-  ``layers.<i>.attention.output`` / ``layers.<i>.moe.output`` / ``layers.<i>.experts.output``: that part's
-  output (the experts: TorchTitan's ``GroupedExperts``, all local experts of the layer);
+  ``layers.<i>.attention.output`` / ``layers.<i>.moe.output``: that part's output; ``layers.<i>.experts.output``:
+  every grouped GEMM of the layer's experts (TorchTitan's ``GroupedExperts._grouped_mm``, a faulty unit);
 * ``compute`` (``slow``): every block's attention and feed-forward take ``factor`` times their own CPU time on
   that rank (a slow device is slow in everything it computes);
 * ``layers.<i>.forward`` (``freeze``): the rank stops in block i's forward.
@@ -122,13 +122,17 @@ def _install(trainer: Any, injector: Injector, rank: int) -> None:
         ffn = getattr(inner, "feed_forward", None) or inner.moe
         timed(ffn, "feed_forward" if ffn is getattr(inner, "feed_forward", None) else "moe", last=True)
         experts = getattr(getattr(getattr(inner, "moe", None), "routed_experts", None), "inner_experts", None)
-        if experts is not None:  # the grouped experts' output, in training and in SCOUT's expert replay alike
-
-            def corrupt_experts(_m: Any, _a: Any, out: torch.Tensor, name: str = name) -> None:
+        if experts is not None:
+            # A faulty unit in the experts' grouped GEMM: TorchTitan's own ``_grouped_mm`` seam, which training and
+            # SCOUT's expert replay both compute with.
+            def corrupt_gemm(*, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor, name: str = name,
+                             gemm: Any = experts._grouped_mm) -> torch.Tensor:
+                out = gemm(A=A, B_t=B_t, offs=offs)
                 with torch.no_grad():
                     injector.corrupt(f"layers.{name}.experts.output", out, rank=rank, step=step())
+                return out
 
-            experts.register_forward_hook(corrupt_experts)
+            experts._grouped_mm = corrupt_gemm
 
 
 def _inner(block: torch.nn.Module) -> torch.nn.Module:

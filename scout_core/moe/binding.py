@@ -94,7 +94,8 @@ class MoEBinding:
 
     def expert_parameters(self) -> list[nn.Parameter]:
         """Every local expert's parameters, in every bound layer."""
-        return [p for m in self.layers for e in self.local_experts(m) for p in e.parameters()]
+        return [p for m in self.layers for e in self.local_experts(m)
+                for p in (e.trained_parameters() if hasattr(e, "trained_parameters") else e.parameters())]
 
     def position(self, rank: int) -> int:
         """This rank's EP position (see ``ep_position``)."""

@@ -269,12 +269,14 @@ class ExpertReplay:
         if self.binding.materialize is None:
             yield
             return
-        release = self.guard.run("expert unshard", lambda: self.binding.materialize(self.binding.layers[li]))
+        # The unshard is a collective: every rank runs it, whatever failed before on this rank (attempt, not run),
+        # and its reshard always follows, or the next forward's FSDP all-gathers would pair up wrongly.
+        release = self.guard.attempt("expert unshard", lambda: self.binding.materialize(self.binding.layers[li]))
         try:
             yield
         finally:
             if release is not None:
-                self.guard.run("expert reshard", release)
+                self.guard.attempt("expert reshard", release)
 
     def _skip(self, result: ExpertCheck) -> ExpertCheck:
         result.skipped = "diagnosis error"
@@ -374,26 +376,26 @@ class ExpertReplay:
         guard = self.guard
         guard.reset()
 
-        def replay_all() -> list[tuple[str, Any]]:
-            evidence: list[tuple[str, Any]] = []
-            reproducible = True
-            for li, experts in enumerate(self.experts):
-                with self._materialized(li):
-                    for rows in self.representatives(li) or [SWEEP_ROWS]:
-                        for ei, expert in enumerate(experts):
-                            x = _seeded_rows(li, ei, rows, self._width(li, ei),
-                                             self._dtype(li, ei)).to(device_of(expert))
-                            tag = f"{self.names[li]}.experts.{ei}.rows{rows}"
-                            # Twice: a restarted job knows nothing of its kernels' determinism yet.
-                            signed, again = self._replay(expert, x, (1 << 20) + rows, twice=True)
+        # Layer by layer: each layer's unshard (a collective) runs on every rank, whatever failed before on this
+        # one; the replays are local work, skipped after a local failure; one agreement at the end.
+        evidence: list[tuple[str, Any]] = []
+        reproducible = True
+        for li, experts in enumerate(self.experts):
+            with self._materialized(li):
+                for rows in self.representatives(li) or [SWEEP_ROWS]:
+                    for ei, expert in enumerate(experts):
+                        done = guard.run("expert sweep", lambda li=li, ei=ei, expert=expert, rows=rows: self._replay(
+                            expert, _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei)).to(
+                                device_of(expert)), (1 << 20) + rows, twice=True))  # twice: kernels not yet vetted
+                        if done is not None:
+                            signed, again = done
                             reproducible = reproducible and again
+                            tag = f"{self.names[li]}.experts.{ei}.rows{rows}"
                             evidence += [(f"{tag}.{n}", v) for n, v in signed]
-            evidence.append((REPRODUCIBLE_SURFACE, reproducible))
-            evidence.append((ENVIRONMENT_SURFACE, self._environment(device_of(self.experts[0][0]))))
-            return evidence
-
-        evidence = guard.run("expert sweep", replay_all)
-        if not guard.agree(step, "sweep") or evidence is None:
+        evidence.append((REPRODUCIBLE_SURFACE, reproducible))
+        evidence.append((ENVIRONMENT_SURFACE, guard.run("expert sweep", lambda: self._environment(
+            device_of(self.experts[0][0])))))
+        if not guard.agree(step, "sweep"):
             guard.reset()
             return "failed"
         guard.reset()

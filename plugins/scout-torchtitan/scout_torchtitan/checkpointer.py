@@ -101,11 +101,9 @@ class ScoutCheckpointManager(CheckpointManager):
             return super().load(step)
         result = scout.resume()
         restored = result.step
-        # TorchTitan's checkpoint may replace SCOUT's snapshot only under the same policy: after SDC (or a sweep
-        # that found it), or whenever SCOUT fell back to its verified generation, a verified one.
-        decision = result.decision or {}
-        self._failure = ("sdc" if result.source == "verified" or decision.get("sweep_clean") is False
-                         else decision.get("failure"))
+        # A TorchTitan checkpoint may replace SCOUT's restored snapshot only if it is verified: SCOUT's restore is
+        # certified, or swept clean, while an unverified TorchTitan checkpoint is neither.
+        self._failure = "sdc" if restored is not None else None
         if restored is not None:
             self.trainer.step = restored  # the Trainer's count (the data loader and LR schedulers came back with
             # the snapshot's caller state)
@@ -256,6 +254,11 @@ def _job_local(section: ScoutSection, dump_folder: str, folder: str) -> ScoutSec
     directory, would let a restart of another job from the same directory restore this job's snapshots (the
     in-memory slots are keyed by the store's path, too)."""
     if section.checkpoint.directory != CheckpointConfig().directory:
+        return section
+    if filesystem.is_remote(dump_folder):  # SCOUT's store needs a POSIX folder: the default stays, with a warning
+        log.warning("scout_torchtitan: dump folder %s is remote: SCOUT's snapshot store stays in ./%s; set "
+                    "--scout.checkpoint.directory to a shared POSIX folder of this job", dump_folder,
+                    section.checkpoint.directory)
         return section
     store = os.path.join(dump_folder, folder, "scout")
     return dataclasses.replace(section, checkpoint=dataclasses.replace(section.checkpoint, directory=store))

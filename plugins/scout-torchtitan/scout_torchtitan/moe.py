@@ -20,6 +20,7 @@ SCOUT could read.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from scout_core.moe.binding import MoEBinding
 from scout_core.replay.scratch import fsdp_owners
+from scout_core.signature import local_tensor
 
 __all__ = ["GroupedExpertSlice", "expert_binding", "expert_peer_groups"]
 
@@ -36,12 +38,18 @@ log = logging.getLogger("scout_torchtitan")
 
 
 class GroupedExpertSlice(nn.Module):
-    """Local expert ``index`` of a TorchTitan ``GroupedExperts``, called on ``[rows, dim]``."""
+    """Local expert ``index`` of a TorchTitan ``GroupedExperts``, called on ``[rows, dim]``.
+
+    It runs ``GroupedExperts.forward`` itself (TorchTitan's code, its ``_grouped_mm`` seam) on this expert's
+    weight slices with a single group, never with empty groups for the other experts (whose gradients some
+    grouped-GEMM kernels leave undefined), and its ``parameters()`` are those slices, so the replay's weight
+    gradients are this expert's alone."""
 
     def __init__(self, grouped: nn.Module, index: int) -> None:
         super().__init__()
         self._grouped = [grouped]  # in a list: not a submodule, its weights stay the block's
         self.index = index
+        self._slices: list[torch.Tensor] | None = None
 
     @property
     def capture_module(self) -> nn.Module:
@@ -57,22 +65,27 @@ class GroupedExpertSlice(nn.Module):
         start = int(ends[self.index - 1]) if self.index else 0
         return x[start:int(ends[self.index])]
 
-    def parameters(self, recurse: bool = True) -> Any:  # noqa: ARG002 - the grouped module's, as registered now
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The weights training updates (the grouped module's, shared by every local expert)."""
         g = self._grouped[0]
-        return iter([g.w1_EFD, g.w2_EDF, g.w3_EFD])
+        return [g.w1_EFD, g.w2_EDF, g.w3_EFD]
+
+    def parameters(self, recurse: bool = True) -> Any:  # noqa: ARG002
+        """This expert's weight slices of the grouped weights as registered now (whole, during the check): the
+        forward that follows computes with exactly these tensors."""
+        self._slices = [local_tensor(w)[self.index:self.index + 1] for w in self.trained_parameters()]
+        return iter(self._slices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self._grouped[0]
-        counts = torch.zeros(self.local_experts(), dtype=torch.int64, device=x.device)
-        counts[self.index] = x.shape[0]
-        return g(x, counts)
-
-    def local_experts(self) -> int:
-        """This EP position's experts, counted on the weights as registered now (whole, during the check)."""
-        w = self._grouped[0].w1_EFD
-        return int(w.to_local().shape[0] if hasattr(w, "to_local") else w.shape[0])
-
-
+        if self._slices is None:
+            self.parameters()
+        w1, w2, w3 = self._slices  # type: ignore[misc]
+        one = types.SimpleNamespace(w1_EFD=w1, w2_EDF=w2, w3_EFD=w3, _grouped_mm=g._grouped_mm)
+        try:
+            return type(g).forward(one, x, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device))
+        finally:
+            self._slices = None
 def expert_peer_groups(ep_mesh: Any) -> tuple[list[list[int]], list[list[int]]]:
     """``(expert peer groups, EP groups)``: the ranks at each EP position (they hold the same experts once FSDP
     gathers them), and the EP groups (the ranks one AllToAll spans), every rank's view gathered."""
@@ -87,7 +100,17 @@ def expert_peer_groups(ep_mesh: Any) -> tuple[list[list[int]], list[list[int]]]:
 
 def expert_binding(trainer: Any, chunks: list[nn.Module]) -> MoEBinding | None:
     """The MoE binding of an expert-parallel TorchTitan model, or None (no EP, or no TorchTitan MoE layer)."""
-    if trainer.parallel_dims.ep <= 1:
+    dims, cfg = trainer.parallel_dims, trainer.config
+    if dims.ep <= 1:
+        return None
+    # Decisions every rank takes alike (from the configuration), before any collective:
+    if dims.pp > 1:
+        log.warning("scout_torchtitan: expert parallelism with pipeline parallelism: the experts are not replayed "
+                    "(expert peers would span pipeline stages holding other layers)")
+        return None
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        log.warning("scout_torchtitan: --compile.enable compiles the blocks with fullgraph: the expert recipe's "
+                    "capture hooks inside them would recompile at every check, so the experts are not replayed")
         return None
     from torchtitan.models.common.moe import GroupedExperts, MoE
 
@@ -103,11 +126,20 @@ def expert_binding(trainer: Any, chunks: list[nn.Module]) -> MoEBinding | None:
                 layers.append(m)
                 names.append(name.replace("._checkpoint_wrapped_module", ""))
                 grouped.append(inner)
+    peers, _ep_groups = expert_peer_groups(dims.get_mesh("ep"))  # every rank, before deciding anything more
+    smallest = min(len(g) for g in peers)
+    if smallest < 2:
+        log.warning("scout_torchtitan: each EP position is held by one rank only (expert parallelism %d over %d "
+                    "ranks): no replica to compare an expert with, the experts are not replayed", dims.ep,
+                    dist.get_world_size())
+        return None
+    if smallest < 3 and dist.get_rank() == 0:
+        log.warning("scout_torchtitan: %d ranks hold each EP position: a corrupted expert is detected, but with "
+                    "no majority the rank is not named (three or more are)", smallest)
     if not layers:
         return None
     owners = fsdp_owners(grouped, chunks)
     by_layer = {id(m): (g, o) for m, g, o in zip(layers, grouped, owners)}
-    peers, ep_groups = expert_peer_groups(trainer.parallel_dims.get_mesh("ep"))
     ep = trainer.parallel_dims.ep  # each EP position holds num_experts / ep of them (FSDP may split them further)
     slices = {id(m): [GroupedExpertSlice(g, i) for i in range(g.num_experts // ep)] for m, g in zip(layers, grouped)}
 
@@ -115,7 +147,11 @@ def expert_binding(trainer: Any, chunks: list[nn.Module]) -> MoEBinding | None:
         owner = by_layer[id(layer)][1]
         if owner is None:
             return lambda: None
-        owner.unshard()
+        try:
+            owner.unshard()
+        except BaseException:
+            owner.reshard()  # never leave the block half unsharded for training's next forward
+            raise
         return owner.reshard
 
     w = grouped[0].w1_EFD

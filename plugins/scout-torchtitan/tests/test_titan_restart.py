@@ -22,6 +22,7 @@ class _Manager:
 
     def __init__(self, folder: str, *, load_only: bool = False) -> None:
         self.folder, self.load_only = folder, load_only
+        self._failure = None
         self.labels = FrameworkCheckpoints(folder, writer=True)
 
     def _create_checkpoint_id(self, step: int) -> str:
@@ -108,3 +109,13 @@ def test_a_checkpoint_the_labels_trust_newer_than_scouts_snapshot_is_loaded_over
     m = _job(tmp_path, sdc_at=5)
     plan = m._plan(-1, restored=2)
     assert plan["load"] == 4 and _left(tmp_path) == ["step-1", "step-2", "step-3", "step-4"]
+
+
+def test_only_a_verified_torchtitan_checkpoint_replaces_scouts_restored_snapshot(tmp_path):
+    """After a crash SCOUT restores its swept-clean latest snapshot (step 2); TorchTitan's step 3, newer but never
+    verified, must not be loaded over it."""
+    m = _job(tmp_path, sdc_at=None, steps=3)
+    m.labels.entries = {s: {**e, "label": "candidate"} for s, e in m.labels.entries.items()}
+    m._failure = "sdc"  # what load() sets whenever SCOUT restored a snapshot
+    plan = m._plan(-1, restored=2)
+    assert plan["load"] is None and _left(tmp_path) == ["step-1", "step-2"]
