@@ -325,13 +325,14 @@ class ExpertReplay:
         return first, self._replay_once(expert, x, check) == first
 
     def _replay_once(self, expert: nn.Module, x: torch.Tensor, check: int) -> list[tuple[str, Any]]:
-        params = [p for p in expert.parameters() if p.requires_grad]
         self._replaying = True
         try:
             # The same seeded RNG on every peer (dropout masks alike), training's RNG streams untouched; autograd
-            # on even when a caller runs the boundary under no_grad.
+            # on even when a caller runs the boundary under no_grad (also for the parameters, which a view makes
+            # here as slices of its weights: under no_grad they would not require grad).
             with seeded_rng_scope(7_919 * check + 101, self.rng_providers, deterministic=self.deterministic,
                                   device=x.device), torch.enable_grad():
+                params = [p for p in expert.parameters() if p.requires_grad]
                 xi = x.detach().clone().requires_grad_(x.is_floating_point())
                 out = first_tensor(expert(xi))
                 gen = torch.Generator().manual_seed(7_919 * check + 17)

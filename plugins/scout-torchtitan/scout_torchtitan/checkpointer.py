@@ -54,7 +54,7 @@ class ScoutCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, *, states: dict[str, Any], **kwargs: Any) -> None:
         self.scout: Any = None
         self.labels: Any = None
-        self._failure: str | None = None  # the failure kind behind SCOUT's own restore, when it made one
+        self._failure: str | None = None  # "sdc" once SCOUT restored a snapshot: only a verified one may replace it
         super().__init__(config, states=states, **kwargs)
         trainer = states.get("train_state")
         if trainer is None or not hasattr(trainer, "parallel_dims"):

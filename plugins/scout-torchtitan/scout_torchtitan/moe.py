@@ -86,6 +86,8 @@ class GroupedExpertSlice(nn.Module):
             return type(g).forward(one, x, torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device))
         finally:
             self._slices = None
+
+
 def expert_peer_groups(ep_mesh: Any) -> tuple[list[list[int]], list[list[int]]]:
     """``(expert peer groups, EP groups)``: the ranks at each EP position (they hold the same experts once FSDP
     gathers them), and the EP groups (the ranks one AllToAll spans), every rank's view gathered."""

@@ -34,6 +34,9 @@ def _titan_groups(ctx: RankContext) -> dict[str, Any]:
     # The group this rank's peers vary along, as TorchTitan's own mesh has it.
     mesh = dims.get_optional_mesh("dp_replicate" if dp_replicate > 1 else "dp_shard")
     titan = sorted(dist.get_process_group_ranks(mesh.get_group())) if mesh is not None else None
+    # Every rank is done building its groups before any leaves: the store they rendezvous through lives in rank
+    # 0's process (tcp:// init), and rank 0 leaving first broke a peer's last group (seen once in CI).
+    dist.barrier()
     return {"ours": peer_groups(dims), "titan": titan}
 
 
