@@ -50,6 +50,12 @@ class FrameworkAdapter:
     """A DeviceMesh with named dimensions (peer groups derive from it), or None."""
     peer_groups: list[list[int]] | None = None
     """Explicit equivalent-peer groups (a partition of the ranks), or None."""
+    replica_groups: list[list[int]] | None = None
+    """Unions of peer groups whose replays of a hidden layer give equal outputs although their members hold
+    different parameter shards (Megatron's tensor-parallel partners without sequence parallelism: the layer's
+    all-reduced output is replicated across them). A partition of the ranks, or None. Where a peer group has
+    no strict majority on a hidden layer's output (two data-parallel replicas), the replica group's majority
+    names the rank."""
     layers: list[nn.Module] | None = None
     """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
     layer_names: list[str] | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +30,11 @@ __all__ = [
     "ReplayCadence",
     "ReplayConfig",
     "ReportConfig",
+    "SchemaKey",
     "ScoutConfig",
     "TopologyConfig",
     "load",
+    "schema_keys",
     "to_yaml",
 ]
 
@@ -289,8 +291,10 @@ def _error_message(exc: OmegaConfBaseException) -> str:
     return f"{key}: {msg}"
 
 
-def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> ScoutConfig:
-    """Build a :class:`ScoutConfig` from defaults, an optional YAML file and dotlist overrides."""
+def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = (),
+         values: Mapping[str, Any] | None = None) -> ScoutConfig:
+    """Build a :class:`ScoutConfig` from defaults, an optional YAML file, dotlist overrides and ``values``
+    (dotted key to an already-typed value, as a plugin's flags parse them; applied last)."""
     schema = OmegaConf.structured(ScoutConfig)
     layers = []
     if path is not None:
@@ -306,6 +310,11 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = 
     try:
         if overrides:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
+        if values:
+            typed = OmegaConf.create()
+            for key, value in values.items():
+                OmegaConf.update(typed, key, value, force_add=True)
+            layers.append(typed)
         merged = OmegaConf.merge(schema, *layers)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
@@ -332,33 +341,55 @@ def _field_docs() -> dict[tuple[str, str], str]:
     return docs
 
 
-def reference_tables(key: Callable[[str], str] = lambda k: k) -> list[str]:
-    """One markdown table per section of the schema (key, default, allowed, meaning), each key shown as
-    ``key(dotted)``: a plugin shows its flags (``--scout.replay.cadence.hidden``) from the same schema."""
+@dataclass(frozen=True)
+class SchemaKey:
+    """One leaf key of the schema, as a plugin turns it into a flag of its framework."""
+
+    key: str
+    """Dotted key (``replay.cadence.hidden``)."""
+    type: Any
+    """The field's annotation, as the dataclass declares it (a string under postponed annotations)."""
+    default: Any
+    doc: str
+    allowed: str
+    """The range or choices, in words (``>= 1``, ``true / false``)."""
+
+
+def schema_keys() -> list[SchemaKey]:
+    """Every leaf key of :class:`ScoutConfig` in schema order, with its default, range and field doc: the one
+    walk of the schema that the reference tables and the plugins' flags are generated from."""
     docs = _field_docs()
 
-    def rows(klass: type, prefix: str) -> list[str]:
+    def walk(klass: type, prefix: str) -> list[SchemaKey]:
         out = []
         for f in dataclasses.fields(klass):
             factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
             if factory is not None and dataclasses.is_dataclass(factory):
-                out += rows(factory, f"{prefix}{f.name}.")
+                out += walk(factory, f"{prefix}{f.name}.")  # type: ignore[arg-type]
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else factory()
+            default = f.default if f.default is not dataclasses.MISSING else factory()  # type: ignore[misc]
             m = f.metadata
             allowed = " and ".join(
                 s for s in (f">= {m['ge']}" if m.get("ge") is not None else "",
                             f"> {m['gt']}" if m.get("gt") is not None else "",
                             f"<= {m['le']}" if m.get("le") is not None else "") if s
             ) or {"bool": "true / false"}.get(str(f.type), str(f.type))
-            out.append(f"| `{key(prefix + f.name)}` | `{default}` | {allowed} | "
-                       f"{docs.get((klass.__name__, f.name), '')} |")
+            out.append(SchemaKey(key=prefix + f.name, type=f.type, default=default,
+                                 doc=docs.get((klass.__name__, f.name), ""), allowed=allowed))
         return out
 
+    return walk(ScoutConfig, "")
+
+
+def reference_tables(key: Callable[[str], str] = lambda k: k) -> list[str]:
+    """One markdown table per section of the schema (key, default, allowed, meaning), each key shown as
+    ``key(dotted)``: a plugin shows its flags (``--scout.replay.cadence.hidden``) from the same schema."""
     lines: list[str] = []
+    keys = schema_keys()
     for section in dataclasses.fields(ScoutConfig):
         lines += [f"## `{section.name}`", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-        lines += rows(section.default_factory, f"{section.name}.")  # type: ignore[arg-type]
+        lines += [f"| `{key(k.key)}` | `{k.default}` | {k.allowed} | {k.doc} |" for k in keys
+                  if k.key.split(".", 1)[0] == section.name]
         lines.append("")
     return lines
 

@@ -35,20 +35,34 @@ class ScoutGroups:
     """Every rank on gloo (job-wide agreement, cross-group timing)."""
     all_peers: tuple[tuple[int, ...], ...] = ()
     """Every peer group of the job (the hang observer classifies within each)."""
+    replica_ranks: tuple[int, ...] = ()
+    """This rank's replica group (several peer groups whose replays of a hidden layer produce equal outputs:
+    tensor-parallel partners), or () where the adapter declares none."""
+    replica_control: Any = None
+    """The replica group on gloo, or None."""
 
 
-def build_groups(peer_groups: Sequence[Sequence[int]]) -> ScoutGroups:
-    """Create SCOUT's groups; a collective call: every rank passes the same ``peer_groups``."""
+def build_groups(peer_groups: Sequence[Sequence[int]],
+                 replica_groups: Sequence[Sequence[int]] | None = None) -> ScoutGroups:
+    """Create SCOUT's groups; a collective call: every rank passes the same ``peer_groups`` (and
+    ``replica_groups``: a partition of the ranks into unions of peer groups, or None)."""
     rank = dist.get_rank()
     mine = next(tuple(sorted(g)) for g in peer_groups if rank in g)
     everyone = tuple(tuple(sorted(int(r) for r in g)) for g in peer_groups)
     world_control = dist.new_group(backend="gloo")
+    replica_ranks: tuple[int, ...] = ()
+    replica_control = None
+    if replica_groups:
+        replicas = [sorted(int(r) for r in g) for g in replica_groups]
+        replica_ranks = next(tuple(g) for g in replicas if rank in g)
+        replica_control = (world_control if len(replicas) == 1
+                           else dist.new_subgroups_by_enumeration(replicas, backend="gloo")[0])
     if len(peer_groups) == 1:  # one group spanning every rank: reuse WORLD for data, the gloo world for control
         return ScoutGroups(mine, None, world_control, world_control, everyone)
     enum = [list(g) for g in everyone]
     peer, _ = dist.new_subgroups_by_enumeration(enum)
     peer_control, _ = dist.new_subgroups_by_enumeration(enum, backend="gloo")
-    return ScoutGroups(mine, peer, peer_control, world_control, everyone)
+    return ScoutGroups(mine, peer, peer_control, world_control, everyone, replica_ranks, replica_control)
 
 
 def local_groups(group: Any = None) -> ScoutGroups:

@@ -70,6 +70,24 @@ def _resolve_peer_groups(adapter: FrameworkAdapter, topology: TopologyConfig, wo
     return groups
 
 
+def _check_replica_groups(replicas: Sequence[Sequence[int]] | None, peers: list[list[int]],
+                          world: int) -> list[list[int]] | None:
+    """The adapter's replica groups, checked: a partition of the ranks, each a union of whole peer groups
+    (None, or a partition that is the peer groups themselves, adds nothing: None)."""
+    if not replicas:
+        return None
+    groups = [sorted(int(r) for r in g) for g in replicas]
+    if sorted(r for g in groups for r in g) != list(range(world)):
+        raise ValueError(f"replica groups must partition ranks 0..{world - 1} exactly once, got {groups}")
+    for g in groups:
+        inside = [p for p in peers if set(p) <= set(g)]
+        if sum(len(p) for p in inside) != len(g):
+            raise ValueError(f"replica group {g} is not a union of peer groups {peers}")
+    if sorted(map(tuple, groups)) == sorted(tuple(sorted(p)) for p in peers):
+        return None
+    return groups
+
+
 def enable(
     model: torch.nn.Module | Sequence[torch.nn.Module],
     optimizer: Any = None,
@@ -113,7 +131,8 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
     try:
         cfg = validate(config or ScoutConfig())
         rank, world = dist.get_rank(), dist.get_world_size()
-        groups = build_groups(_resolve_peer_groups(adapter, cfg.topology, world))
+        peers = _resolve_peer_groups(adapter, cfg.topology, world)
+        groups = build_groups(peers, _check_replica_groups(adapter.replica_groups, peers, world))
         # One start-up exchange while the job is healthy: hosts, devices, run id, the control store's port.
         # Rank 0 picks the observers' control plane (starting a store daemon where no launcher serves one).
         plane, plane_error = None, ""

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -549,3 +550,16 @@ def test_a_run_of_skipped_checks_is_reported_once(tmp_path):
     assert all(why for v in result.values() for _, _, why in v)  # nothing could be checked
     records = [(i.kind.value, i.surface, i.step) for i in read_incidents(tmp_path / "inc.jsonl")]
     assert records == [("diagnosis_error", "replay:coverage", SKIPS_BEFORE_RECORD)]
+
+
+def test_replica_groups_must_be_unions_of_peer_groups_that_partition_the_ranks():
+    from scout_core.runtime import _check_replica_groups
+
+    peers = [[0, 2], [1, 3]]
+    assert _check_replica_groups([[0, 1, 2, 3]], peers, 4) == [[0, 1, 2, 3]]
+    assert _check_replica_groups(None, peers, 4) is None
+    assert _check_replica_groups([[2, 0], [3, 1]], peers, 4) is None  # the peer groups themselves: nothing added
+    with pytest.raises(ValueError, match="not a union of peer groups"):
+        _check_replica_groups([[0, 1], [2, 3]], peers, 4)
+    with pytest.raises(ValueError, match="partition ranks 0..3"):
+        _check_replica_groups([[0, 1, 2]], peers, 4)

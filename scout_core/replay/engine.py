@@ -83,6 +83,14 @@ __all__ = ["BoundaryResult", "ReplayEngine"]
 
 
 
+def _strict_majority(values: Sequence[Any]) -> Any:
+    """The value more than half of ``values`` hold, or None."""
+    for v in values:
+        if sum(1 for w in values if w == v) * 2 > len(values):
+            return v
+    return None
+
+
 @dataclass
 class BoundaryResult:
     step: int
@@ -101,6 +109,9 @@ class BoundaryResult:
     """HSDP: cross-group intersection of slow shard and replica groups (``topology.Localization``)."""
     incidents_global: list[Incident] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
+    replica_surfaces: list[C3Result] = field(default_factory=list)
+    """The hidden layer's outputs compared across the replica group (tensor-parallel partners), when the
+    adapter declares one: they name a rank where its own peer group has no strict majority."""
     source: int | None = None
     recipes: tuple[str, ...] = ()
     """Recipes that were due at this boundary (``embedding``, ``hidden``, ``output``, ``optimizer``)."""
@@ -423,6 +434,17 @@ class ReplayEngine:
             result.skipped = "diagnosis error"
             return
         surfaces, timing = exchanged
+        if timed and self.groups.replica_control is not None:
+            # After the job-wide agreement above: a peer group that failed its own exchange must not leave
+            # its replica partners waiting in this one.
+            hidden = self.names[next(idx for r, idx in due if r == "hidden")]
+            replicated = [(n, v) for n, v in evidence if n.startswith(f"{hidden}.x") and n.endswith(".output")]
+            result.replica_surfaces = guard.run("replica exchange", lambda: c3_exchange(
+                [v for _, v in replicated], group=self.groups.replica_control,
+                surfaces=[n for n, _ in replicated])) or []
+            if not guard.agree(step):
+                result.skipped = "diagnosis error"
+                return
         result.surfaces, found = split_vetting(surfaces)
         if any(reason == "nondeterministic" for reason in found.values()):
             self._vet_always = True  # from now on every check replays twice
@@ -651,16 +673,51 @@ class ReplayEngine:
 
     def _sdc_verdicts(self, result: BoundaryResult) -> list[Incident]:
         """One SDC record per set of culprit ranks (all its surfaces in the evidence), one group-scoped
-        record for surfaces without a majority."""
+        record for surfaces without a majority (unless the replica group named the rank: see
+        :meth:`_replica_verdicts`)."""
         incidents = []
         by_ranks, inconclusive = group_disagreements(result.surfaces)
         for ranks, rs in by_ranks.items():
             incidents.append(self._incident(IncidentKind.SDC, IncidentScope.RANK, ranks, rs,
                                             f"{len(rs)} replayed surface(s) differ from the strict majority"))
+        resolved = self._replica_verdicts(result)
+        inconclusive = [r for r in inconclusive if r.surface not in resolved]
         if inconclusive:
             incidents.append(self._incident(IncidentKind.SDC, IncidentScope.PEER_GROUP, self.peers, inconclusive,
                                             "replayed surfaces disagree without a strict majority"))
         return incidents
+
+    def _replica_verdicts(self, result: BoundaryResult) -> set[str]:
+        """Name the ranks the replica group's strict majority sets apart on a hidden layer's output where their
+        own peer group has none (two data-parallel replicas under tensor parallelism). Every member of the
+        replica group decides alike from the same exchange; its lowest member not named writes the record.
+        Returns the surfaces resolved for this rank's own peer group (its no-majority record drops them)."""
+        untrusted = set(self._untrusted)
+        peer_of = {r: g for g in self.groups.all_peers for r in g}
+        named: dict[tuple[int, ...], list[C3Result]] = {}
+        resolved: set[str] = set()
+        for res in result.replica_surfaces:
+            if res.status is not C3Status.ATTRIBUTED or untrusted & set(res.peer_ranks):
+                continue
+            value = dict(zip(res.peer_ranks, res.evidence))
+            # Only where the culprit's own peer group could not say: otherwise its own verdict stands.
+            culprits = tuple(r for r in res.outlier_ranks
+                             if _strict_majority([value[p] for p in peer_of.get(r, (r,))]) is None)
+            if culprits:
+                named.setdefault(culprits, []).append(res)
+                if set(culprits) & set(self.peers):
+                    resolved.add(res.surface)
+        records = [self._incident(IncidentKind.SDC, IncidentScope.RANK, ranks, rs,
+                                  f"{len(rs)} replayed output(s) differ from the strict majority of the replica "
+                                  f"group {list(self.groups.replica_ranks)} (its peer group has no majority)")
+                   for ranks, rs in named.items()]
+        if records:
+            culprits = {r for ranks in named for r in ranks}
+            reporter = min((r for r in self.groups.replica_ranks if r not in culprits), default=None)
+            if self.rank == reporter:
+                self._emit(records)
+            result.incidents_global.extend(records)
+        return resolved
 
     def _set_aside(self, result: BoundaryResult) -> None:
         """Every disagreement a rank that is not evidence takes part in (found now or at any earlier check:
