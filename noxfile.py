@@ -30,23 +30,40 @@ def _install_torchtitan(session: nox.Session) -> None:
     session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
 
 
+MEGATRON_CORE = "megatron-core==0.19.2"
+"""The Megatron-Core release scout-megatron is tested with."""
+
+
+def _install_megatron(session: nox.Session) -> None:
+    """Megatron-Core and the plugin. megatron-core 0.19 declares Python >= 3.12 but ships 3.11 wheels: it goes in
+    alone with --no-deps --ignore-requires-python (on a shared line that flag makes pip choose numpy builds meant
+    for 3.12), after the modules it imports."""
+    plugin = ROOT / "plugins" / "scout-megatron"
+    session.install("-r", str(plugin / "requirements.txt"), env=CONSTRAINTS)
+    session.install("--no-deps", "--ignore-requires-python", MEGATRON_CORE, env=CONSTRAINTS)
+    session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and property tests plus the fast 16-rank cells, and the plugins' tests."""
     _install(session)
     _install_torchtitan(session)
+    _install_megatron(session)
     session.run("python", "-m", "pytest", "-m", "not cells", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
     # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
     # must not carry a framework's imports (threads, allocators, hooks) into scout_core's own cells.
-    session.run("python", "-m", "pytest", "-q", "plugins/scout-torchtitan/tests", env={"OMP_NUM_THREADS": "1"})
+    for plugin in ("scout-torchtitan", "scout-megatron"):
+        session.run("python", "-m", "pytest", "-q", f"plugins/{plugin}/tests", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def cells(session: nox.Session) -> None:
-    """Every cell of configs/cells.yaml at its configured world size (the TorchTitan cells need TorchTitan);
+    """Every cell of configs/cells.yaml at its configured world size (the plugins' cells need their frameworks);
     JSON in runs/cells.json."""
     _install(session)
     _install_torchtitan(session)
+    _install_megatron(session)
     session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
 

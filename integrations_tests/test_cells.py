@@ -505,3 +505,37 @@ def test_titan_snapshot_recovery_cell_fails_when_scout_does_not_restore_its_snap
     monkeypatch.setattr(ScoutHandle, "resume", lambda self, failure=None: ResumeResult(step=None, reason="ignored"))
     (report,) = run_cells([SPECS["titan-recovery-snapshots"]], root=ROOT)
     assert report.verdict == "FAIL" and "SCOUT's resume records []" in report.details, report.details
+
+
+def test_megatron_sdc_cell_fails_without_the_replica_groups(monkeypatch):
+    """The guard of megatron-tp2-dp2-sdc: rank 1's peer group is two data-parallel replicas; without the
+    tensor-parallel partners' comparison the two cannot outvote each other and only the group is named."""
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import attach
+
+    monkeypatch.setattr(attach, "replica_groups", lambda model_config: None)
+    (report,) = run_cells([SPECS["megatron-tp2-dp2-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [1, 3], expected [1]" in report.details, report.details
+
+
+def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
+    """The guard of megatron-tp2-dp2-clean's bitwise check: a replay that nudged a live parameter (identically
+    on every rank, so no peer disagrees) must leave training in another state, and the cell must say so."""
+    import torch
+
+    from scout_core.replay import engine
+
+    real = engine.replay_layer
+
+    def meddling(forward, layer, *args, **kwargs):
+        done = real(forward, layer, *args, **kwargs)
+        with torch.no_grad():
+            next(layer.parameters()).add_(1e-3)
+        return done
+
+    monkeypatch.setattr(engine, "replay_layer", meddling)
+    (report,) = run_cells([SPECS["megatron-tp2-dp2-clean"]], root=ROOT)
+    assert report.verdict == "FAIL" and "ended in another state than without it" in report.details, report.details

@@ -1,0 +1,240 @@
+"""Megatron cells: real Megatron-Core training with SCOUT switched on by the plugin's command-line flags.
+
+Each rank runs what a ``pretrain_gpt.py`` launch with the one-line change runs: Megatron's argument parser
+(``scout_megatron.parse_and_validate_args``, the cell's Megatron and ``--scout-*`` flags on ``sys.argv``), then
+``scout_megatron.pretrain``, which attaches SCOUT after Megatron's own ``setup_model_and_optimizer`` (GPTModel
+from megatron.core with the local layer spec, Megatron's DDP and optimizer) and runs Megatron's own ``train``
+loop. Megatron's ``pretrain`` asserts CUDA, so here :func:`_pretrain_on_host` makes the same calls it makes
+(``initialize_megatron`` with ``allow_no_cuda``, ``setup_model_and_optimizer``, ``train``), with the CPU shim of
+:mod:`integrations_tests.megatron_cpu`; the plugin's wrapper around ``setup_model_and_optimizer`` is the one a
+GPU job runs.
+
+Faults (``faults`` in configs/cells.yaml) act in a transformer layer's forward, in training and in SCOUT's replay
+alike: ``layers.<i>.output`` corrupts layer i's output (bit flip, set, scale); ``layers.<i>.forward``
+(``freeze``) stops the rank in layer i's forward. Steps are Megatron's iterations, counted from 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from integrations_tests.expect import record_problems
+from integrations_tests.hang_cells import _RecordsSettled
+from scout_core.cells import CellReport, CellSpec, fault_dicts
+from scout_core.inject import Injector
+from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent
+from scout_core.report import read_incidents
+from scout_core.runtime import HOSTNAME_ENV
+from scout_core.signature import sign_many
+
+__all__ = ["megatron_cell"]
+
+SEQ, VOCAB, MICRO_BATCH = 32, 128, 2
+
+
+def _prepare() -> None:
+    """Import Megatron in the parent, once: forked ranks start with it loaded."""
+    prepare_parent()
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    import megatron.training.training  # noqa: F401
+
+    import scout_megatron.entry  # noqa: F401
+
+
+def _argv(a: dict[str, Any]) -> list[str]:
+    """A ``pretrain_gpt.py`` command line: a tiny GPT, the cell's parallelism, SCOUT's flags."""
+    dp = a["world"] // a["tp"]
+    megatron = ["--num-layers", str(a["layers"]), "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--vocab-size", str(VOCAB),
+                "--tokenizer-type", "NullTokenizer", "--micro-batch-size", str(MICRO_BATCH),
+                "--global-batch-size", str(MICRO_BATCH * dp), "--train-iters", str(a["steps"]),
+                "--tensor-model-parallel-size", str(a["tp"]), "--lr", "1e-3", "--seed", str(1234 + a["seed"]),
+                "--transformer-impl", "local", "--distributed-backend", "gloo", "--attention-dropout", "0",
+                "--hidden-dropout", "0", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
+                "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
+                "--no-rope-fusion", "--log-interval", "1000", "--eval-iters", "0", "--logging-level", "40"]
+    scout = [] if a["scout"] is None else ["--scout", *a["scout"]]
+    return ["pretrain_gpt.py", *megatron, *scout]
+
+
+def _batches(seed: int) -> Any:
+    """Synthetic token batches, different on each data-parallel rank (Megatron's data loader is not needed)."""
+    from megatron.core import parallel_state
+
+    gen = torch.Generator().manual_seed(seed * 1000 + parallel_state.get_data_parallel_rank())
+    while True:
+        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
+        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+
+
+def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    loss = (output.float().view(-1) * mask.view(-1)).sum()
+    tokens = mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1).float()])}
+
+
+def _forward_step(data_iterator: Any, model: Any) -> Any:
+    """pretrain_gpt.py's forward step, on synthetic batches."""
+    batch = next(data_iterator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
+    mask = torch.ones(MICRO_BATCH, SEQ)
+    return model(batch["tokens"], positions, None, labels=batch["labels"]), partial(_loss, mask)
+
+
+def _gpt_provider(pre_process: bool = True, post_process: bool = True, **_: Any) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(config=core_transformer_config_from_args(args), transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process)
+
+
+def _pretrain_on_host(state: dict[str, Any], injector: Injector, rank: int, seed: int) -> Any:
+    """What Megatron's ``pretrain`` calls, on this host: ``initialize_megatron(allow_no_cuda=True)`` (its CUDA
+    assertion is the one step that cannot run here), ``setup_model_and_optimizer`` looked up on the module at
+    call time (as ``pretrain`` does, so the plugin's wrapper runs), then Megatron's ``train``."""
+    from megatron.core.enums import ModelType
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import get_model_config
+    from megatron.training import get_args, training
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.initialize import initialize_megatron
+
+    def pretrain(*_: Any, **__: Any) -> Any:
+        initialize_megatron(allow_no_cuda=True)
+        args = get_args()
+        model, optimizer, scheduler = training.setup_model_and_optimizer(
+            ModelType.encoder_or_decoder, _gpt_provider, cfg_container=pretrain_cfg_container_from_args(args))
+        _install_faults(model, injector, rank)
+        state["model"], state["optimizer"] = model, optimizer
+        iteration = training.train(_forward_step, model, optimizer, scheduler, RerunDataIterator(_batches(seed)),
+                                   None, None, get_model_config(model[0]), {}, None)
+        state["iterations"] = iteration[0] if isinstance(iteration, tuple) else iteration
+        state["final"] = _signature(model, optimizer)
+        dist.barrier()
+
+    return pretrain
+
+
+def _install_faults(model: list[torch.nn.Module], injector: Injector, rank: int) -> None:
+    from megatron.core.utils import unwrap_model
+    from megatron.training import get_args
+
+    step = lambda: int(getattr(get_args(), "curr_iteration", 0)) + 1  # noqa: E731 - Megatron counts from 0
+    for i, layer in enumerate(unwrap_model(model[0]).decoder.layers):
+        def enter(_m: Any, _a: Any, i: int = i) -> None:
+            injector.freeze(f"layers.{i}.forward", rank=rank, step=step())
+
+        def leave(_m: Any, _a: Any, out: Any, i: int = i) -> None:
+            with torch.no_grad():
+                injector.corrupt(f"layers.{i}.output", out[0] if isinstance(out, tuple) else out, rank=rank,
+                                 step=step())
+
+        layer.register_forward_pre_hook(enter)
+        layer.register_forward_hook(leave)
+
+
+def _signature(model: list[torch.nn.Module], optimizer: Any) -> list[int]:
+    """A bitwise signature of this rank's parameters and optimizer state."""
+    from scout_core.adapter import find_inner_optimizers
+
+    tensors = [p for m in model for p in m.parameters()]
+    for opt in find_inner_optimizers(optimizer):
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            tensors += [v for _k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
+    return [s.signature for s in sign_many([t.detach() for t in tensors])]
+
+
+def _megatron_rank(ctx: RankContext) -> dict[str, Any]:
+    a = ctx.args
+    os.environ.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
+                      CUDA_DEVICE_MAX_CONNECTIONS="1")  # what Megatron's launch scripts set for TP
+    os.environ[HOSTNAME_ENV] = f"node{ctx.rank // a['ranks_per_machine']}"
+    init_gloo(ctx, timeout_s=120)  # Megatron keeps a process group that already exists
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.on_host()
+    from megatron.training import training
+
+    import scout_megatron
+
+    sys.argv = _argv(a)
+    scout_megatron.parse_and_validate_args()
+    state: dict[str, Any] = {}
+    megatron_pretrain = training.pretrain
+    training.pretrain = _pretrain_on_host(state, Injector(a["faults"], seed=a["seed"]), ctx.rank, a["seed"])
+    try:
+        scout_megatron.pretrain()
+    finally:
+        training.pretrain = megatron_pretrain
+    handle = scout_megatron.entry.last_handle()
+    checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    return {"checks": checks, "iterations": state.get("iterations"), "final": state.get("final")}
+
+
+def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
+    _prepare()
+    p = spec.params
+    hang = bool(p.get("hang", False))
+    stop = bool(p.get("stop", False))  # --scout-actions-on-verdict=stop: every rank exits with SCOUT's code
+    jsonl = os.path.join(workdir, "incidents.jsonl")
+    scout = [f"--scout-report-jsonl-path={jsonl}", f"--scout-report-run-id={spec.name}",
+             "--scout-report-log-level=ERROR", *(["--scout-actions-on-verdict=stop"] if stop else []),
+             *p.get("flags", [])]
+    args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "world": world_size,
+            "tp": int(p.get("tp", 1)), "layers": int(p.get("layers", 2)), "scout": scout,
+            "ranks_per_machine": int(p.get("ranks_per_machine", 8))}
+    start = time.monotonic()
+    settled = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
+    result = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=settled,
+                    failure_grace_s=spec.timeout_s if hang else 10.0, keep_groups=hang)
+    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
+    problems: list[str] = []
+    if hang and not result.stopped:
+        problems.append("the job was expected to hang and be diagnosed, but: " + (result.failures() or "it finished"))
+    elif stop:
+        codes = sorted({o.exitcode for o in result.outcomes})
+        if codes != [75]:
+            problems.append(f"the job should stop with status 75 on every rank, got {codes}: {result.failures()}")
+    elif not hang and not result.ok:
+        problems.append(result.failures())
+    problems += record_problems(incidents, p.get("expect", {}))
+    metrics: dict[str, float] = {}
+    if result.ok and not hang:
+        values = result.values()
+        checks = values[0]["checks"]
+        if not checks or any(c[2] for c in checks):
+            problems.append(f"replay checks {checks}: expected some, none skipped")
+        if any(v["iterations"] != args["steps"] for v in values):
+            problems.append(f"Megatron trained {[v['iterations'] for v in values]} iterations, expected "
+                            f"{args['steps']}")
+        metrics["checks"] = float(len(checks))
+    if p.get("bitwise_without_scout") and result.ok and not problems:
+        # Harmless: the same job without SCOUT ends in the same state, bit for bit.
+        plain = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args={**args, "scout": None,
+                                                                                   "faults": []},
+                       failure_grace_s=10.0)
+        if not plain.ok:
+            problems.append(f"the run without SCOUT failed: {plain.failures()}")
+        elif [v["final"] for v in plain.values()] != [v["final"] for v in result.values()]:
+            differ = [r for r, (x, y) in enumerate(zip(plain.values(), result.values())) if x["final"] != y["final"]]
+            problems.append(f"training with SCOUT ended in another state than without it on ranks {differ}")
+    return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
+                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
+                      details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics,
+                      time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None)
+                      if hang else None)

@@ -1,0 +1,161 @@
+"""Attach SCOUT to Megatron-Core's own objects: model chunks, optimizer, parallel state and RNG tracker.
+
+Everything comes from what Megatron built; nothing of SCOUT's mechanisms is re-implemented here (scout_core's
+framework adapter and ``enable_with`` do the rest):
+
+* chunks: the list Megatron's ``setup_model_and_optimizer`` returns (one per virtual pipeline stage), wrapped
+  as Megatron wraps them (its ``DistributedDataParallel``, ``Float16Module``); layers, embedding and output are
+  found inside the unwrapped ``GPTModel`` (``decoder.layers``, ``embedding``, ``output_layer``);
+* optimizers: the torch optimizers inside ``ChainedOptimizer`` / ``FP32Optimizer`` /
+  ``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer`` (SCOUT's boundary is the last one's step);
+* peer groups: every rank's data-parallel group with context parallelism, from
+  ``megatron.core.parallel_state`` (the ranks holding the same parameters); tensor- and pipeline-parallel
+  partners are in different peer groups and replay the same sampled layer at the same check, so a tensor-
+  parallel layer's collectives pair up in replay as in training; those partners form *replica groups*
+  (:func:`replica_groups`): a layer's replayed output is compared across them too, which names the rank where
+  its own peer group of two data-parallel replicas has no majority;
+* RNG: every stream of Megatron's tensor-parallel RNG tracker (Transformer Engine's tracker where Megatron uses
+  it) is a replay RNG provider, so a replay runs under the source's dropout streams;
+* state: Megatron's LR/weight-decay scheduler (``OptimizerParamScheduler``) in SCOUT's snapshots;
+* the hang path: Megatron's gradient buckets issue ``torch.distributed`` collectives, which SCOUT observes;
+  the distributed optimizer's reduce-scatter and all-gather are bound at Megatron's import, so they are routed
+  through ``torch.distributed`` at call time (:func:`observe_bucket_collectives`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scout_core.adapter import discover_layers, torch_adapter
+from scout_core.config import ScoutConfig
+from scout_core.replay.rng import RngProvider
+from scout_core.runtime import ScoutHandle, enable_with
+
+__all__ = ["attach", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers", "unwrap"]
+
+log = logging.getLogger("scout_megatron")
+
+
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The model inside Megatron's wrappers (DDP, FSDP, Float16Module)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
+def _all_groups(mine: list[int]) -> list[list[int]]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    return sorted({tuple(g) for g in everyone}, key=lambda g: g[0])  # type: ignore[return-value]
+
+
+def peer_groups() -> list[list[int]]:
+    """SCOUT's peer groups from Megatron's parallel state: each rank's data-parallel group (with context
+    parallelism). Every rank calls it (one gather of the groups' ranks)."""
+    from megatron.core import parallel_state
+
+    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return [list(g) for g in _all_groups(mine)]
+
+
+def replica_groups(model_config: Any) -> list[list[int]] | None:
+    """The ranks of each pipeline stage, where a hidden layer's replayed output is the same on all of them:
+    tensor parallelism without sequence parallelism all-reduces a layer's output to every tensor-parallel
+    partner, and the partners of one check replay their peer groups' sources, which are themselves partners.
+    None where that does not hold (no tensor parallelism, sequence parallelism, expert parallelism). Every rank
+    calls it (one gather)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if tp <= 1 or ep > 1 or getattr(model_config, "sequence_parallel", False):
+        return None
+    stages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, parallel_state.get_pipeline_model_parallel_rank())
+    return [[r for r, s in enumerate(stages) if s == stage] for stage in sorted(set(stages))]
+
+
+def rng_providers() -> dict[str, RngProvider]:
+    """Every stream of Megatron's tensor-parallel RNG tracker (as initialized: Megatron's own, or Transformer
+    Engine's where ``--te-rng-tracker`` chose it), as replay RNG providers."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER  # what get_cuda_rng_tracker() returns, without initializing one
+    if tracker is None or not tracker.is_initialized():
+        return {}
+
+    def provider(name: str) -> RngProvider:
+        def get() -> torch.Tensor:
+            return mrandom._CUDA_RNG_STATE_TRACKER.get_states()[name]
+
+        def set_(state: torch.Tensor) -> None:
+            live = mrandom._CUDA_RNG_STATE_TRACKER
+            states = live.get_states()
+            states[name] = state.clone()
+            live.set_states(states)
+
+        return get, set_
+
+    return {f"megatron:{name}": provider(name) for name in tracker.get_states()}
+
+
+_BUCKET_FUNCS = ("dist_all_gather_func", "dist_reduce_scatter_func")
+
+
+def observe_bucket_collectives() -> bool:
+    """Route Megatron's gradient-bucket reduce-scatter and parameter all-gather (the distributed optimizer's)
+    through ``torch.distributed`` at call time, where SCOUT's collective hooks see them. Megatron binds them to
+    module globals at import, before any hook exists. Idempotent; True if anything was rerouted."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    changed = False
+    for attr in _BUCKET_FUNCS:
+        bound = getattr(buffers, attr, None)
+        if bound is None or getattr(bound, "_scout_late_bound", False):
+            continue
+        name = getattr(bound, "__name__", "")
+        if getattr(dist, name, None) is not bound:
+            continue  # Megatron's own implementation (fp32-accumulating reduce-scatter): leave it
+
+        def late(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+            return getattr(dist, _name)(*args, **kwargs)
+
+        late._scout_late_bound = True  # type: ignore[attr-defined]
+        late.__name__ = name
+        setattr(buffers, attr, late)
+        changed = True
+    return changed
+
+
+def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutConfig | None = None,
+           opt_param_scheduler: Any = None, state: Mapping[str, Any] | None = None) -> ScoutHandle:
+    """Install SCOUT on a Megatron-Core job whose model chunks and optimizer exist (every rank calls it, after
+    ``megatron.core.parallel_state`` is initialized)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    inner = [unwrap(c) for c in chunks]
+    layers, names = discover_layers(inner)  # GPTModel's decoder.layers (per virtual stage: chunk<i>.)
+    embedding = getattr(inner[0], "embedding", None) if getattr(inner[0], "pre_process", True) else None
+    output = getattr(inner[-1], "output_layer", None) if getattr(inner[-1], "post_process", True) else None
+    kept = dict(state or {})
+    if opt_param_scheduler is not None:
+        kept.setdefault("opt_param_scheduler", opt_param_scheduler)
+    observe_bucket_collectives()
+    groups = peer_groups()
+    adapter = torch_adapter(chunks, optimizer, peer_groups=groups, layers=layers, embedding=embedding,
+                            output=output, rng_providers=rng_providers(), state=kept or None)
+    adapter.layer_names = names
+    adapter.name = "megatron"
+    from megatron.core.utils import get_model_config
+
+    adapter.replica_groups = replica_groups(get_model_config(chunks[0]))
+    handle = enable_with(adapter, config=config)
+    if handle.rank == 0:
+        log.info("scout_megatron: SCOUT attached to %d model chunk(s), %d optimizer(s), %d repeated layers, peer "
+                 "groups %s", len(chunks), len(adapter.optimizers), len(layers), groups)
+    return handle

@@ -1,0 +1,98 @@
+"""Drop-ins for ``megatron.training``'s ``parse_and_validate_args`` and ``pretrain``: the one-line change.
+
+A Megatron-Core 0.19 training script parses its arguments, then calls ``pretrain``::
+
+    from scout_megatron import parse_and_validate_args, pretrain   # the only changed line
+
+* :func:`parse_and_validate_args` is Megatron's, with SCOUT's flags added through Megatron's own
+  ``extra_args_provider`` (composed with the script's provider, which runs first), and SCOUT's configuration
+  validated while the arguments are parsed;
+* :func:`pretrain` is Megatron's; with ``--scout`` it attaches SCOUT right after Megatron's
+  ``setup_model_and_optimizer`` has built the model chunks, the optimizer and the scheduler (and loaded
+  ``--load``), before the first iteration, and closes it when ``pretrain`` returns or raises. Without
+  ``--scout`` it is Megatron's ``pretrain``, untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from scout_core.runtime import ScoutHandle
+from scout_megatron.flags import add_scout_args, config_from_args
+
+__all__ = ["last_handle", "parse_and_validate_args", "pretrain", "scout_args_provider"]
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def scout_args_provider(extra_args_provider: ArgsProvider | None = None) -> ArgsProvider:
+    """An ``extra_args_provider`` that runs the script's own provider, then adds SCOUT's flags."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return add_scout_args(parser)
+
+    return provide
+
+
+def parse_and_validate_args(extra_args_provider: ArgsProvider | None = None, ignore_unknown_args: bool = False,
+                            args_defaults: dict[str, Any] | None = None) -> argparse.Namespace:
+    """Megatron's ``parse_and_validate_args`` with SCOUT's flags (same arguments, same result)."""
+    from megatron.training import arguments
+
+    return arguments.parse_and_validate_args(scout_args_provider(extra_args_provider), ignore_unknown_args,
+                                             args_defaults or {})
+
+
+class _Attached:
+    """Holds the handle of the SCOUT attached during one ``pretrain`` call."""
+
+    handle: ScoutHandle | None = None
+
+
+_last: _Attached = _Attached()
+
+
+def last_handle() -> ScoutHandle | None:
+    """The SCOUT handle the running (or last) ``pretrain`` call attached, or None: for a script's own callbacks
+    (its replay history and incidents stay readable after ``pretrain`` returned and closed it)."""
+    return _last.handle
+
+
+def pretrain(*args: Any, **kwargs: Any) -> Any:
+    """Megatron's ``pretrain`` (same arguments, same result), with SCOUT attached when ``--scout`` was given."""
+    from megatron.training import get_args, training
+
+    megatron_args = get_args()
+    if not hasattr(megatron_args, "scout"):
+        raise RuntimeError("scout_megatron.pretrain: the arguments were parsed without SCOUT's flags; parse them "
+                           "with scout_megatron.parse_and_validate_args (the same import line)")
+    config = config_from_args(megatron_args)
+    if config is None:
+        return training.pretrain(*args, **kwargs)
+    from scout_megatron.attach import attach
+
+    global _last
+    attached = _last = _Attached()
+    setup = training.setup_model_and_optimizer
+
+    @functools.wraps(setup)
+    def setup_then_attach(*a: Any, **k: Any) -> Any:
+        model, optimizer, scheduler = setup(*a, **k)
+        if attached.handle is None and optimizer is not None:  # --skip-train builds no optimizer: nothing to watch
+            attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)
+        return model, optimizer, scheduler
+
+    # ``pretrain`` calls the module's ``setup_model_and_optimizer`` by name and offers no hook between building
+    # the model and training it: the name is rebound for this call only.
+    training.setup_model_and_optimizer = setup_then_attach
+    try:
+        return training.pretrain(*args, **kwargs)
+    finally:
+        training.setup_model_and_optimizer = setup
+        if attached.handle is not None:
+            attached.handle.close()

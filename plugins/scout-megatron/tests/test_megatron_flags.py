@@ -1,0 +1,117 @@
+"""The flags: SCOUT through Megatron's own argument parser, with the plugin's extra_args_provider."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from scout_core.config import ConfigError, ScoutConfig, schema_keys
+from scout_megatron.entry import scout_args_provider
+from scout_megatron.flags import add_scout_args, config_from_args, flag_of
+
+
+def megatron_parse(*flags: str, provider=None) -> argparse.Namespace:
+    """Megatron's own parser (every Megatron flag), with the plugin's provider, as a launch parses it."""
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", *flags]
+    try:
+        return parse_args(scout_args_provider(provider))
+    finally:
+        sys.argv = saved
+
+
+def test_scout_flags_reach_scouts_configuration_beside_megatrons_own():
+    args = megatron_parse("--scout", "--scout-replay-cadence-hidden", "7", "--scout-topology-shape", "d=2", "t=2",
+                          "--scout-observer-enabled", "false", "--tensor-model-parallel-size", "2")
+    cfg = config_from_args(args)
+    assert isinstance(cfg, ScoutConfig) and cfg.replay.cadence.hidden == 7 and cfg.topology.shape == {"d": 2, "t": 2}
+    assert cfg.observer.enabled is False and cfg.replay.cadence.output == ScoutConfig().replay.cadence.output
+    assert args.tensor_model_parallel_size == 2
+
+
+def test_without_the_switch_nothing_is_installed():
+    assert config_from_args(megatron_parse()) is None
+    assert config_from_args(megatron_parse("--scout-replay-cadence-hidden", "3")) is None
+
+
+def test_every_schema_key_is_a_flag():
+    parser = add_scout_args(argparse.ArgumentParser())
+    flags = {s for a in parser._actions for s in a.option_strings}
+    assert {flag_of(k.key) for k in schema_keys()} | {"--scout", "--scout-config"} <= flags
+    assert flag_of("observer.silence_threshold_s") == "--scout-observer-silence-threshold-s"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--scout-replay-cadence-hidden", "-1"),
+     "argument --scout-replay-cadence-hidden: -1 is out of range; allowed: >= 0"),
+    (("--scout-replay-cadence-hidden", "often"), "argument --scout-replay-cadence-hidden: invalid int value"),
+    (("--scout-observer-enabled", "maybe"), "argument --scout-observer-enabled: 'maybe' is not a boolean"),
+    (("--scout-actions-on-verdict", "panic"), "argument --scout-actions-on-verdict: 'panic'; allowed: log, stop"),
+    (("--scout-topology-shape", "d"), "argument --scout-topology-shape: 'd' is not AXIS=SIZE"),
+])
+def test_a_bad_value_fails_at_megatrons_argument_parsing_naming_the_flag(capsys, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        megatron_parse("--scout", *flags)
+    err = " ".join(capsys.readouterr().err.split())
+    assert stop.value.code == 2 and message in err, err
+
+
+def test_the_config_file_is_read_and_the_flags_override_it(tmp_path, capsys):
+    path = tmp_path / "scout.yaml"
+    path.write_text("replay:\n  cadence:\n    hidden: 11\n    output: 3\n")
+    cfg = config_from_args(megatron_parse("--scout", "--scout-config", str(path), "--scout-replay-cadence-hidden", "5"))
+    assert cfg.replay.cadence.hidden == 5 and cfg.replay.cadence.output == 3
+    path.write_text("replay:\n  cadense: {hidden: 1}\n")
+    with pytest.raises(SystemExit):
+        megatron_parse("--scout", "--scout-config", str(path))
+    assert f"--scout-config {path}: replay.cadense" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_scripts_own_provider_runs_first_and_is_kept():
+    def own(parser):
+        parser.add_argument("--my-flag", type=int, default=1)
+        return parser
+
+    args = megatron_parse("--scout", "--my-flag", "4", provider=own)
+    assert args.my_flag == 4 and config_from_args(args) is not None
+
+
+def test_config_from_args_names_the_flag_outside_argparse_too():
+    args = add_scout_args(argparse.ArgumentParser()).parse_args(["--scout"])
+    args.scout_replay_cadence_hidden = -2  # set after parsing, as a script might
+    with pytest.raises(ConfigError, match=r"argument --scout-replay-cadence-hidden: -2 is out of range"):
+        config_from_args(args)
+
+
+def test_an_unsupported_megatron_core_is_refused_naming_both_versions(monkeypatch):
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "0.18.3" if name == "megatron-core" else real(name))
+    saved = sys.modules.pop("scout_megatron")
+    try:
+        with pytest.raises(ImportError, match=r"supports megatron-core >=0\.19,<0\.20; megatron-core 0\.18\.3 is"):
+            importlib.import_module("scout_megatron")
+    finally:
+        sys.modules["scout_megatron"] = saved
+
+
+def test_the_plugin_is_found_through_the_entry_point_group():
+    found = {ep.name: ep for ep in metadata.entry_points(group="scout.plugins")}
+    plugin = found["megatron"].load()
+    assert plugin.framework == "megatron-core" and plugin.framework_version.startswith("0.19")
+
+
+def test_the_readme_lists_every_flag():
+    """The README's flag table is generated from scout_core's schema; regenerate with
+    ``python -c "from scout_megatron.flags import flags_reference as f; print(f(), end='')"``."""
+    from scout_megatron.flags import FLAGS_BEGIN, FLAGS_END, flags_reference
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme[readme.index(FLAGS_BEGIN):readme.index(FLAGS_END) + len(FLAGS_END)] + "\n"
+    assert block == flags_reference()
