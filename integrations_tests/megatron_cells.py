@@ -16,6 +16,7 @@ alike: ``layers.<i>.output`` corrupts layer i's output (bit flip, set, scale); `
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -63,6 +64,9 @@ def _argv(a: dict[str, Any]) -> list[str]:
                 "--hidden-dropout", "0", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
                 "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
                 "--no-rope-fusion", "--log-interval", "1000", "--eval-iters", "0", "--logging-level", "40"]
+    if a.get("save_interval"):
+        folder = os.path.join(a["workdir"], "megatron")
+        megatron += ["--save", folder, "--load", folder, "--save-interval", str(a["save_interval"])]
     scout = [] if a["scout"] is None else ["--scout", *a["scout"]]
     return ["pretrain_gpt.py", *megatron, *scout]
 
@@ -119,6 +123,8 @@ def _pretrain_on_host(state: dict[str, Any], injector: Injector, rank: int, seed
         args = get_args()
         model, optimizer, scheduler = training.setup_model_and_optimizer(
             ModelType.encoder_or_decoder, _gpt_provider, cfg_container=pretrain_cfg_container_from_args(args))
+        if args.iteration:  # Megatron loaded a checkpoint (--load): which iteration, and its state bitwise
+            state["loaded"] = [int(args.iteration), *_signature(model, optimizer)]
         _install_faults(model, injector, rank)
         state["model"], state["optimizer"] = model, optimizer
         iteration = training.train(_forward_step, model, optimizer, scheduler, RerunDataIterator(_batches(seed)),
@@ -140,9 +146,10 @@ def _install_faults(model: list[torch.nn.Module], injector: Injector, rank: int)
             injector.freeze(f"layers.{i}.forward", rank=rank, step=step())
 
         def leave(_m: Any, _a: Any, out: Any, i: int = i) -> None:
+            hidden = out[0] if isinstance(out, tuple) else out
             with torch.no_grad():
-                injector.corrupt(f"layers.{i}.output", out[0] if isinstance(out, tuple) else out, rank=rank,
-                                 step=step())
+                injector.corrupt(f"layers.{i}.output", hidden, rank=rank, step=step())
+                injector.corrupt("layers.any.output", hidden, rank=rank, step=step())  # a faulty unit: every layer
 
         layer.register_forward_pre_hook(enter)
         layer.register_forward_hook(leave)
@@ -175,29 +182,42 @@ def _megatron_rank(ctx: RankContext) -> dict[str, Any]:
     sys.argv = _argv(a)
     scout_megatron.parse_and_validate_args()
     state: dict[str, Any] = {}
-    megatron_pretrain = training.pretrain
+    megatron_pretrain, megatron_save = training.pretrain, training.save_checkpoint
+    if a.get("save_interval"):
+        sigs: dict[int, list[int]] = {}
+
+        def save_signed(iteration: int, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            sigs[int(iteration)] = _signature(model, optimizer)  # the state this save writes, bitwise
+            with open(os.path.join(a["workdir"], f"sigs-{a['phase']}-r{ctx.rank}.json"), "w") as fh:
+                json.dump(sigs, fh)
+            return megatron_save(iteration, model, optimizer, *args, **kwargs)
+
+        training.save_checkpoint = save_signed  # before pretrain: the plugin wraps what it finds, as on a GPU
     training.pretrain = _pretrain_on_host(state, Injector(a["faults"], seed=a["seed"]), ctx.rank, a["seed"])
     try:
         scout_megatron.pretrain()
     finally:
-        training.pretrain = megatron_pretrain
+        training.pretrain, training.save_checkpoint = megatron_pretrain, megatron_save
     handle = scout_megatron.entry.last_handle()
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
-    return {"checks": checks, "iterations": state.get("iterations"), "final": state.get("final")}
+    return {"checks": checks, "iterations": state.get("iterations"), "final": state.get("final"),
+            "loaded": state.get("loaded", [])}
 
 
 def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     _prepare()
     p = spec.params
     hang = bool(p.get("hang", False))
-    stop = bool(p.get("stop", False))  # --scout-actions-on-verdict=stop: every rank exits with SCOUT's code
+    recovery = bool(p.get("recovery", False))  # a stop, then a restart that must load the chosen iteration
+    stop = recovery or bool(p.get("stop", False))  # --scout-actions-on-verdict=stop: every rank exits 75
     jsonl = os.path.join(workdir, "incidents.jsonl")
     scout = [f"--scout-report-jsonl-path={jsonl}", f"--scout-report-run-id={spec.name}",
              "--scout-report-log-level=ERROR", *(["--scout-actions-on-verdict=stop"] if stop else []),
              *p.get("flags", [])]
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "world": world_size,
             "tp": int(p.get("tp", 1)), "layers": int(p.get("layers", 2)), "scout": scout,
-            "ranks_per_machine": int(p.get("ranks_per_machine", 8))}
+            "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir,
+            "save_interval": int(p.get("save_interval", 0)), "phase": "a"}
     start = time.monotonic()
     settled = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
     result = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=settled,
@@ -233,8 +253,53 @@ def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         elif [v["final"] for v in plain.values()] != [v["final"] for v in result.values()]:
             differ = [r for r, (x, y) in enumerate(zip(plain.values(), result.values())) if x["final"] != y["final"]]
             problems.append(f"training with SCOUT ended in another state than without it on ranks {differ}")
+    if recovery and not problems:
+        problems += _restart(spec, world_size, workdir, args, p)
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
                       injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
                       details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics,
                       time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None)
                       if hang else None)
+
+
+def _labels(workdir: str) -> dict[str, Any]:
+    from scout_core.checkpoint.durable import LABELS_FILE
+
+    with open(os.path.join(workdir, "megatron", LABELS_FILE)) as fh:
+        return json.load(fh)
+
+
+def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any], p: dict[str, Any]) -> list[str]:
+    """The restart of a recovery cell: the labels the stopped run left, then Megatron must load the iteration
+    SCOUT chose (bitwise the state the first run saved there), with the newer ones set aside, and train on to
+    the end without a report, its own saves verified in turn."""
+    problems = []
+    labels = {int(k): v["label"] for k, v in _labels(workdir)["checkpoints"].items()}
+    if labels != {int(k): v for k, v in p["labels"].items()}:
+        problems.append(f"labels after the stop {labels}, expected {p['labels']}")
+    first = os.path.join(workdir, "incidents.jsonl")
+    os.replace(first, os.path.join(workdir, "incidents-first-run.jsonl"))
+    result = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args={**args, "faults": [], "phase": "b"},
+                    failure_grace_s=10.0)
+    if not result.ok:
+        return problems + [f"the restart failed: {result.failures()}"]
+    want = int(p["restart_step"])
+    for rank, value in enumerate(result.values()):
+        with open(os.path.join(workdir, f"sigs-a-r{rank}.json")) as fh:
+            saved = json.load(fh).get(str(want))
+        if value["loaded"] != [want, *(saved or [])]:
+            problems.append(f"rank {rank} loaded iteration {value['loaded'][:1]} (bitwise the first run's iteration "
+                            f"{want}: {value['loaded'][1:] == saved}), expected iteration {want} bitwise")
+        if value["iterations"] != args["steps"]:
+            problems.append(f"rank {rank} trained to iteration {value['iterations']}, expected {args['steps']}")
+    again = list(read_incidents(first)) if os.path.exists(first) else []
+    if again:
+        problems.append(f"the restart reported {[(i.kind.value, i.ranks, i.step) for i in again]}, expected nothing")
+    body = _labels(workdir)
+    after = {int(k): v["label"] for k, v in body["checkpoints"].items()}
+    if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
+        problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
+    aside = sorted(int(os.path.basename(x).split("-")[0][len("iter_"):]) for x in body.get("set_aside", []))
+    if aside != sorted(p["set_aside"]):
+        problems.append(f"set aside {body.get('set_aside')}, expected the iterations {p['set_aside']}")
+    return problems

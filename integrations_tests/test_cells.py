@@ -539,3 +539,17 @@ def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
     monkeypatch.setattr(engine, "replay_layer", meddling)
     (report,) = run_cells([SPECS["megatron-tp2-dp2-clean"]], root=ROOT)
     assert report.verdict == "FAIL" and "ended in another state than without it" in report.details, report.details
+
+
+def test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration(monkeypatch):
+    """The guard of megatron-recovery-sdc: without the plugin's restart plan Megatron loads the iteration its
+    tracker names (the rejected one), and the cell must say so."""
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import checkpoints
+
+    monkeypatch.setattr(checkpoints, "plan_restart", lambda load_dir, ckpt_step=None: None)
+    (report,) = run_cells([SPECS["megatron-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "loaded iteration [5]" in report.details, report.details

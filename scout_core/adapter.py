@@ -56,6 +56,10 @@ class FrameworkAdapter:
     all-reduced output is replicated across them). A partition of the ranks, or None. Where a peer group has
     no strict majority on a hidden layer's output (two data-parallel replicas), the replica group's majority
     names the rank."""
+    replicated_parameters: Callable[[nn.Module], list[torch.Tensor]] | None = None
+    """The parameters of a layer that replica-group members hold as copies rather than shards (Megatron: those
+    without ``tensor_model_parallel``). The replica comparison stands only while they are equal on every
+    member; None: all of them are assumed equal."""
     layers: list[nn.Module] | None = None
     """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
     layer_names: list[str] | None = None

@@ -197,7 +197,8 @@ class ScoutHandle:
             embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
             layer_owners=fsdp_owners(layers, a.chunks),
             # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.
-            local_only_params=a.moe.expert_parameters() if a.moe is not None else ())
+            local_only_params=a.moe.expert_parameters() if a.moe is not None else (),
+            replicated_parameters=a.replicated_parameters)
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "

@@ -333,3 +333,38 @@ def test_a_rank_that_launched_and_then_stopped_shows_the_collective_done_not_pen
     work.done = True
     tracker.mark(Phase.FORWARD)
     assert not tracker._inflight
+
+
+def test_a_collective_inside_a_checkpoint_save_keeps_the_checkpoint_phase():
+    """A distributed checkpoint gathers and waits on barriers inside its save: those waits are the storage's,
+    published as checkpoint I/O (the observer allows them the I/O tolerance), not as a training collective."""
+    from scout_core.progress.fingerprint import CollectiveFingerprint
+
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    fp = CollectiveFingerprint(op="gather", group=(4, 0, 1, 2, 3), shapes=((8,),), dtypes=("uint8",))
+    with tracker.checkpoint_io("write"):
+        key = tracker.launch(fp)
+        tracker.complete(key)
+    tracker.complete(tracker.launch(fp))
+    assert [(e[0], e[3]) for e in rec.log] == [("mark", "CHECKPOINT_WRITE")] * 3 + [("mark", "COMPUTE"),
+                                                                                  ("collective", "gather"),
+                                                                                  ("done", 2)]
+
+
+def test_the_io_tolerance_covers_a_pending_collective_of_a_checkpoint_only():
+    import dataclasses
+
+    from scout_core.progress.control import ControlPlane
+    from scout_core.progress.observer import ObserverSpec, silence_threshold
+    from scout_core.progress.record import ProgressSnapshot
+
+    spec = ObserverSpec(run_id="r", rank=0, world_size=2, record_path="", peer_groups=[[0, 1]], hosts={}, devices={},
+                        control=ControlPlane("localhost", 1, "daemon"),
+                        silence_threshold_s=5.0, io_silence_s=300.0, gather_timeout_s=1.0, startup_timeout_s=1.0,
+                        jsonl_path=None)
+    snap = ProgressSnapshot(seq=1, step=3, op_id=1, launched=1, phase=Phase.CHECKPOINT_WRITE, pending=True,
+                            t_publish=0.0, t_phase=0.0, gap_max=0.5, fp_hash=0, fingerprint="", owner_pid=1)
+    assert silence_threshold(spec, snap) == 300.0
+    assert silence_threshold(spec, dataclasses.replace(snap, phase=Phase.COLLECTIVE)) == 5.0
+    assert silence_threshold(spec, dataclasses.replace(snap, phase=Phase.DATALOADER)) == 5.0

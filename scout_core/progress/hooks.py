@@ -88,6 +88,7 @@ class ProgressTracker:
         self._inflight: dict[tuple[int, int], tuple[int, str]] = {}  # (step, i) -> fingerprint, launch order
         self._polled: collections.deque[tuple[tuple[int, int], Any]] = collections.deque()
         self._phase = Phase.STARTING
+        self._io: Phase | None = None  # inside checkpoint_io(): its collectives belong to the checkpoint
         self._lock = threading.Lock()  # autograd and comm hooks may run on other threads
         self._local = threading.local()
         self._trainer = threading.get_ident()
@@ -150,7 +151,10 @@ class ProgressTracker:
             self.launched += 1
             key = (self.step, self.launched)
             self._inflight[key] = (fp.hash64(), fp.text())
-            self._phase = Phase.COLLECTIVE
+            # A collective of a checkpoint save or load (a distributed checkpoint's gathers and barriers) keeps the
+            # checkpoint phase: the observer then allows it the I/O tolerance, and names a rank stuck there a
+            # checkpoint stall.
+            self._phase = self._io or Phase.COLLECTIVE
             self._publish_locked()
             return key
 
@@ -266,11 +270,14 @@ class ProgressTracker:
         """Mark checkpoint reads or writes: ``with tracker.checkpoint_io("write"): save(...)``."""
         if kind not in ("read", "write"):
             raise ValueError(f"checkpoint_io kind must be 'read' or 'write', got {kind!r}")
-        self.mark(Phase.CHECKPOINT_WRITE if kind == "write" else Phase.CHECKPOINT_READ)
+        phase = Phase.CHECKPOINT_WRITE if kind == "write" else Phase.CHECKPOINT_READ
+        outer, self._io = self._io, phase
+        self.mark(phase)
         try:
             yield
         finally:
-            self.mark(Phase.COMPUTE)
+            self._io = outer
+            self.mark(outer or Phase.COMPUTE)
 
     # -- module and optimizer hooks ---------------------------------------------------------------
 

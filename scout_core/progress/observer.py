@@ -119,6 +119,7 @@ def _store_errors() -> Iterator[None]:
 
 
 _IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
+_CHECKPOINT_PHASES = (Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
 _DAEMON_BEAT_S = 10.0
 _CLOSING_STORE_TIMEOUT_S = 2.0
 
@@ -143,6 +144,10 @@ def silence_threshold(spec: ObserverSpec, snap: ProgressSnapshot) -> float:
     threshold = steady_threshold(spec.silence_threshold_s, spec.adaptive_multiple, spec.first_step_silence_s,
                                  snap.gap_max)
     if snap.phase in _IO_PHASES and not snap.pending:
+        threshold = max(threshold, spec.io_silence_s)
+    elif snap.phase in _CHECKPOINT_PHASES:
+        # A collective inside a checkpoint save or load (a distributed checkpoint's planning gathers, its
+        # barriers, an asynchronous save's finalization) lasts as long as the storage takes: part of the I/O.
         threshold = max(threshold, spec.io_silence_s)
     return threshold
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +81,10 @@ from scout_core.signature import sign_many
 
 __all__ = ["BoundaryResult", "ReplayEngine"]
 
+
+
+REPLICATED_STATE = ".replicated_state"
+"""The replica exchange's surface of the sampled layer's copied (not sharded) parameters."""
 
 
 def _strict_majority(values: Sequence[Any]) -> Any:
@@ -171,6 +175,7 @@ class ReplayEngine:
         layer_owners: Sequence[torch.nn.Module | None] | None = None,
         hook_optimizer: bool = True,
         local_only_params: Sequence[torch.Tensor] = (),
+        replicated_parameters: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -209,6 +214,8 @@ class ReplayEngine:
         self.owner = boundary_owner
         # A repeated layer inside an FSDP2 block it is not itself (a block's attention) unshards through it.
         self.layer_owners = list(layer_owners) if layer_owners is not None else [None] * self.n_hidden
+        # The parameters of a layer that replica-group members hold as copies, not shards (see _replica_verdicts).
+        self.replicated_parameters = replicated_parameters
         if len(self.layer_owners) != self.n_hidden:
             raise ValueError(f"layer_owners has {len(self.layer_owners)} entries for {self.n_hidden} layers")
         self.captures = [LayerCapture(layer) for layer in self.layers]
@@ -437,8 +444,16 @@ class ReplayEngine:
         if timed and self.groups.replica_control is not None:
             # After the job-wide agreement above: a peer group that failed its own exchange must not leave
             # its replica partners waiting in this one.
-            hidden = self.names[next(idx for r, idx in due if r == "hidden")]
+            hidden_idx = next(idx for r, idx in due if r == "hidden")
+            hidden = self.names[hidden_idx]
             replicated = [(n, v) for n, v in evidence if n.startswith(f"{hidden}.x") and n.endswith(".output")]
+            if replicated and self.replicated_parameters is not None:
+                def copies() -> None:
+                    params = [p.detach() for p in self.replicated_parameters(self.layers[hidden_idx])]
+                    signed = [(s.signature, s.nonfinite) for s in sign_many(params)]
+                    replicated.append((f"{hidden}{REPLICATED_STATE}", tuple(signed)))
+
+                guard.run("replicated parameters", copies)
             result.replica_surfaces = guard.run("replica exchange", lambda: c3_exchange(
                 [v for _, v in replicated], group=self.groups.replica_control,
                 surfaces=[n for n, _ in replicated])) or []
@@ -693,11 +708,18 @@ class ReplayEngine:
         replica group decides alike from the same exchange; its lowest member not named writes the record.
         Returns the surfaces resolved for this rank's own peer group (its no-majority record drops them)."""
         untrusted = set(self._untrusted)
+        # The replicas' outputs are comparable only while the parameters they hold as copies are the same on
+        # all of them: a corrupted step trains those copies apart for good (Megatron keeps tensor-parallel
+        # copies equal only by computing the same), and then the replicas disagree without anyone faulty now.
+        if any(r.surface.endswith(REPLICATED_STATE) and r.status is not C3Status.AGREE
+               for r in result.replica_surfaces):
+            return set()
         peer_of = {r: g for g in self.groups.all_peers for r in g}
         named: dict[tuple[int, ...], list[C3Result]] = {}
         resolved: set[str] = set()
         for res in result.replica_surfaces:
-            if res.status is not C3Status.ATTRIBUTED or untrusted & set(res.peer_ranks):
+            if (res.status is not C3Status.ATTRIBUTED or untrusted & set(res.peer_ranks)
+                    or res.surface.endswith(REPLICATED_STATE)):
                 continue
             value = dict(zip(res.peer_ranks, res.evidence))
             # Only where the culprit's own peer group could not say: otherwise its own verdict stands.

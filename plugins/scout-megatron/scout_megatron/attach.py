@@ -81,6 +81,13 @@ def replica_groups(model_config: Any) -> list[list[int]] | None:
     return [[r for r, s in enumerate(stages) if s == stage] for stage in sorted(set(stages))]
 
 
+def tensor_parallel_copies(layer: nn.Module) -> list[torch.Tensor]:
+    """A layer's parameters that every tensor-parallel partner holds a copy of (layer norms, row-parallel biases):
+    Megatron marks the sharded ones ``tensor_model_parallel``. The replica comparison stands only while these
+    copies are equal across partners."""
+    return [p for p in layer.parameters() if not getattr(p, "tensor_model_parallel", False)]
+
+
 def rng_providers() -> dict[str, RngProvider]:
     """Every stream of Megatron's tensor-parallel RNG tracker (as initialized: Megatron's own, or Transformer
     Engine's where ``--te-rng-tracker`` chose it), as replay RNG providers."""
@@ -154,6 +161,7 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
     from megatron.core.utils import get_model_config
 
     adapter.replica_groups = replica_groups(get_model_config(chunks[0]))
+    adapter.replicated_parameters = tensor_parallel_copies
     handle = enable_with(adapter, config=config)
     if handle.rank == 0:
         log.info("scout_megatron: SCOUT attached to %d model chunk(s), %d optimizer(s), %d repeated layers, peer "

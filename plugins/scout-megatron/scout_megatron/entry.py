@@ -9,8 +9,9 @@ A Megatron-Core 0.19 training script parses its arguments, then calls ``pretrain
   validated while the arguments are parsed;
 * :func:`pretrain` is Megatron's; with ``--scout`` it attaches SCOUT right after Megatron's
   ``setup_model_and_optimizer`` has built the model chunks, the optimizer and the scheduler (and loaded
-  ``--load``), before the first iteration, and closes it when ``pretrain`` returns or raises. Without
-  ``--scout`` it is Megatron's ``pretrain``, untouched.
+  ``--load``), before the first iteration, and closes it when ``pretrain`` returns or raises. Megatron's saves
+  are labelled by certification and a restart loads the iteration SCOUT chose (:mod:`scout_megatron.checkpoints`).
+  Without ``--scout`` it is Megatron's ``pretrain``, untouched.
 """
 
 from __future__ import annotations
@@ -75,24 +76,30 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
     if config is None:
         return training.pretrain(*args, **kwargs)
     from scout_megatron.attach import attach
+    from scout_megatron.checkpoints import continue_after_load, label_saves, plan_restart
 
     global _last
     attached = _last = _Attached()
-    setup = training.setup_model_and_optimizer
+    setup, save = training.setup_model_and_optimizer, training.save_checkpoint
 
     @functools.wraps(setup)
     def setup_then_attach(*a: Any, **k: Any) -> Any:
+        margs = get_args()
+        # Before Megatron's own load: its tracker file is pointed at the iteration SCOUT's labels chose.
+        plan_restart(getattr(margs, "load", None), getattr(margs, "ckpt_step", None))
         model, optimizer, scheduler = setup(*a, **k)
         if attached.handle is None and optimizer is not None:  # --skip-train builds no optimizer: nothing to watch
-            attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)
+            handle = attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)
+            training.save_checkpoint = label_saves(handle, getattr(margs, "save", None))(save)
+            continue_after_load(handle, int(getattr(margs, "iteration", 0) or 0), getattr(margs, "load", None))
         return model, optimizer, scheduler
 
-    # ``pretrain`` calls the module's ``setup_model_and_optimizer`` by name and offers no hook between building
-    # the model and training it: the name is rebound for this call only.
+    # ``pretrain`` calls the module's ``setup_model_and_optimizer`` and ``save_checkpoint`` by name and offers no
+    # hook between building the model and training it: the names are rebound for this call only.
     training.setup_model_and_optimizer = setup_then_attach
     try:
         return training.pretrain(*args, **kwargs)
     finally:
-        training.setup_model_and_optimizer = setup
+        training.setup_model_and_optimizer, training.save_checkpoint = setup, save
         if attached.handle is not None:
             attached.handle.close()
