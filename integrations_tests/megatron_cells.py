@@ -64,6 +64,7 @@ def _argv(a: dict[str, Any]) -> list[str]:
                 "--hidden-dropout", "0", "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion",
                 "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
                 "--no-rope-fusion", "--log-interval", "1000", "--eval-iters", "0", "--logging-level", "40"]
+    megatron += list(a.get("megatron", []))  # the cell's own Megatron flags (distributed optimizer, overlap)
     if a.get("save_interval"):
         folder = os.path.join(a["workdir"], "megatron")
         megatron += ["--save", folder, "--load", folder, "--save-interval", str(a["save_interval"])]
@@ -217,7 +218,7 @@ def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "world": world_size,
             "tp": int(p.get("tp", 1)), "layers": int(p.get("layers", 2)), "scout": scout,
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir,
-            "save_interval": int(p.get("save_interval", 0)), "phase": "a"}
+            "save_interval": int(p.get("save_interval", 0)), "phase": "a", "megatron": list(p.get("megatron", []))}
     start = time.monotonic()
     settled = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
     result = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=settled,

@@ -553,3 +553,28 @@ def test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration(m
     monkeypatch.setattr(checkpoints, "plan_restart", lambda load_dir, ckpt_step=None: None)
     (report,) = run_cells([SPECS["megatron-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "loaded iteration [5]" in report.details, report.details
+
+
+@pytest.mark.parametrize(("cell", "undo"), [("megatron-distopt-clean", "boundary"),
+                                             ("megatron-distopt-overlap-clean", "param_sync")])
+def test_megatron_distopt_cells_fail_without_the_plugins_boundary_or_param_sync(monkeypatch, cell, undo):
+    """The guards of the distributed-optimizer cells: at the inner optimizer's step each data-parallel rank
+    holds its own updated shard and the others' old ones; under --overlap-param-gather the replicas differ until
+    the next forward gathers. Either way the replicas would disagree with nothing wrong."""
+    import contextlib
+
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import attach
+
+    if undo == "param_sync":
+        monkeypatch.setattr(attach, "param_gather_paused", lambda chunks: contextlib.nullcontext())
+    else:  # the boundary at the last inner optimizer's step, scout_core's default
+        from scout_core.adapter import FrameworkAdapter
+
+        monkeypatch.setattr(FrameworkAdapter, "step_owner", property(lambda self: None, lambda self, v: None),
+                            raising=False)
+    (report,) = run_cells([SPECS[cell]], root=ROOT)
+    assert report.verdict == "FAIL" and "kinds ['sdc'], expected []" in report.details, report.details

@@ -18,6 +18,7 @@ framework plugin builds its own adapter from its framework's objects and calls
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,20 @@ class FrameworkAdapter:
     """The parameters of a layer that replica-group members hold as copies rather than shards (Megatron: those
     without ``tensor_model_parallel``). The replica comparison stands only while they are equal on every
     member; None: all of them are assumed equal."""
+    compare_optimizer_slices: bool | None = None
+    """Whether peers' optimizer updates are comparable (False where each peer's optimizer holds another shard
+    of the state: Megatron's distributed optimizer); None: judged from the parameters (sharded DTensors)."""
+    compare_param_grads: bool = True
+    """Whether a replayed layer's weight gradients are signed (False where the framework accumulates them into
+    its own buffers inside the backward and hands autograd a placeholder: Megatron's gradient-accumulation
+    fusion)."""
+    step_owner: Any = None
+    """An object whose ``step()`` ends the training step after the inner optimizers stepped (Megatron's
+    ``MegatronOptimizer``, which then copies and gathers the updated parameters): SCOUT's boundary follows it
+    instead of the last inner optimizer's step. None: the last inner optimizer's step."""
+    replay_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    """Entered around each check: what the framework switches off while SCOUT calls its layers outside
+    training (Megatron's parameter all-gather pre-hooks under ``--overlap-param-gather``)."""
     layers: list[nn.Module] | None = None
     """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
     layer_names: list[str] | None = None

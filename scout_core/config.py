@@ -373,7 +373,7 @@ def schema_keys() -> list[SchemaKey]:
                 s for s in (f">= {m['ge']}" if m.get("ge") is not None else "",
                             f"> {m['gt']}" if m.get("gt") is not None else "",
                             f"<= {m['le']}" if m.get("le") is not None else "") if s
-            ) or {"bool": "true / false"}.get(str(f.type), str(f.type))
+            ) or {"bool": "true / false"}.get(str(f.type), str(f.type).replace(" | ", " or "))  # a table cell
             out.append(SchemaKey(key=prefix + f.name, type=f.type, default=default,
                                  doc=docs.get((klass.__name__, f.name), ""), allowed=allowed))
         return out

@@ -66,6 +66,22 @@ CRASH_FLUSH_S = 30.0
 exchanges replicas with may be gone too); the slot written before that point survives the process."""
 
 
+class _InstanceAttribute:
+    """Sets ``obj.name`` on the instance until :meth:`remove` (a hook handle's interface)."""
+
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self.obj, self.name = obj, name
+        self.had = name in vars(obj)
+        self.before = vars(obj).get(name)
+        setattr(obj, name, value)
+
+    def remove(self) -> None:
+        if self.had:
+            setattr(self.obj, self.name, self.before)
+        else:
+            vars(self.obj).pop(self.name, None)
+
+
 class ScoutHandle:
     """What :func:`scout_core.enable` returns; :meth:`close` undoes everything it installed."""
 
@@ -198,7 +214,8 @@ class ScoutHandle:
             layer_owners=fsdp_owners(layers, a.chunks),
             # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.
             local_only_params=a.moe.expert_parameters() if a.moe is not None else (),
-            replicated_parameters=a.replicated_parameters)
+            replicated_parameters=a.replicated_parameters, compare_optimizer_slices=a.compare_optimizer_slices,
+            compare_param_grads=a.compare_param_grads, replay_context=a.replay_context)
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
@@ -275,7 +292,20 @@ class ScoutHandle:
         self._hooks.append(opts[0].register_step_pre_hook(lambda *_: self.settle()))
         if self.replay is not None:
             self._hooks.append(opts[0].register_step_pre_hook(self.replay._pre_step))
-        self._hooks.append(opts[-1].register_step_post_hook(lambda *_: self.on_step()))
+        owner = self.adapter.step_owner
+        if owner is None:
+            self._hooks.append(opts[-1].register_step_post_hook(lambda *_: self.on_step()))
+            return
+        # The framework's own step ends the training step (Megatron's distributed optimizer copies and gathers
+        # the updated parameters after its inner optimizers stepped): the boundary follows it.
+        framework_step = owner.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            out = framework_step(*args, **kwargs)
+            self.on_step()
+            return out
+
+        self._hooks.append(_InstanceAttribute(owner, "step", step))
 
     # -- snapshot contents ------------------------------------------------------------------------------
 

@@ -25,9 +25,11 @@ a failure on any peer makes every peer skip the check together.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +87,8 @@ __all__ = ["BoundaryResult", "ReplayEngine"]
 
 REPLICATED_STATE = ".replicated_state"
 """The replica exchange's surface of the sampled layer's copied (not sharded) parameters."""
+REPLICA_UNTRUSTED = "replica.untrusted"
+"""The replica exchange's list of each member's ranks that are not evidence (nondeterministic, foreign)."""
 
 
 def _strict_majority(values: Sequence[Any]) -> Any:
@@ -176,6 +180,8 @@ class ReplayEngine:
         hook_optimizer: bool = True,
         local_only_params: Sequence[torch.Tensor] = (),
         replicated_parameters: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None,
+        compare_param_grads: bool = True,
+        replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -216,6 +222,10 @@ class ReplayEngine:
         self.layer_owners = list(layer_owners) if layer_owners is not None else [None] * self.n_hidden
         # The parameters of a layer that replica-group members hold as copies, not shards (see _replica_verdicts).
         self.replicated_parameters = replicated_parameters
+        self.compare_param_grads = compare_param_grads
+        # Entered around each check: what the framework must switch off while SCOUT calls its layers outside
+        # training (Megatron's parameter all-gather pre-hooks).
+        self.replay_context = replay_context
         if len(self.layer_owners) != self.n_hidden:
             raise ValueError(f"layer_owners has {len(self.layer_owners)} entries for {self.n_hidden} layers")
         self.captures = [LayerCapture(layer) for layer in self.layers]
@@ -313,7 +323,8 @@ class ReplayEngine:
         result.recipes = tuple(recipes) + (("optimizer",) if opt_due else ())
         if result.recipes:
             try:
-                self._check(result, due, opt_due)
+                with self._framework_paused():
+                    self._check(result, due, opt_due)
             finally:
                 if self.opt_slice is not None:
                     self.opt_slice.pending = None
@@ -326,6 +337,29 @@ class ReplayEngine:
             self.history.append(result)  # steps with nothing due keep no record: a long run must not grow
         self._arm(step + 1)
         return result
+
+    @contextlib.contextmanager
+    def _framework_paused(self) -> Iterator[None]:
+        """The adapter's replay context around a check; a failure to enter it skips the check on every rank
+        (the guard's next agreement), a failure to leave it is reported, never raised into training."""
+        if self.replay_context is None:
+            yield
+            return
+        ctx = None
+        try:
+            ctx = self.replay_context()
+            ctx.__enter__()
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            self.guard.fail(exc, "entering the framework's replay context")
+            ctx = None
+        try:
+            yield
+        finally:
+            if ctx is not None:
+                try:
+                    ctx.__exit__(None, None, None)
+                except Exception as exc:  # noqa: BLE001
+                    self.guard.report(self.step, "replay", exc, "leaving the framework's replay context")
 
     def _check(self, result: BoundaryResult, due: list[tuple[str, int]], opt_due: bool) -> None:
         guard, step = self.guard, result.step
@@ -454,6 +488,8 @@ class ReplayEngine:
                     replicated.append((f"{hidden}{REPLICATED_STATE}", tuple(signed)))
 
                 guard.run("replicated parameters", copies)
+            if replicated:  # every member's ranks that are not evidence: the verdict must be the same on all
+                replicated.append((REPLICA_UNTRUSTED, tuple(sorted(self._untrusted))))
             result.replica_surfaces = guard.run("replica exchange", lambda: c3_exchange(
                 [v for _, v in replicated], group=self.groups.replica_control,
                 surfaces=[n for n, _ in replicated])) or []
@@ -461,7 +497,15 @@ class ReplayEngine:
                 result.skipped = "diagnosis error"
                 return
         result.surfaces, found = split_vetting(surfaces)
-        if any(reason == "nondeterministic" for reason in found.values()):
+        nondeterministic = any(reason == "nondeterministic" for reason in found.values())
+        if len(self.groups.all_peers) > 1:
+            # Every peer group replays as often as every other: tensor- or context-parallel partners sit in other
+            # groups and pair their collectives with this one's in replay (a second run on one side only would
+            # leave the other waiting). All ranks are here: the agreement above passed.
+            flag = torch.tensor([int(nondeterministic)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.world_control)
+            nondeterministic = bool(flag.item())
+        if nondeterministic:
             self._vet_always = True  # from now on every check replays twice
         result.untrusted = found
         self._set_aside(result)
@@ -539,7 +583,8 @@ class ReplayEngine:
             try:
                 done.append(replay_layer(
                     forward, layer, name, call, variants=self.cfg.input_variants, providers=self.rng_providers,
-                    deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state, vet=vet))
+                    deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state, vet=vet,
+                    param_grads=self.compare_param_grads))
             finally:
                 self.captures[idx].suspended, self.replaying = False, False
             surfaces.extend(done[0].surfaces)
@@ -708,6 +753,9 @@ class ReplayEngine:
         replica group decides alike from the same exchange; its lowest member not named writes the record.
         Returns the surfaces resolved for this rank's own peer group (its no-majority record drops them)."""
         untrusted = set(self._untrusted)
+        for res in result.replica_surfaces:
+            if res.surface == REPLICA_UNTRUSTED:
+                untrusted.update(r for ranks in res.evidence for r in ranks)
         # The replicas' outputs are comparable only while the parameters they hold as copies are the same on
         # all of them: a corrupted step trains those copies apart for good (Megatron keeps tensor-parallel
         # copies equal only by computing the same), and then the replicas disagree without anyone faulty now.
@@ -719,12 +767,13 @@ class ReplayEngine:
         resolved: set[str] = set()
         for res in result.replica_surfaces:
             if (res.status is not C3Status.ATTRIBUTED or untrusted & set(res.peer_ranks)
-                    or res.surface.endswith(REPLICATED_STATE)):
+                    or res.surface.endswith(REPLICATED_STATE) or res.surface == REPLICA_UNTRUSTED):
                 continue
             value = dict(zip(res.peer_ranks, res.evidence))
             # Only where the culprit's own peer group could not say: otherwise its own verdict stands.
-            culprits = tuple(r for r in res.outlier_ranks
-                             if _strict_majority([value[p] for p in peer_of.get(r, (r,))]) is None)
+            # (A peer group of one rank compares that rank with nobody: it has no majority.)
+            culprits = tuple(r for r in res.outlier_ranks if len(peer_of.get(r, (r,))) < 2
+                             or _strict_majority([value[p] for p in peer_of[r]]) is None)
             if culprits:
                 named.setdefault(culprits, []).append(res)
                 if set(culprits) & set(self.peers):

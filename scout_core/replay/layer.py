@@ -201,7 +201,7 @@ class ComputeClock:
 
 def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedCall, *,
                  variants: Sequence[float], providers: Mapping[str, RngProvider], deterministic: bool,
-                 compare_param_state: bool, vet: bool = False) -> LayerReplay:
+                 compare_param_state: bool, vet: bool = False, param_grads: bool = True) -> LayerReplay:
     """Forward and backward of ``layer`` on the shipped call, per input variant: signed surfaces and the
     compute time (the fastest variant's). ``vet``: replay the first variant twice and say whether it
     signed the same (replay assumes bitwise determinism; a rank where it does not hold is not evidence).
@@ -210,13 +210,16 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
     into ``.grad``; each output tensor that needs a gradient gets the one the source
     saw in training (a ones tensor where none arrived, identically on every peer).
     Each variant's outputs and gradients are signed as soon as they exist and then dropped: the check
-    holds one variant's tensors at a time, not all of them until the end.
+    holds one variant's tensors at a time, not all of them until the end. ``param_grads`` False: the weight
+    gradients are not signed (a framework that accumulates them straight into its own buffers inside the
+    backward hands autograd a placeholder instead).
     """
     received = [*call.tensors, *call.grad_outputs.values()]
     surfaces: list[tuple[str, Any]] = [
         ("replay.inputs", (tuple(s.signature for s in sign_many(received)), rng_fingerprint(call.rng)))]
-    params = [p for p in layer.parameters() if p.requires_grad]
-    device = params[0].device if params else device_of(layer)
+    trained = [p for p in layer.parameters() if p.requires_grad]
+    params = trained if param_grads else []  # the parameters whose gradients are taken and signed
+    device = trained[0].device if trained else device_of(layer)
     times = []
     reproducible: bool | None = None
     # Running statistics (BatchNorm), counters and caches are training state: replay in train mode would
@@ -247,7 +250,7 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
     if compare_param_state:
-        state = [p.detach() for p in params] + [b for b in layer.buffers() if b.is_floating_point()]
+        state = [p.detach() for p in trained] + [b for b in layer.buffers() if b.is_floating_point()]
         surfaces += _signed([(f"{name}.param_state", state)])
     # The variants are the same work at different scales, so the fastest of them is the compute time:
     # a slow device is slow in every variant, a hiccup delays one of them.

@@ -24,8 +24,10 @@ framework adapter and ``enable_with`` do the rest):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -56,16 +58,19 @@ def _all_groups(mine: list[int]) -> list[list[int]]:
 
 
 def peer_groups() -> list[list[int]]:
-    """SCOUT's peer groups from Megatron's parallel state: each rank's data-parallel group (with context
-    parallelism). Every rank calls it (one gather of the groups' ranks)."""
+    """SCOUT's peer groups from Megatron's parallel state: each rank's data-parallel group, without context
+    parallelism (context-parallel ranks hold the same parameters but attend over their own part of the
+    sequence: replayed on one source's input they would differ; they replay together, each in its own group).
+    Every rank calls it (one gather of the groups' ranks)."""
     from megatron.core import parallel_state
 
-    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=False))
     return [list(g) for g in _all_groups(mine)]
 
 
 def replica_groups(model_config: Any) -> list[list[int]] | None:
-    """The ranks of each pipeline stage, where a hidden layer's replayed output is the same on all of them:
+    """The ranks of each pipeline stage (and context-parallel position), where a hidden layer's replayed output is
+    the same on all of them:
     tensor parallelism without sequence parallelism all-reduces a layer's output to every tensor-parallel
     partner, and the partners of one check replay their peer groups' sources, which are themselves partners.
     None where that does not hold (no tensor parallelism, sequence parallelism, expert parallelism). Every rank
@@ -76,8 +81,10 @@ def replica_groups(model_config: Any) -> list[list[int]] | None:
     ep = parallel_state.get_expert_model_parallel_world_size()
     if tp <= 1 or ep > 1 or getattr(model_config, "sequence_parallel", False):
         return None
+    # Tensor-parallel partners of the same pipeline stage and context-parallel position.
     stages: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(stages, parallel_state.get_pipeline_model_parallel_rank())
+    dist.all_gather_object(stages, (parallel_state.get_pipeline_model_parallel_rank(),
+                                    parallel_state.get_context_parallel_rank()))
     return [[r for r, s in enumerate(stages) if s == stage] for stage in sorted(set(stages))]
 
 
@@ -86,6 +93,34 @@ def tensor_parallel_copies(layer: nn.Module) -> list[torch.Tensor]:
     Megatron marks the sharded ones ``tensor_model_parallel``. The replica comparison stands only while these
     copies are equal across partners."""
     return [p for p in layer.parameters() if not getattr(p, "tensor_model_parallel", False)]
+
+
+def _distributed_optimizer(optimizer: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(isinstance(o, DistributedOptimizer) for o in inner)
+
+
+@contextlib.contextmanager
+def param_gather_paused(chunks: list[nn.Module]) -> Iterator[None]:
+    """Megatron's DDP under ``--overlap-param-gather`` gathers the updated parameters lazily, in the next
+    forward's pre-hooks: at SCOUT's boundary each data-parallel rank holds its own updated shard and the others'
+    old ones, and a replay that ran those hooks would mark buckets gathered that the next real forward then skips.
+    While SCOUT checks, the hooks are off and the parameters synced, exactly as Megatron does around its own
+    evaluation (``disable_forward_pre_hook()``: the same all-gather the next forward would have made)."""
+    lazy = [c for c in chunks if getattr(c, "use_forward_hook", False)]
+    paused = [c for c in lazy if c.remove_forward_pre_hook_handles]
+    for chunk in lazy:
+        if chunk in paused:
+            chunk.disable_forward_pre_hook(param_sync=True)
+        else:  # Megatron keeps the hooks off for the first iteration: the sync alone
+            chunk.start_param_sync(force_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in paused:
+            chunk.enable_forward_pre_hook()
 
 
 def rng_providers() -> dict[str, RngProvider]:
@@ -160,8 +195,22 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
     adapter.name = "megatron"
     from megatron.core.utils import get_model_config
 
-    adapter.replica_groups = replica_groups(get_model_config(chunks[0]))
+    model_config = get_model_config(chunks[0])
+    adapter.replica_groups = replica_groups(model_config)
     adapter.replicated_parameters = tensor_parallel_copies
+    # Each data-parallel rank's distributed optimizer steps its own shard of the state: nothing to compare.
+    adapter.compare_optimizer_slices = False if _distributed_optimizer(optimizer) else None
+    # Gradient-accumulation fusion adds weight gradients to main_grad inside the backward and hands autograd a
+    # placeholder: only outputs and input gradients are comparable then.
+    adapter.compare_param_grads = not getattr(model_config, "gradient_accumulation_fusion", False)
+    adapter.replay_context = functools.partial(param_gather_paused, chunks)
+    # SCOUT's boundary follows Megatron's own optimizer step: its distributed optimizer copies each rank's
+    # updated shard into the model and gathers the others' after its inner optimizers stepped, so only then do
+    # the data-parallel replicas hold the same parameters.
+    adapter.step_owner = optimizer
+    if config is not None and (config.topology.shape or config.topology.order != ScoutConfig().topology.order):
+        log.warning("scout_megatron: --scout-topology-* is ignored: peer groups come from Megatron's parallel "
+                    "state")
     handle = enable_with(adapter, config=config)
     if handle.rank == 0:
         log.info("scout_megatron: SCOUT attached to %d model chunk(s), %d optimizer(s), %d repeated layers, peer "

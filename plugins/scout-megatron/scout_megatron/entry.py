@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +71,11 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
 
     megatron_args = get_args()
     if not hasattr(megatron_args, "scout"):
-        raise RuntimeError("scout_megatron.pretrain: the arguments were parsed without SCOUT's flags; parse them "
-                           "with scout_megatron.parse_and_validate_args (the same import line)")
+        if any(a.startswith("--scout") for a in sys.argv[1:]):
+            raise RuntimeError("scout_megatron.pretrain: --scout was given but the arguments were parsed without "
+                               "SCOUT's flags: parse them with scout_megatron.parse_and_validate_args (the same "
+                               "import line); --yaml-cfg replaces the parsed flags and cannot carry SCOUT's")
+        return training.pretrain(*args, **kwargs)  # SCOUT not asked for: Megatron's pretrain, untouched
     config = config_from_args(megatron_args)
     if config is None:
         return training.pretrain(*args, **kwargs)

@@ -10,10 +10,19 @@ bad value stops the launch there, naming the flag (or the file and key) it came 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from typing import Any
 
-from scout_core.config import CROSS_FIELD_RULES, ConfigError, ScoutConfig, load, reference_tables, schema_keys
+from scout_core.config import (
+    CROSS_FIELD_RULES,
+    ConfigError,
+    ScoutConfig,
+    load,
+    reference_tables,
+    schema_keys,
+    validate,
+)
 
 __all__ = ["FLAGS_BEGIN", "FLAGS_END", "add_scout_args", "config_from_args", "flag_of", "flags_reference"]
 
@@ -88,6 +97,9 @@ def _validate_on_parse(parser: argparse.ArgumentParser) -> None:
 
     def parse_known_args(args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
         parsed, rest = parse_known(args, namespace)
+        unknown = [t.split("=", 1)[0] for t in rest if t.startswith("--scout")]
+        if unknown:  # also under Megatron's ignore_unknown_args: a misspelled SCOUT flag must not go unnoticed
+            parser.error(f"unrecognized SCOUT flag(s): {' '.join(unknown)} (see --help, group SCOUT)")
         try:
             config_from_args(parsed)
         except ConfigError as exc:
@@ -112,8 +124,16 @@ def config_from_args(args: argparse.Namespace) -> ScoutConfig | None:
     ``--scout``. Raises :class:`ConfigError` naming the flag, or the file and key, a bad value came from."""
     values = _given(args)
     path = getattr(args, "scout_config", None)
+    # A mapping given by a flag replaces the file's (merged, --scout-topology-shape d=8 over a file's d=4 t=2
+    # would keep t=2 from the file).
+    mappings = {k: v for k, v in values.items() if isinstance(v, dict)}
     try:
-        cfg = load(path, values=values)
+        cfg = load(path, values={k: v for k, v in values.items() if k not in mappings})
+        for key, mapping in mappings.items():
+            *outer, leaf = key.split(".")
+            holder = functools.reduce(getattr, outer, cfg)
+            setattr(holder, leaf, dict(mapping))
+        validate(cfg)
     except ConfigError as exc:
         key, _, why = str(exc).partition(": ")
         if key in values:

@@ -115,3 +115,26 @@ def test_the_readme_lists_every_flag():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme[readme.index(FLAGS_BEGIN):readme.index(FLAGS_END) + len(FLAGS_END)] + "\n"
     assert block == flags_reference()
+
+
+def test_a_misspelled_scout_flag_fails_even_where_megatron_ignores_unknown_flags(capsys):
+    from megatron.training.arguments import parse_args
+
+    saved = sys.argv
+    sys.argv = ["pretrain_gpt.py", "--scout", "--scout-replay-cadense-hidden", "3", "--someone-elses-flag"]
+    try:
+        with pytest.raises(SystemExit) as stop:
+            parse_args(scout_args_provider(), ignore_unknown_args=True)
+    finally:
+        sys.argv = saved
+    err = " ".join(capsys.readouterr().err.split())
+    assert stop.value.code == 2 and "unrecognized SCOUT flag(s): --scout-replay-cadense-hidden" in err
+
+
+def test_a_mapping_flag_replaces_the_files_mapping(tmp_path):
+    path = tmp_path / "scout.yaml"
+    path.write_text("topology:\n  shape: {d: 4, t: 2}\n")
+    cfg = config_from_args(megatron_parse("--scout", "--scout-config", str(path), "--scout-topology-shape", "d=8"))
+    assert cfg.topology.shape == {"d": 8}
+    cfg = config_from_args(megatron_parse("--scout", "--scout-config", str(path)))
+    assert cfg.topology.shape == {"d": 4, "t": 2}

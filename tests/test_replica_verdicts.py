@@ -1,0 +1,73 @@
+"""The replica comparison's verdicts (engine._replica_verdicts), decided from one exchange's results alone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from scout_core.consensus import C3Result, C3Status
+from scout_core.replay.engine import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult, ReplayEngine
+
+RANKS = (0, 1, 2, 3)
+
+
+def result(surface: str, values: tuple, ranks: tuple[int, ...] = RANKS) -> C3Result:
+    """An exact C3 result over ``ranks`` as c3_exchange computes it: the strict majority's value, the others set."""
+    majority = next((v for v in values if values.count(v) * 2 > len(values)), None)
+    if majority is None:
+        status, bitmap = (C3Status.AGREE if len(set(values)) == 1 else C3Status.INCONCLUSIVE), (0,) * len(values)
+    else:
+        bitmap = tuple(int(v != majority) for v in values)
+        status = C3Status.ATTRIBUTED if any(bitmap) else C3Status.AGREE
+    return C3Result(status, bitmap, values, ranks, surface, majority)
+
+
+def engine(rank: int, peers: tuple[tuple[int, ...], ...] = ((0, 2), (1, 3)), untrusted=()):
+    emitted: list = []
+    fake = SimpleNamespace(
+        _untrusted=dict.fromkeys(untrusted, "nondeterministic"), rank=rank,
+        groups=SimpleNamespace(all_peers=peers, replica_ranks=RANKS),
+        peers=next(g for g in peers if rank in g), emitted=emitted,
+        _incident=lambda kind, scope, ranks, rs, reason: (kind.value, scope.value, tuple(ranks)),
+        _emit=emitted.extend)
+    return fake
+
+
+def verdicts(fake, surfaces):
+    res = BoundaryResult(step=3, replica_surfaces=list(surfaces))
+    resolved = ReplayEngine._replica_verdicts(fake, res)
+    return resolved, res.incidents_global
+
+
+OUT = "layers.1.x1.output"
+BAD_ON_1 = ("a", "b", "a", "a")
+
+
+def test_a_rank_its_two_replica_group_cannot_outvote_is_named_by_its_replica_group():
+    for rank in RANKS:
+        fake = engine(rank)
+        resolved, records = verdicts(fake, [result(OUT, BAD_ON_1)])
+        assert records == [("sdc", "rank", (1,))]
+        assert resolved == ({OUT} if rank in (1, 3) else set())  # only rank 1's peer group drops its record
+        assert fake.emitted == (records if rank == 0 else [])  # one writer: the lowest member not named
+
+
+def test_copied_parameters_that_differ_void_the_comparison():
+    state = result(f"layers.1{REPLICATED_STATE}", ("p", "q", "p", "q"))
+    assert verdicts(engine(0), [result(OUT, BAD_ON_1), state]) == (set(), [])
+
+
+def test_a_rank_another_member_found_nondeterministic_is_never_named():
+    untrusted = result(REPLICA_UNTRUSTED, ((), (1,), (), ()))  # rank 1's own group found it, rank 0's did not
+    assert verdicts(engine(0), [result(OUT, BAD_ON_1), untrusted]) == (set(), [])
+
+
+def test_a_peer_group_with_a_majority_keeps_its_own_verdict():
+    fake = engine(0, peers=((0, 2, 4), (1, 3, 5)))
+    values = ("a", "b", "a", "a", "a", "a")
+    assert verdicts(fake, [result(OUT, values, ranks=(0, 1, 2, 3, 4, 5))]) == (set(), [])
+
+
+def test_a_peer_group_of_one_rank_has_no_majority():
+    fake = engine(0, peers=((0,), (1,), (2,), (3,)))
+    _, records = verdicts(fake, [result(OUT, BAD_ON_1)])
+    assert records == [("sdc", "rank", (1,))]
