@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from scout_core.actions import ScoutStop
 from scout_core.runtime import ScoutHandle
 from scout_megatron.flags import add_scout_args, config_from_args
 
@@ -101,9 +102,19 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
     # ``pretrain`` calls the module's ``setup_model_and_optimizer`` and ``save_checkpoint`` by name and offers no
     # hook between building the model and training it: the names are rebound for this call only.
     training.setup_model_and_optimizer = setup_then_attach
+    planned: SystemExit | None = None
     try:
-        return training.pretrain(*args, **kwargs)
+        try:
+            return training.pretrain(*args, **kwargs)
+        except SystemExit as exc:
+            if isinstance(exc, ScoutStop) or exc.code not in (0, None):
+                raise
+            # Megatron's planned exits (--exit-interval, --exit-duration-in-mins, its signal handler) end
+            # with sys.exit(0) from inside its loop: a normal end for SCOUT too (the last step's state settled, a
+            # stop decided at it carried out), not a failure.
+            planned = exc
     finally:
         training.setup_model_and_optimizer, training.save_checkpoint = setup, save
         if attached.handle is not None:
             attached.handle.close()
+    raise planned
