@@ -103,7 +103,8 @@ def _gpt_provider(pre_process: bool = True, post_process: bool = True, **_: Any)
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     args = get_args()
-    return GPTModel(config=core_transformer_config_from_args(args), transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    return GPTModel(config=core_transformer_config_from_args(args), transformer_layer_spec=spec,
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process)
 
@@ -143,6 +144,20 @@ def _install_faults(model: list[torch.nn.Module], injector: Injector, rank: int)
 
     step = lambda: int(getattr(get_args(), "curr_iteration", 0)) + 1  # noqa: E731 - Megatron counts from 0
     for i, layer in enumerate(unwrap_model(model[0]).decoder.layers):
+        experts = getattr(getattr(getattr(layer, "mlp", None), "experts", None), "local_experts", None)
+        for e, expert in enumerate(experts or []):
+            # A faulty unit in one expert's computation: ``layers.<i>.experts.<e>.output`` (training and replay).
+            def expert_out(_m: Any, _a: Any, out: Any, i: int = i, e: int = e) -> Any:
+                # A corrupted copy replaces the output: the expert's own output may be a view an autograd Function
+                # returned, which must not be changed in place.
+                first = out[0] if isinstance(out, tuple) else out
+                corrupted = first.detach().clone()
+                if not injector.corrupt(f"layers.{i}.experts.{e}.output", corrupted, rank=rank, step=step()):
+                    return None
+                corrupted = first + (corrupted - first.detach())  # the corrupted value, training's gradient path
+                return (corrupted, *out[1:]) if isinstance(out, tuple) else corrupted
+
+            expert.register_forward_hook(expert_out)
         def enter(_m: Any, _a: Any, i: int = i) -> None:
             injector.freeze(f"layers.{i}.forward", rank=rank, step=step())
 
@@ -201,6 +216,8 @@ def _megatron_rank(ctx: RankContext) -> dict[str, Any]:
         training.pretrain, training.save_checkpoint = megatron_pretrain, megatron_save
     handle = scout_megatron.entry.last_handle()
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    if handle is not None and handle.experts is not None:
+        checks += [(c.step, ["expert"], c.skipped) for c in handle.experts.history]
     return {"checks": checks, "iterations": state.get("iterations"), "final": state.get("final"),
             "loaded": state.get("loaded", [])}
 

@@ -578,3 +578,18 @@ def test_megatron_distopt_cells_fail_without_the_plugins_boundary_or_param_sync(
                             raising=False)
     (report,) = run_cells([SPECS[cell]], root=ROOT)
     assert report.verdict == "FAIL" and "kinds ['sdc'], expected []" in report.details, report.details
+
+
+def test_megatron_moe_cell_fails_without_the_expert_binding(monkeypatch):
+    """The guard of megatron-moe-sdc: without the plugin's binding of Megatron's experts the expert recipe does
+    not run, and the corrupted expert is not named as such."""
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import attach
+
+    monkeypatch.setattr(attach, "moe_binding", lambda inner: None)
+    (report,) = run_cells([SPECS["megatron-moe-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "no incident on a surface containing 'decoder.layers.1.mlp.experts.2'" in \
+        report.details, report.details

@@ -108,9 +108,9 @@ class MoEBinding:
 
 def expert_width(expert: nn.Module, hidden_size: int | None = None) -> int:
     """The width of the rows ``expert`` takes: ``hidden_size`` when given; else the first ``nn.Linear``'s
-    ``in_features`` (a Linear stores ``[out, in]``: Mixtral's ``w1``, Hugging Face's ``gate_proj``,
-    Megatron's ``linear_fc1``); else the first parameter's first dimension (raw ``[hidden, ffn]`` weights,
-    Megatron's grouped experts, the test model)."""
+    ``in_features`` (a Linear stores ``[out, in]``: Mixtral's ``w1``, Hugging Face's ``gate_proj``); else the
+    first parameter's first dimension (raw ``[hidden, ffn]`` weights, the test model). Megatron's experts use its
+    own parallel linears: scout-megatron passes the model's hidden size."""
     if hidden_size is not None:
         return int(hidden_size)
     for m in expert.modules():

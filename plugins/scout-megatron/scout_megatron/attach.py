@@ -16,6 +16,7 @@ framework adapter and ``enable_with`` do the rest):
   its own peer group of two data-parallel replicas has no majority;
 * RNG: every stream of Megatron's tensor-parallel RNG tracker (Transformer Engine's tracker where Megatron uses
   it) is a replay RNG provider, so a replay runs under the source's dropout streams;
+* MoE: Megatron's ``MoELayer`` recognised and its experts bound to the expert recipe (:mod:`scout_megatron.moe`);
 * state: Megatron's LR/weight-decay scheduler (``OptimizerParamScheduler``) in SCOUT's snapshots;
 * the hang path: Megatron's gradient buckets issue ``torch.distributed`` collectives, which SCOUT observes;
   the distributed optimizer's reduce-scatter and all-gather are bound at Megatron's import, so they are routed
@@ -38,6 +39,7 @@ from scout_core.adapter import discover_layers, torch_adapter
 from scout_core.config import ScoutConfig
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
+from scout_megatron.moe import dense_parts, moe_binding
 
 __all__ = ["attach", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers", "unwrap"]
 
@@ -189,9 +191,13 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
         kept.setdefault("opt_param_scheduler", opt_param_scheduler)
     observe_bucket_collectives()
     groups = peer_groups()
+    blocks = layers
+    moe = moe_binding(inner)
+    layers, names = dense_parts(blocks, names, bound=moe is not None)  # MoE layers by their attention
     adapter = torch_adapter(chunks, optimizer, peer_groups=groups, layers=layers, embedding=embedding,
-                            output=output, rng_providers=rng_providers(), state=kept or None)
+                            output=output, rng_providers=rng_providers(), state=kept or None, moe=moe)
     adapter.layer_names = names
+    adapter.marked_layers = blocks  # hangs are placed by Megatron's layers, whatever part replay samples
     adapter.name = "megatron"
     from megatron.core.utils import get_model_config
 
