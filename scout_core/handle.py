@@ -646,6 +646,9 @@ class ScoutHandle:
                 self._quietly(lambda: self.guard.report(self._step(), "close", failed, "settle at close"), "report")
         else:
             self._quietly(self._complete_caller_state, "caller state at close")
+        if not failing and pending is None and not self.stopped and self.framework_checkpoints is not None:
+            # A normal end: a relaunch goes on from the newest checkpoint not rejected (see durable.ended).
+            self._quietly(self.framework_checkpoints.ended, "checkpoint labels at close")
         self._closed = True
         try:
             for h in self._hooks:

@@ -172,3 +172,26 @@ def test_a_restarted_job_keeps_the_labels_its_predecessor_earned(tmp_path):
                                                                      4: "verified", 5: "latest"}
     restart.on_boundary(6, fresh.on_boundary(6, CLEAN), fresh)
     assert restart.entries[5]["label"] == "verified"
+
+
+def test_a_run_that_ended_normally_is_relaunched_from_its_newest_checkpoint(tmp_path):
+    """A normal end (SCOUT closed after the last step, no failure, no verdict) is not an unexplained stop: the
+    relaunch goes on from the newest checkpoint not rejected, unverified as a job's last save usually is; a later
+    save of the relaunched run, or a verdict, takes that back."""
+    cert = Certifier(recipes_per_cycle=2)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    for step in (1, 2, 3, 4, 5):
+        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.saved(step, "", cert)
+    labels.ended()
+    choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()
+    assert (choice.step, choice.label) == (5, "latest")
+    labels.saved(6, "", cert)  # the run goes on: an unexplained stop now goes back to the newest verified
+    assert FrameworkCheckpoints(str(tmp_path), writer=False).choose().step == 2
+
+
+def test_a_verdicts_stop_is_never_taken_for_a_normal_end(tmp_path):
+    _cert, labels = _run(tmp_path, {5: SDC})
+    labels.ended()
+    choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()
+    assert (choice.step, choice.failure) == (4, "sdc")

@@ -67,6 +67,9 @@ class FrameworkCheckpoints:
         """The failure a verdict stopped the job for (read back by the restart)."""
         self.set_aside: list[str] = []
         """Checkpoints earlier restarts moved away (newer than what they loaded)."""
+        self.ended_normally = False
+        """The run that saved these ended normally (its last step done, SCOUT closed without a failure or a stop):
+        its newest checkpoint not rejected is where a relaunch goes on, verified yet or not."""
         self._rejected_above: int | None = None  # after an SDC verdict: newer than this is rejected
         self._load()
 
@@ -81,6 +84,7 @@ class FrameworkCheckpoints:
             self.entries = {int(k): dict(v) for k, v in data.get("checkpoints", {}).items()}
             self.stopped_for = data.get("stopped_for")
             self.set_aside = [str(p) for p in data.get("set_aside", [])]
+            self.ended_normally = bool(data.get("ended_normally", False))
         except (OSError, ValueError, TypeError, AttributeError) as exc:
             # A torn or foreign file must not stop the restart: without labels nothing counts as verified.
             _log.error("SCOUT: cannot read checkpoint labels %s (%s): treating every checkpoint as unlabelled",
@@ -92,7 +96,8 @@ class FrameworkCheckpoints:
             return
         os.makedirs(self.folder, exist_ok=True)
         body = {"checkpoints": {str(k): v for k, v in sorted(self.entries.items())},
-                "stopped_for": self.stopped_for, "set_aside": self.set_aside, "time_unix": time.time()}
+                "stopped_for": self.stopped_for, "set_aside": self.set_aside, "ended_normally": self.ended_normally,
+                "time_unix": time.time()}
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(body, fh, indent=1, sort_keys=True)
@@ -108,6 +113,7 @@ class FrameworkCheckpoints:
         checkpoint, before any training step): nothing can have corrupted it, it is verified."""
         label = "verified" if int(step) == 0 else "latest"
         self.entries[int(step)] = {"label": label, "path": where, "saved_unix": time.time()}
+        self.ended_normally = False  # the run goes on
         self._relabel(certifier)
         self._write()
 
@@ -138,6 +144,14 @@ class FrameworkCheckpoints:
             elif certifier.candidate is not None and step <= certifier.candidate and entry["label"] == "latest":
                 entry["label"] = "candidate"
 
+    def ended(self) -> None:
+        """The run ended normally (SCOUT closed after its last step, neither failing nor stopped by a verdict):
+        a relaunch goes on from its newest checkpoint not rejected (a job's last save, at the end of its iterations,
+        a planned exit or a preemption's save, usually comes between two checks, unverified)."""
+        if self.stopped_for is None:
+            self.ended_normally = True
+            self._write()
+
     # -- at restart -----------------------------------------------------------------------------------
 
     def choose(self, failure: FailureKind | str | None = None, *,
@@ -146,6 +160,10 @@ class FrameworkCheckpoints:
         overrides the recorded one; ``exists(step)``: the checkpoint is still there (not purged, complete)."""
         kind = FailureKind(failure or self.stopped_for or FailureKind.OTHER)
         live = {s: e for s, e in self.entries.items() if e["label"] != "rejected" and exists(s)}
+        if failure is None and self.stopped_for is None and self.ended_normally and live:
+            step = max(live)
+            return LoadChoice(step, live[step]["label"], "none",
+                              "the last run ended normally: its newest checkpoint not rejected")
         if kind is FailureKind.STRAGGLER:
             pool, wanted = live, "not rejected"
             reason = "straggler: slowness is not numerical divergence, the newest checkpoint not rejected"
@@ -177,6 +195,7 @@ class FrameworkCheckpoints:
         for s in dropped:
             del self.entries[s]
         self.stopped_for = None
+        self.ended_normally = False
         self._rejected_above = None
         self.set_aside = [*self.set_aside, *set_aside]
         if dropped:

@@ -475,27 +475,6 @@ class ReplayEngine:
             result.skipped = "diagnosis error"
             return
         surfaces, timing = exchanged
-        if timed and self.groups.replica_control is not None:
-            # After the job-wide agreement above: a peer group that failed its own exchange must not leave
-            # its replica partners waiting in this one.
-            hidden_idx = next(idx for r, idx in due if r == "hidden")
-            hidden = self.names[hidden_idx]
-            replicated = [(n, v) for n, v in evidence if n.startswith(f"{hidden}.x") and n.endswith(".output")]
-            if replicated and self.replicated_parameters is not None:
-                def copies() -> None:
-                    params = [p.detach() for p in self.replicated_parameters(self.layers[hidden_idx])]
-                    signed = [(s.signature, s.nonfinite) for s in sign_many(params)]
-                    replicated.append((f"{hidden}{REPLICATED_STATE}", tuple(signed)))
-
-                guard.run("replicated parameters", copies)
-            if replicated:  # every member's ranks that are not evidence: the verdict must be the same on all
-                replicated.append((REPLICA_UNTRUSTED, tuple(sorted(self._untrusted))))
-            result.replica_surfaces = guard.run("replica exchange", lambda: c3_exchange(
-                [v for _, v in replicated], group=self.groups.replica_control,
-                surfaces=[n for n, _ in replicated])) or []
-            if not guard.agree(step):
-                result.skipped = "diagnosis error"
-                return
         result.surfaces, found = split_vetting(surfaces)
         nondeterministic = any(reason == "nondeterministic" for reason in found.values())
         if len(self.groups.all_peers) > 1:
@@ -509,6 +488,32 @@ class ReplayEngine:
             self._vet_always = True  # from now on every check replays twice
         result.untrusted = found
         self._set_aside(result)
+        if timed and self.groups.replica_control is not None:
+            # After the job-wide agreement above (a peer group that failed its own exchange must not leave its
+            # replica partners waiting in this one) and after this check's vetting (a rank its own group just
+            # found nondeterministic is no evidence for the replica group either).
+            hidden_idx = next(idx for r, idx in due if r == "hidden")
+            hidden = self.names[hidden_idx]
+            replicated = [(n, v) for n, v in evidence if n.startswith(f"{hidden}.x") and n.endswith(".output")]
+            copy_error: list[BaseException] = []
+            if replicated and self.replicated_parameters is not None:
+                try:
+                    params = [p.detach() for p in self.replicated_parameters(self.layers[hidden_idx])]
+                    copies: Any = tuple((s.signature, s.nonfinite) for s in sign_many(params))
+                except Exception as exc:  # noqa: BLE001 - still exchanged (every member joins), as "unavailable"
+                    copy_error.append(exc)
+                    copies = ("unavailable", self.rank)  # differs from every other member's: no replica verdict
+                replicated.append((f"{hidden}{REPLICATED_STATE}", copies))
+            if replicated:  # every member's ranks that are not evidence: the verdict must be the same on all
+                replicated.append((REPLICA_UNTRUSTED, tuple(sorted(self._untrusted))))
+            result.replica_surfaces = guard.run("replica exchange", lambda: c3_exchange(
+                [v for _, v in replicated], group=self.groups.replica_control,
+                surfaces=[n for n, _ in replicated])) or []
+            if copy_error:
+                guard.fail(copy_error[0], "replicated parameters")
+            if not guard.agree(step):
+                result.skipped = "diagnosis error"
+                return
         misconfigured = optimizer_misconfigured(result.surfaces)
         if misconfigured is not None:  # not agreement, and not SDC on the minority that passed
             self._self_check_off = True

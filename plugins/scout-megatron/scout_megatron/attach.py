@@ -7,8 +7,9 @@ framework adapter and ``enable_with`` do the rest):
   as Megatron wraps them (its ``DistributedDataParallel``, ``Float16Module``); layers, embedding and output are
   found inside the unwrapped ``GPTModel`` (``decoder.layers``, ``embedding``, ``output_layer``);
 * optimizers: the torch optimizers inside ``ChainedOptimizer`` / ``FP32Optimizer`` /
-  ``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer`` (SCOUT's boundary is the last one's step);
-* peer groups: every rank's data-parallel group with context parallelism, from
+  ``Float16OptimizerWithFloat16Params`` / ``DistributedOptimizer``; SCOUT's boundary follows Megatron's own
+  ``optimizer.step()`` (its distributed optimizer gathers the updated shards after its inner optimizers stepped);
+* peer groups: every rank's data-parallel group without context parallelism, from
   ``megatron.core.parallel_state`` (the ranks holding the same parameters); tensor- and pipeline-parallel
   partners are in different peer groups and replay the same sampled layer at the same check, so a tensor-
   parallel layer's collectives pair up in replay as in training; those partners form *replica groups*
@@ -98,10 +99,19 @@ def tensor_parallel_copies(layer: nn.Module) -> list[torch.Tensor]:
 
 
 def _distributed_optimizer(optimizer: Any) -> bool:
+    """Whether each data-parallel rank's optimizer steps a different part of the state (Megatron's distributed
+    optimizer, or its layer-wise distributed optimizer, a ChainedOptimizer of per-rank layers)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return any(isinstance(o, DistributedOptimizer) for o in inner)
+    sharded: tuple[type, ...] = (DistributedOptimizer,)
+    try:
+        from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+        sharded += (LayerWiseDistributedOptimizer,)
+    except ImportError:  # pragma: no cover - older megatron-core
+        pass
+    inner = [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]
+    return any(isinstance(o, sharded) for o in inner)
 
 
 @contextlib.contextmanager
@@ -112,15 +122,17 @@ def param_gather_paused(chunks: list[nn.Module]) -> Iterator[None]:
     While SCOUT checks, the hooks are off and the parameters synced, exactly as Megatron does around its own
     evaluation (``disable_forward_pre_hook()``: the same all-gather the next forward would have made)."""
     lazy = [c for c in chunks if getattr(c, "use_forward_hook", False)]
-    paused = [c for c in lazy if c.remove_forward_pre_hook_handles]
-    for chunk in lazy:
-        if chunk in paused:
-            chunk.disable_forward_pre_hook(param_sync=True)
-        else:  # Megatron keeps the hooks off for the first iteration: the sync alone
-            chunk.start_param_sync(force_sync=True)
+    paused: list[nn.Module] = []
     try:
+        for chunk in lazy:
+            if chunk.remove_forward_pre_hook_handles:
+                chunk.disable_forward_pre_hook(param_sync=True)
+                paused.append(chunk)
+            else:  # Megatron keeps the hooks off for the first iteration: the sync alone, as its own call makes it
+                with torch.no_grad():
+                    chunk.start_param_sync(force_sync=True)
         yield
-    finally:
+    finally:  # also when switching them off failed half-way: every chunk switched off gets its hooks back
         for chunk in paused:
             chunk.enable_forward_pre_hook()
 

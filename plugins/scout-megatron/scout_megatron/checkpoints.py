@@ -37,6 +37,8 @@ SET_ASIDE = "scout-set-aside"
 """Where a restart moves the iterations newer than the one it loads (inside the checkpoint folder)."""
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: the iteration ``--load`` reads (megatron.training.checkpointing)."""
+NON_PERSISTENT = "non_persistent"
+"""Megatron's non-persistent global checkpoint folder inside ``--load`` (its default location)."""
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
@@ -61,12 +63,15 @@ def _tracked(folder: str) -> int | None:
 
 
 def complete(folder: str, iteration: int) -> bool:
-    """A checkpoint Megatron can load: the distributed format's metadata is written last, by the coordinator,
-    once every rank wrote its shard (an asynchronous save still in flight has none); the legacy per-rank format
-    is complete once the tracker names it or a later iteration."""
+    """A checkpoint Megatron can load: the distributed formats' ``metadata.json`` is written last, once every rank
+    wrote its shard and the coordinator its ``.metadata`` (an asynchronous save still in flight has neither, and
+    one with ``.metadata`` only would be read as another format); the legacy per-rank format is complete once the
+    tracker names it or a later iteration."""
     where = iteration_dir(folder, iteration)
-    if os.path.isfile(os.path.join(where, ".metadata")):
+    if os.path.isfile(os.path.join(where, "metadata.json")):
         return True
+    if os.path.isfile(os.path.join(where, ".metadata")):
+        return False
     tracked = _tracked(folder)
     return os.path.isdir(where) and tracked is not None and tracked >= iteration
 
@@ -75,6 +80,7 @@ def _write_tracker(folder: str, iteration: int | None) -> None:
     path = os.path.join(folder, TRACKER)
     if iteration is None:  # nothing safe to load: Megatron then starts from its initialization
         if os.path.exists(path):
+            os.makedirs(os.path.join(folder, SET_ASIDE), exist_ok=True)
             os.replace(path, os.path.join(folder, SET_ASIDE, f"{TRACKER}-{time.strftime('%Y%m%dT%H%M%S')}"))
         fsync_dir(folder)
         return
@@ -87,12 +93,13 @@ def _write_tracker(folder: str, iteration: int | None) -> None:
     fsync_dir(folder)
 
 
-def _set_aside(folder: str, iteration: int) -> str:
+def _set_aside(folder: str, iteration: int | None, name: str | None = None) -> str:
+    """Move ``iter_<iteration>`` (or the entry ``name``) into ``scout-set-aside/``."""
     target_dir = os.path.join(folder, SET_ASIDE)
     os.makedirs(target_dir, exist_ok=True)
-    name = os.path.basename(iteration_dir(folder, iteration))
-    target = os.path.join(target_dir, f"{name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-    os.replace(iteration_dir(folder, iteration), target)
+    source = iteration_dir(folder, iteration) if iteration is not None else os.path.join(folder, str(name))
+    target = os.path.join(target_dir, f"{os.path.basename(source)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.replace(source, target)
     for f in (target_dir, folder):
         fsync_dir(f)
     return target
@@ -108,15 +115,18 @@ def _plan(folder: str, ckpt_step: int | None) -> dict[str, Any] | None:
         log.warning("scout_megatron: --ckpt-step %d asked for: loaded as asked", ckpt_step)
         return {"load": int(ckpt_step), "reason": "--ckpt-step"}
     choice = labels.choose(exists=lambda it: complete(folder, it))
-    # Newest first: the rejected iteration leaves Megatron's reach before anything else can fail.
+    # Newest first: the rejected iteration leaves Megatron's reach before anything else can fail. The labels change
+    # only once everything moved: a plan that fails half-way still knows why the job stopped.
     after = choice.step if choice.step is not None else -1
     aside: list[str] = []
-    try:
-        for it in sorted((i for i in iterations(folder) if i > after), reverse=True):
-            aside.append(_set_aside(folder, it))
-        _write_tracker(folder, choice.step)
-    finally:
-        labels.restarted_from(choice.step, set_aside=aside)
+    for it in sorted((i for i in iterations(folder) if i > after), reverse=True):
+        aside.append(_set_aside(folder, it))
+    if labels.stopped_for is not None and os.path.isdir(os.path.join(folder, NON_PERSISTENT)):
+        # Megatron loads its non-persistent checkpoint whenever it is at or past the tracker's iteration: after a
+        # verdict it may hold the state the verdict rejected.
+        aside.append(_set_aside(folder, None, NON_PERSISTENT))
+    _write_tracker(folder, choice.step)
+    labels.restarted_from(choice.step, set_aside=aside)
     log.warning("scout_megatron: restart from %s (%s: %s); %d newer iteration(s) set aside in %s",
                 f"iteration {choice.step}" if choice.step is not None else "Megatron's initialization",
                 choice.label, choice.reason, len(aside), SET_ASIDE)
@@ -132,10 +142,11 @@ def plan_restart(load_dir: str | None, ckpt_step: int | None = None) -> dict[str
         return None
     plan: dict[str, Any] | None = None
     if dist.get_rank() == 0:
+        stopped = None
         try:
+            stopped = FrameworkCheckpoints(load_dir, writer=False).stopped_for  # before the plan changes anything
             plan = _plan(load_dir, ckpt_step)
         except Exception as exc:  # noqa: BLE001 - reported below on every rank
-            stopped = FrameworkCheckpoints(load_dir, writer=False).stopped_for
             plan = {"error": f"{type(exc).__name__}: {exc}", "fatal": stopped == "sdc"}
     box = [plan]
     dist.broadcast_object_list(box, src=0)

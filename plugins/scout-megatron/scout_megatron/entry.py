@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,10 @@ from scout_core.actions import ScoutStop
 from scout_core.runtime import ScoutHandle
 from scout_megatron.flags import add_scout_args, config_from_args
 
-__all__ = ["last_handle", "parse_and_validate_args", "pretrain", "scout_args_provider"]
+__all__ = ["RERUN_TO_DISAMBIGUATE", "last_handle", "parse_and_validate_args", "pretrain", "scout_args_provider"]
+
+RERUN_TO_DISAMBIGUATE = 16
+"""Megatron's rerun state machine's exit code: resume from the checkpoint it just saved, on another GPU."""
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -80,22 +84,44 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
     config = config_from_args(megatron_args)
     if config is None:
         return training.pretrain(*args, **kwargs)
+    graphs = [flag for flag, on in (
+        ("--optimizer-cuda-graph", getattr(megatron_args, "optimizer_cuda_graph", False)),
+        ("--cuda-graph-impl", getattr(megatron_args, "cuda_graph_impl", "none") not in (None, "none")),
+        ("--enable-cuda-graph", getattr(megatron_args, "enable_cuda_graph", False))) if on]
+    if graphs:
+        # A captured graph replays kernels without running Python: SCOUT's boundary and capture hooks would run at
+        # the capture only, and diagnosis would silently stop.
+        raise RuntimeError(f"scout_megatron: SCOUT observes training through Python hooks, which CUDA graphs skip: "
+                           f"run without {', '.join(graphs)}, or without --scout")
     from scout_megatron.attach import attach
     from scout_megatron.checkpoints import continue_after_load, label_saves, plan_restart
 
     global _last
     attached = _last = _Attached()
-    setup, save = training.setup_model_and_optimizer, training.save_checkpoint
+    setup, save, finalize = (training.setup_model_and_optimizer, training.save_checkpoint,
+                             training.maybe_finalize_async_save)
 
     @functools.wraps(setup)
     def setup_then_attach(*a: Any, **k: Any) -> Any:
         margs = get_args()
-        # Before Megatron's own load: its tracker file is pointed at the iteration SCOUT's labels chose.
-        plan_restart(getattr(margs, "load", None), getattr(margs, "ckpt_step", None))
+        load, own = getattr(margs, "load", None), getattr(margs, "save", None)
+        if load and own and os.path.realpath(load) == os.path.realpath(own):
+            # Before Megatron's own load: its tracker is pointed at the iteration SCOUT's labels chose. Only in the
+            # job's own folder: a --load of another run's checkpoints (a base model to finetune) is left as it is.
+            plan_restart(load, getattr(margs, "ckpt_step", None))
         model, optimizer, scheduler = setup(*a, **k)
         if attached.handle is None and optimizer is not None:  # --skip-train builds no optimizer: nothing to watch
             handle = attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)
-            training.save_checkpoint = label_saves(handle, getattr(margs, "save", None))(save)
+            training.save_checkpoint = label_saves(handle, own)(save)
+
+            @functools.wraps(finalize)
+            def finalize_marked(*fa: Any, **fk: Any) -> Any:
+                # An asynchronous save's finalization (its metadata, barriers, the tracker; at the end, waiting for
+                # the writer) is checkpoint I/O too, not a stalled job.
+                with handle.checkpoint_io("write"):
+                    return finalize(*fa, **fk)
+
+            training.maybe_finalize_async_save = finalize_marked
             continue_after_load(handle, int(getattr(margs, "iteration", 0) or 0), getattr(margs, "load", None))
         return model, optimizer, scheduler
 
@@ -107,14 +133,16 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
         try:
             return training.pretrain(*args, **kwargs)
         except SystemExit as exc:
-            if isinstance(exc, ScoutStop) or exc.code not in (0, None):
+            if isinstance(exc, ScoutStop) or exc.code not in (0, None, RERUN_TO_DISAMBIGUATE):
                 raise
             # Megatron's planned exits (--exit-interval, --exit-duration-in-mins, its signal handler) end
             # with sys.exit(0) from inside its loop: a normal end for SCOUT too (the last step's state settled, a
-            # stop decided at it carried out), not a failure.
+            # stop decided at it carried out), not a failure. So is its rerun state machine's exit 16, which saved a
+            # checkpoint to resume from on another GPU: the relaunch loads it unless SCOUT rejected it.
             planned = exc
     finally:
         training.setup_model_and_optimizer, training.save_checkpoint = setup, save
+        training.maybe_finalize_async_save = finalize
         if attached.handle is not None:
             attached.handle.close()
     raise planned
