@@ -682,7 +682,7 @@ class ScoutHandle:
                 self._quietly(self.tracker.record.unlink, "progress record")
                 self._quietly(self.tracker.record.close, "progress record")
             for g in {self.groups.world_control, self.groups.peer, self.groups.peer_control,
-                      getattr(self.checkpoint, "repl_group", None)} - {None}:
+                      self.groups.replica_control, getattr(self.checkpoint, "repl_group", None)} - {None}:
                 with contextlib.suppress(Exception):
                     dist.destroy_process_group(g)
         finally:
