@@ -19,16 +19,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from integrations_tests.expect import record_problems
-from integrations_tests.hang_cells import _RecordsSettled
-from scout_core.cells import CellReport, CellSpec, fault_dicts
+from integrations_tests.training_jobs import bitwise_problems, cell_report, run_job
+from scout_core.cells import CellReport, CellSpec
 from scout_core.inject import Injector
 from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent
 from scout_core.report import read_incidents
@@ -236,48 +234,15 @@ def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "tp": int(p.get("tp", 1)), "layers": int(p.get("layers", 2)), "scout": scout,
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir,
             "save_interval": int(p.get("save_interval", 0)), "phase": "a", "megatron": list(p.get("megatron", []))}
-    start = time.monotonic()
-    settled = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
-    result = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=settled,
-                    failure_grace_s=spec.timeout_s if hang else 10.0, keep_groups=hang)
-    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
-    problems: list[str] = []
-    if hang and not result.stopped:
-        problems.append("the job was expected to hang and be diagnosed, but: " + (result.failures() or "it finished"))
-    elif stop:
-        codes = sorted({o.exitcode for o in result.outcomes})
-        if codes != [75]:
-            problems.append(f"the job should stop with status 75 on every rank, got {codes}: {result.failures()}")
-    elif not hang and not result.ok:
-        problems.append(result.failures())
-    problems += record_problems(incidents, p.get("expect", {}))
-    metrics: dict[str, float] = {}
-    if result.ok and not hang:
-        values = result.values()
-        checks = values[0]["checks"]
-        if not checks or any(c[2] for c in checks):
-            problems.append(f"replay checks {checks}: expected some, none skipped")
-        if any(v["iterations"] != args["steps"] for v in values):
-            problems.append(f"Megatron trained {[v['iterations'] for v in values]} iterations, expected "
-                            f"{args['steps']}")
-        metrics["checks"] = float(len(checks))
-    if p.get("bitwise_without_scout") and result.ok and not problems:
-        # Harmless: the same job without SCOUT ends in the same state, bit for bit.
-        plain = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args={**args, "scout": None,
-                                                                                   "faults": []},
-                       failure_grace_s=10.0)
-        if not plain.ok:
-            problems.append(f"the run without SCOUT failed: {plain.failures()}")
-        elif [v["final"] for v in plain.values()] != [v["final"] for v in result.values()]:
-            differ = [r for r, (x, y) in enumerate(zip(plain.values(), result.values())) if x["final"] != y["final"]]
-            problems.append(f"training with SCOUT ended in another state than without it on ranks {differ}")
-    if recovery and not problems:
-        problems += _restart(spec, world_size, workdir, args, p)
-    return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
-                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
-                      details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics,
-                      time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None)
-                      if hang else None)
+    run = run_job(_megatron_rank, spec, world_size, workdir, args, hang=hang, stop=stop)
+    if run.result.ok and not hang and any(v["iterations"] != args["steps"] for v in run.result.values()):
+        run.problems.append(f"Megatron trained {[v['iterations'] for v in run.result.values()]} iterations, "
+                            f"expected {args['steps']}")
+    if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
+        run.problems += bitwise_problems(_megatron_rank, spec, world_size, args, run)
+    if recovery and not run.problems:
+        run.problems += _restart(spec, world_size, workdir, args, p)
+    return cell_report(spec, world_size, run, hang=hang)
 
 
 def _labels(workdir: str) -> dict[str, Any]:

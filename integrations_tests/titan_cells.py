@@ -30,9 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from integrations_tests.expect import record_problems
-from integrations_tests.hang_cells import _RecordsSettled
-from scout_core.cells import CellReport, CellSpec, fault_dicts
+from integrations_tests.training_jobs import bitwise_problems, cell_report, run_job
+from scout_core.cells import CellReport, CellSpec
 from scout_core.inject import Injector
 from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent
 from scout_core.report import read_incidents
@@ -211,47 +210,14 @@ def titan_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "replicate": int(p.get("replicate", 1)), "ranks_per_machine": int(p.get("ranks_per_machine", 8)),
             "scout": scout, "titan_checkpoints": recovery or snapshots, "phase": "a", "form": p.get("form", "module"),
             "model": p.get("model", "llama3_debugmodel"), "ep": int(p.get("ep", 1))}
-    start = time.monotonic()
-    stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
-    result = launch(_titan_rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=stop,
-                    failure_grace_s=spec.timeout_s if hang else 10.0, keep_groups=hang)
-    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
-    problems: list[str] = []
-    if hang and not result.stopped:
-        problems.append("the job was expected to hang and be diagnosed, but: " + (result.failures() or "it finished"))
-    elif recovery:
-        codes = sorted({o.exitcode for o in result.outcomes})
-        if codes != [75]:
-            problems.append(f"the first run should stop with status 75 on every rank, got {codes}: "
-                            f"{result.failures()}")
-    elif not hang and not result.ok:
-        problems.append(result.failures())
-    problems += record_problems(incidents, p.get("expect", {}))
-    metrics: dict[str, float] = {}
-    if result.ok and not hang:
-        checks = result.values()[0]["checks"]
-        if not checks or any(c[2] for c in checks):
-            problems.append(f"replay checks {checks}: expected some, none skipped")
-        metrics["checks"] = float(len(checks))
-    if p.get("bitwise_without_scout") and result.ok and not problems:
-        # Harmless: the same job without SCOUT ends in the same state, bit for bit (replay, its unshards and its
-        # hooks never touch training's numbers).
-        plain = launch(_titan_rank, world_size, timeout_s=spec.timeout_s,
-                       args={**args, "scout": None, "faults": [], "phase": "plain"}, failure_grace_s=10.0)
-        if not plain.ok:
-            problems.append(f"the run without SCOUT failed: {plain.failures()}")
-        elif [v["final"] for v in plain.values()] != [v["final"] for v in result.values()]:
-            differ = [r for r, (x, y) in enumerate(zip(plain.values(), result.values())) if x["final"] != y["final"]]
-            problems.append(f"training with SCOUT ended in another state than without it on ranks {differ}")
-    if snapshots and result.ok:
-        problems += _snapshot_problems(workdir, world_size, args["steps"])
-    if recovery and not problems:
-        problems += _restart(spec, world_size, workdir, args, p)
-    return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
-                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
-                      details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics,
-                      time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in incidents), default=None)
-                      if hang else None)
+    run = run_job(_titan_rank, spec, world_size, workdir, args, hang=hang, stop=recovery)
+    if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
+        run.problems += bitwise_problems(_titan_rank, spec, world_size, args, run)
+    if snapshots and run.result.ok:
+        run.problems += _snapshot_problems(workdir, world_size, args["steps"])
+    if recovery and not run.problems:
+        run.problems += _restart(spec, world_size, workdir, args, p)
+    return cell_report(spec, world_size, run, hang=hang)
 
 
 def _snapshot_problems(workdir: str, world_size: int, steps: int) -> list[str]:

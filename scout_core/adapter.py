@@ -68,6 +68,10 @@ class FrameworkAdapter:
     """Whether a replayed layer's weight gradients are signed (False where the framework accumulates them into
     its own buffers inside the backward and hands autograd a placeholder: Megatron's gradient-accumulation
     fusion)."""
+    replay_pairs_across_groups: bool = False
+    """A replayed layer runs collectives with ranks of other peer groups (tensor or context parallelism: the
+    partners replay the same layer together): every peer group must then replay as many times as every other,
+    so determinism vetting is agreed job-wide."""
     step_owner: Any = None
     """An object whose ``step()`` ends the training step after the inner optimizers stepped (Megatron's
     ``MegatronOptimizer``, which then copies and gathers the updated parameters): SCOUT's boundary follows it

@@ -182,6 +182,7 @@ class ReplayEngine:
         replicated_parameters: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None,
         compare_param_grads: bool = True,
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
+        replay_pairs_across_groups: bool = False,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -226,6 +227,7 @@ class ReplayEngine:
         # Entered around each check: what the framework must switch off while SCOUT calls its layers outside
         # training (Megatron's parameter all-gather pre-hooks).
         self.replay_context = replay_context
+        self.replay_pairs_across_groups = replay_pairs_across_groups
         if len(self.layer_owners) != self.n_hidden:
             raise ValueError(f"layer_owners has {len(self.layer_owners)} entries for {self.n_hidden} layers")
         self.captures = [LayerCapture(layer) for layer in self.layers]
@@ -477,10 +479,11 @@ class ReplayEngine:
         surfaces, timing = exchanged
         result.surfaces, found = split_vetting(surfaces)
         nondeterministic = any(reason == "nondeterministic" for reason in found.values())
-        if len(self.groups.all_peers) > 1:
+        if self.replay_pairs_across_groups and len(self.groups.all_peers) > 1:
             # Every peer group replays as often as every other: tensor- or context-parallel partners sit in other
             # groups and pair their collectives with this one's in replay (a second run on one side only would
-            # leave the other waiting). All ranks are here: the agreement above passed.
+            # leave the other waiting). All ranks are here: the agreement above passed. (Elsewhere a group's
+            # second run is local compute, and only the group that needs it pays for it.)
             flag = torch.tensor([int(nondeterministic)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.world_control)
             nondeterministic = bool(flag.item())

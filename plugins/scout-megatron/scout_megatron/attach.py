@@ -216,6 +216,10 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
     model_config = get_model_config(chunks[0])
     adapter.replica_groups = replica_groups(model_config)
     adapter.replicated_parameters = tensor_parallel_copies
+    from megatron.core import parallel_state
+
+    adapter.replay_pairs_across_groups = (parallel_state.get_tensor_model_parallel_world_size() > 1
+                                          or parallel_state.get_context_parallel_world_size() > 1)
     # Each data-parallel rank's distributed optimizer steps its own shard of the state: nothing to compare.
     adapter.compare_optimizer_slices = False if _distributed_optimizer(optimizer) else None
     # Gradient-accumulation fusion adds weight gradients to main_grad inside the backward and hands autograd a

@@ -111,6 +111,9 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
     adapter = torch_adapter(chunks, list(trainer.optimizers.optimizers), peer_groups=peer_groups(trainer.parallel_dims),
                             state=state or None, moe=expert_binding(trainer, chunks))
     adapter.name = "torchtitan"
+    # Tensor- and context-parallel partners sit in other peer groups and run the sampled layer's collectives
+    # together in replay.
+    adapter.replay_pairs_across_groups = trainer.parallel_dims.tp > 1 or trainer.parallel_dims.cp > 1
     blocks = adapter.repeated_layers()
     adapter.layers, adapter.layer_names = dense_parts(blocks, list(adapter.layer_names or []),
                                                       trainer.parallel_dims.ep)

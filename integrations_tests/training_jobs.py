@@ -1,0 +1,92 @@
+"""What the framework cells (TorchTitan, Megatron) share: run a real training job on forked ranks and judge it.
+
+A cell builds its ranks' arguments; :func:`run_job` launches them, waits for a hang verdict where one is expected,
+and checks the outcome (finished, stopped by SCOUT with its exit status, or hung and diagnosed), the incident
+records against the cell's ``expect``, and that replay checks ran and none was skipped. :func:`bitwise_problems`
+runs the same job again without SCOUT and compares the final states bit for bit; :func:`cell_report` makes the
+cell's report.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from integrations_tests.expect import record_problems
+from integrations_tests.hang_cells import _RecordsSettled
+from scout_core.cells import CellReport, CellSpec, fault_dicts
+from scout_core.launcher import LaunchResult, RankContext, launch
+from scout_core.report import read_incidents
+
+__all__ = ["JobRun", "bitwise_problems", "cell_report", "run_job"]
+
+STOP_STATUS = 75
+"""SCOUT's default exit status for ``actions.on_verdict: stop``."""
+
+
+@dataclass
+class JobRun:
+    """One launch of a cell's job and what it got wrong."""
+
+    result: LaunchResult
+    incidents: list[Any]
+    problems: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
+    started: float = 0.0
+
+
+def run_job(rank: Callable[[RankContext], Any], spec: CellSpec, world_size: int, workdir: str,
+            args: dict[str, Any], *, hang: bool = False, stop: bool = False) -> JobRun:
+    """Launch the job, then judge it: ``hang``, it must hang and be diagnosed (the ranks are stopped once the
+    records settle); ``stop``, every rank must end with SCOUT's stop status; else every rank must finish, with
+    replay checks run and none skipped (each rank returns ``{"checks": [(step, recipes, skipped), ...]}``)."""
+    started = time.monotonic()
+    jsonl = os.path.join(workdir, "incidents.jsonl")
+    settled = _RecordsSettled(jsonl, settle_s=1.5) if hang else None
+    result = launch(rank, world_size, timeout_s=spec.timeout_s, args=args, stop_when=settled,
+                    failure_grace_s=spec.timeout_s if hang else 10.0, keep_groups=hang)
+    incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
+    problems: list[str] = []
+    if hang and not result.stopped:
+        problems.append("the job was expected to hang and be diagnosed, but: " + (result.failures() or "it finished"))
+    elif stop:
+        codes = sorted({o.exitcode for o in result.outcomes})
+        if codes != [STOP_STATUS]:
+            problems.append(f"the job should stop with status {STOP_STATUS} on every rank, got {codes}: "
+                            f"{result.failures()}")
+    elif not hang and not result.ok:
+        problems.append(result.failures())
+    problems += record_problems(incidents, spec.params.get("expect", {}))
+    metrics: dict[str, float] = {}
+    if result.ok and not hang:
+        checks = result.values()[0]["checks"]
+        if not checks or any(c[2] for c in checks):
+            problems.append(f"replay checks {checks}: expected some, none skipped")
+        metrics["checks"] = float(len(checks))
+    return JobRun(result, incidents, problems, metrics, started)
+
+
+def bitwise_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_size: int, args: dict[str, Any],
+                     run: JobRun) -> list[str]:
+    """Harmless: the same job without SCOUT (``scout: None``, no faults) ends in the same state, bit for bit
+    (each rank returns ``{"final": signature}``): replay, its unshards and its hooks never touch training's
+    numbers."""
+    plain = launch(rank, world_size, timeout_s=spec.timeout_s,
+                   args={**args, "scout": None, "faults": [], "phase": "plain"}, failure_grace_s=10.0)
+    if not plain.ok:
+        return [f"the run without SCOUT failed: {plain.failures()}"]
+    if [v["final"] for v in plain.values()] != [v["final"] for v in run.result.values()]:
+        differ = [r for r, (x, y) in enumerate(zip(plain.values(), run.result.values())) if x["final"] != y["final"]]
+        return [f"training with SCOUT ended in another state than without it on ranks {differ}"]
+    return []
+
+
+def cell_report(spec: CellSpec, world_size: int, run: JobRun, *, hang: bool = False) -> CellReport:
+    return CellReport(name=spec.name, verdict="FAIL" if run.problems else "PASS", world_size=world_size,
+                      injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in run.incidents],
+                      details="\n".join(run.problems), wall_s=time.monotonic() - run.started, metrics=run.metrics,
+                      time_to_verdict_s=max((i.time_to_verdict_s or 0.0 for i in run.incidents), default=None)
+                      if hang else None)
