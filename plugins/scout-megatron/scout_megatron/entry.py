@@ -114,10 +114,15 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
             handle = attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)
             training.save_checkpoint = label_saves(handle, own)(save)
 
+            from megatron.training.async_utils import is_empty_async_queue
+
             @functools.wraps(finalize)
             def finalize_marked(*fa: Any, **fk: Any) -> Any:
                 # An asynchronous save's finalization (its metadata, barriers, the tracker; at the end, waiting for
-                # the writer) is checkpoint I/O too, not a stalled job.
+                # the writer) is checkpoint I/O too, not a stalled job. Megatron calls this every iteration: only a
+                # save in flight is marked, so the step's hot path publishes nothing more.
+                if not getattr(margs, "async_save", False) or is_empty_async_queue():
+                    return finalize(*fa, **fk)
                 with handle.checkpoint_io("write"):
                     return finalize(*fa, **fk)
 
