@@ -214,10 +214,12 @@ def _megatron_rank(ctx: RankContext) -> dict[str, Any]:
         training.pretrain, training.save_checkpoint = megatron_pretrain, megatron_save
     handle = scout_megatron.entry.last_handle()
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    alltoall = 0  # expert checks that replayed the AllToAll (its surfaces compared among the expert peers)
     if handle is not None and handle.experts is not None:
         checks += [(c.step, ["expert"], c.skipped) for c in handle.experts.history]
+        alltoall = sum(any(r.surface.startswith("alltoall.") for r in c.surfaces) for c in handle.experts.history)
     return {"checks": checks, "iterations": state.get("iterations"), "final": state.get("final"),
-            "loaded": state.get("loaded", [])}
+            "loaded": state.get("loaded", []), "alltoall_checks": alltoall}
 
 
 def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -238,6 +240,10 @@ def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if run.result.ok and not hang and any(v["iterations"] != args["steps"] for v in run.result.values()):
         run.problems.append(f"Megatron trained {[v['iterations'] for v in run.result.values()]} iterations, "
                             f"expected {args['steps']}")
+    if p.get("alltoall") and run.result.ok and not hang:  # expert parallelism: the token exchange replayed too
+        missing = [r for r, v in enumerate(run.result.values()) if not (v or {}).get("alltoall_checks")]
+        if missing:
+            run.problems.append(f"no expert check replayed the AllToAll on ranks {missing}")
     if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
         run.problems += bitwise_problems(_megatron_rank, spec, world_size, args, run)
     if recovery and not run.problems:

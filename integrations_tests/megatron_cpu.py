@@ -147,6 +147,8 @@ def on_host() -> None:
     warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
     warnings.filterwarnings("ignore", message=".*It is recommended to use a ModelConfig.*")
     warnings.filterwarnings("ignore", message=".*MimoModelConfig is experimental.*")
+    # Megatron's expert-parallel token counts gather through a torch name torch has since renamed.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated.*", category=FutureWarning)
     # The host generator plays the CUDA one, so Megatron's check that a tracker fork left the CPU stream alone
     # cannot hold here: its warning says nothing about the job.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
@@ -172,6 +174,14 @@ def on_host() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     dataset_utils.compile_helpers = lambda: None  # the cells feed synthetic batches, not Megatron's datasets
+    # The AllToAll dispatcher copies its split sizes to the host as numpy arrays, but only tensors on a GPU: on
+    # the host they would stay tensors, which torch's all_to_all_single refuses as split sizes.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
     mrandom._get_cuda_rng_state = lambda *_a, **_k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *_a, **_k: torch.set_rng_state(state)

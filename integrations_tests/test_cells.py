@@ -593,3 +593,29 @@ def test_megatron_moe_cell_fails_without_the_expert_binding(monkeypatch):
     (report,) = run_cells([SPECS["megatron-moe-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "no incident on a surface containing 'decoder.layers.1.mlp.experts.2'" in \
         report.details, report.details
+
+
+@pytest.mark.parametrize("broken", ["no_alltoall", "peers_across_positions"])
+def test_megatron_ep_cell_fails_without_the_ep_binding(monkeypatch, broken):
+    """The guard of megatron-moe-ep2-clean: the plugin binds experts per EP position with the AllToAll replay.
+    Without the EP groups no check replays the token exchange; with expert peers that span EP positions, experts
+    that hold other weights are compared, and the clean job is reported."""
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import moe
+
+    real = moe.MoEBinding
+
+    def binding(**kwargs):
+        if broken == "no_alltoall":
+            kwargs["ep_groups"] = None
+        else:
+            kwargs["expert_peer_groups"] = [[r for g in kwargs["expert_peer_groups"] for r in g]]
+        return real(**kwargs)
+
+    monkeypatch.setattr(moe, "MoEBinding", binding)
+    (report,) = run_cells([SPECS["megatron-moe-ep2-clean"]], root=ROOT)
+    expected = "no expert check replayed the AllToAll" if broken == "no_alltoall" else "expected []"
+    assert report.verdict == "FAIL" and expected in report.details, report.details

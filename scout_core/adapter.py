@@ -68,6 +68,10 @@ class FrameworkAdapter:
     """Whether a replayed layer's weight gradients are signed (False where the framework accumulates them into
     its own buffers inside the backward and hands autograd a placeholder: Megatron's gradient-accumulation
     fusion)."""
+    compare_extra_state: bool = True
+    """Whether the modules' extra state (``get_extra_state``: Transformer Engine's FP8 scaling state) is compared
+    among peers with the parameter state (False where each rank scales FP8 by its own amax: Megatron's
+    ``--tp-only-amax-red``). It is kept in snapshots and put back after replays either way."""
     replay_pairs_across_groups: bool = False
     """A replayed layer runs collectives with ranks of other peer groups (tensor or context parallelism: the
     partners replay the same layer together): every peer group must then replay as many times as every other,

@@ -215,7 +215,8 @@ class ScoutHandle:
             # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.
             local_only_params=a.moe.expert_parameters() if a.moe is not None else (),
             replicated_parameters=a.replicated_parameters, compare_optimizer_slices=a.compare_optimizer_slices,
-            compare_param_grads=a.compare_param_grads, replay_context=a.replay_context,
+            compare_param_grads=a.compare_param_grads, compare_extra_state=a.compare_extra_state,
+            replay_context=a.replay_context,
             replay_pairs_across_groups=a.replay_pairs_across_groups)
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:

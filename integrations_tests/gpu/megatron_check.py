@@ -10,8 +10,9 @@ Each check records its outcome in ``DIR/megatron_check.json`` and the next one r
    Transformer Engine layers (``--transformer-impl transformer_engine``, bf16, FP8 where the GPU has it) when TE
    imports, Megatron's local layers otherwise: no incident, replay checks ran and none was skipped, and the final
    parameters equal bit for bit those of the same run without SCOUT;
-3. ``fp8_state``: which TE modules hold FP8 scaling state after training (SCOUT's snapshots do not carry it yet:
-   recorded, so the gap is measured, not assumed);
+3. ``fp8_state``: which TE modules hold FP8 scaling state after training, and that SCOUT's capture of it (what its
+   snapshots keep, :mod:`scout_core.extra_state`) puts it back bitwise (``harmless`` already shows that replays,
+   which run outside Megatron's FP8 context, left it as training had it: the final parameters are bitwise);
 4. ``overhead``: the median iteration time with SCOUT at the shipped defaults and with every recipe each
    iteration, over the run without SCOUT (ratios within one run);
 5. ``fault`` (4 GPUs or more: tensor parallel 2 x data parallel 2): a bit flip in rank 1's layer output from the
@@ -113,7 +114,18 @@ def _rank_job(opts: argparse.Namespace, extra: list[str]) -> None:
     handle = scout_megatron.entry.last_handle()
     params = [p.detach().float().sum().item() for m in kept["model"] for p in m.parameters()]
     fp8 = [type(m).__name__ for c in kept["model"] for m in c.modules() if getattr(m, "fp8_meta", None)]
-    result = {"rank": rank, "params": params, "iteration_s": steps,
+    roundtrip = None
+    if fp8:  # SCOUT's capture of the FP8 state, put back, captures the same bytes again
+        from scout_core.extra_state import capture_extra_states, extra_state_tensors, restore_extra_states
+        from scout_core.signature import sign_many
+
+        def signed() -> list[int]:
+            return [x.signature for x in sign_many(extra_state_tensors(capture_extra_states(kept["model"][0])))]
+
+        first = signed()
+        restore_extra_states(kept["model"][0], capture_extra_states(kept["model"][0]))
+        roundtrip = signed() == first
+    result = {"rank": rank, "params": params, "iteration_s": steps, "fp8_roundtrip": roundtrip,
               "checks": [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle else [],
               "fp8_modules": sorted(set(fp8))}
     (Path(opts.out) / f"rank-{rank}.json").write_text(json.dumps(result))
@@ -291,7 +303,9 @@ def main() -> None:
                 and not any(c[2] for c in checks)}
 
     def fp8_state() -> dict[str, Any]:
-        return {"fp8_modules": runs["every"][0]["fp8_modules"], "in_scout_snapshots": False, "ok": True}
+        first = runs["every"][0]
+        return {"fp8_modules": first["fp8_modules"], "snapshot_roundtrip": first["fp8_roundtrip"],
+                "ok": first["fp8_roundtrip"] is not False}
 
     def overhead() -> dict[str, Any]:
         runs["defaults"] = launch(nproc, out / "defaults", [*flags, "--scout"], opts.device)

@@ -1,9 +1,11 @@
 """In-memory snapshots of the training state, captured without blocking training.
 
 A snapshot holds what a bitwise resume needs: this rank's model parameters and
-buffers (local shards for FSDP2 / HSDP), every optimizer's state and param
-groups, caller-owned extra state, and the CPU and device RNG states (plus any
-RNG a plugin registers).
+buffers (local shards for FSDP2 / HSDP), the modules' own extra state
+(``get_extra_state``: Transformer Engine's FP8 scaling state, see
+:mod:`scout_core.extra_state`), every optimizer's state and param groups,
+caller-owned extra state, and the CPU and device RNG states (plus any RNG a
+plugin registers).
 
 Capture is asynchronous. :meth:`SnapshotEngine.capture` grabs the RNG states
 and starts copying tensors on a background thread (on CUDA: a side stream into
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from scout_core.extra_state import capture_extra_states, restore_extra_states
 from scout_core.signature import local_tensor
 
 __all__ = ["SnapshotEngine", "local_tensor", "module_state", "restore_state"]
@@ -33,7 +36,7 @@ def module_state(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The chunk's live parameters and persistent buffers, named as ``state_dict()`` names them, without its
     hooks. A model's state-dict hooks may hand out converted copies (TorchTitan splits its fused ``wqkv`` into
     ``wq``/``wk``/``wv`` on save and fuses them back on load): a snapshot copied into such a copy would restore
-    nothing, silently. (A module's ``get_extra_state`` is not part of it.)"""
+    nothing, silently. (A module's ``get_extra_state`` is not part of it: see :mod:`scout_core.extra_state`.)"""
     state: dict[str, torch.Tensor] = {}
     for prefix, module in chunk.named_modules():
         dot = f"{prefix}." if prefix else ""
@@ -178,7 +181,10 @@ class SnapshotEngine:
         if not extra_later:
             self._extra_ready.set()
         models, optims = self._sources()
-        header = {"step": step, "rng": rng, "extra": extra}
+        # Small (FP8 scaling state) and rebuilt by each call: taken here, as of the optimizer step, since the next
+        # forward advances it before the copy thread would get to it.
+        header = {"step": step, "rng": rng, "extra": extra,
+                  "module_extra": [capture_extra_states(chunk) for chunk in self.chunks]}
         tensors = self._tensors(models, optims)
         on_cuda = any(t.is_cuda for t in tensors)
         if on_cuda:
@@ -321,6 +327,8 @@ def restore_state(
             raise ValueError(f"snapshot keys differ from the model: {sorted(set(live) ^ set(saved))[:5]}")
         for k, v in live.items():
             local_tensor(v).copy_(saved[k])
+    for chunk, saved in zip(chunks, snap.get("module_extra", ())):  # absent in a snapshot of an older SCOUT
+        restore_extra_states(chunk, saved)
     for opt, saved in zip(optimizers, snap["optim"]):
         params = [p for g in opt.param_groups for p in g["params"]]
         state = {}

@@ -181,6 +181,7 @@ class ReplayEngine:
         local_only_params: Sequence[torch.Tensor] = (),
         replicated_parameters: Callable[[torch.nn.Module], list[torch.Tensor]] | None = None,
         compare_param_grads: bool = True,
+        compare_extra_state: bool = True,
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
         replay_pairs_across_groups: bool = False,
     ) -> None:
@@ -224,6 +225,7 @@ class ReplayEngine:
         # The parameters of a layer that replica-group members hold as copies, not shards (see _replica_verdicts).
         self.replicated_parameters = replicated_parameters
         self.compare_param_grads = compare_param_grads
+        self.compare_extra_state = compare_extra_state
         # Entered around each check: what the framework must switch off while SCOUT calls its layers outside
         # training (Megatron's parameter all-gather pre-hooks).
         self.replay_context = replay_context
@@ -592,7 +594,7 @@ class ReplayEngine:
                 done.append(replay_layer(
                     forward, layer, name, call, variants=self.cfg.input_variants, providers=self.rng_providers,
                     deterministic=self.cfg.deterministic, compare_param_state=self.compare_param_state, vet=vet,
-                    param_grads=self.compare_param_grads))
+                    param_grads=self.compare_param_grads, compare_extra_state=self.compare_extra_state))
             finally:
                 self.captures[idx].suspended, self.replaying = False, False
             surfaces.extend(done[0].surfaces)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scout_core.extra_state import capture_extra_states, extra_state_tensors, restore_extra_states
 from scout_core.replay.calls import rebuild, tensor_leaves
 from scout_core.replay.capture import Captured
 from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
@@ -201,7 +202,8 @@ class ComputeClock:
 
 def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedCall, *,
                  variants: Sequence[float], providers: Mapping[str, RngProvider], deterministic: bool,
-                 compare_param_state: bool, vet: bool = False, param_grads: bool = True) -> LayerReplay:
+                 compare_param_state: bool, vet: bool = False, param_grads: bool = True,
+                 compare_extra_state: bool = True) -> LayerReplay:
     """Forward and backward of ``layer`` on the shipped call, per input variant: signed surfaces and the
     compute time (the fastest variant's). ``vet``: replay the first variant twice and say whether it
     signed the same (replay assumes bitwise determinism; a rank where it does not hold is not evidence).
@@ -212,7 +214,9 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
     Each variant's outputs and gradients are signed as soon as they exist and then dropped: the check
     holds one variant's tensors at a time, not all of them until the end. ``param_grads`` False: the weight
     gradients are not signed (a framework that accumulates them straight into its own buffers inside the
-    backward hands autograd a placeholder instead).
+    backward hands autograd a placeholder instead). The parameter state includes the layer's modules' extra state
+    (Transformer Engine's FP8 scaling state, :mod:`scout_core.extra_state`) unless ``compare_extra_state`` is False
+    (a framework that scales FP8 by each rank's own amax: it differs among peers with nothing wrong).
     """
     received = [*call.tensors, *call.grad_outputs.values()]
     surfaces: list[tuple[str, Any]] = [
@@ -225,11 +229,15 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
     # Running statistics (BatchNorm), counters and caches are training state: replay in train mode would
     # advance them once per run, so they are put back exactly as they were (also between vetting runs).
     saved_buffers = [(b, b.detach().clone()) for b in layer.buffers()]
+    # So is a module's extra state: a forward under FP8 rolls Transformer Engine's amax history.
+    saved_extra = capture_extra_states(layer)
 
     def restore_buffers() -> None:
         with torch.no_grad():
             for b, saved in saved_buffers:
                 b.copy_(saved)
+        if saved_extra:
+            restore_extra_states(layer, saved_extra)
 
     # On the host, one thread: this thread's CPU time is then all of the replay's compute (intra-op helper
     # threads would be invisible to it), and a reduction's order cannot depend on a rank's thread count.
@@ -251,6 +259,8 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
             torch.set_num_threads(threads)
     if compare_param_state:
         state = [p.detach() for p in trained] + [b for b in layer.buffers() if b.is_floating_point()]
+        if compare_extra_state:
+            state += extra_state_tensors(saved_extra)  # as of training, before the replay touched it
         surfaces += _signed([(f"{name}.param_state", state)])
     # The variants are the same work at different scales, so the fastest of them is the compute time:
     # a slow device is slow in every variant, a hiccup delays one of them.

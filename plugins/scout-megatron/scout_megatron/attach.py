@@ -225,6 +225,9 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
     # Gradient-accumulation fusion adds weight gradients to main_grad inside the backward and hands autograd a
     # placeholder: only outputs and input gradients are comparable then.
     adapter.compare_param_grads = not getattr(model_config, "gradient_accumulation_fusion", False)
+    # Transformer Engine's FP8 scaling state (its modules' extra state) is the same on the data-parallel replicas
+    # only where Megatron reduces the amax over them (its default); --tp-only-amax-red reduces it within TP.
+    adapter.compare_extra_state = not getattr(model_config, "tp_only_amax_red", False)
     adapter.replay_context = functools.partial(param_gather_paused, chunks)
     # SCOUT's boundary follows Megatron's own optimizer step: its distributed optimizer copies each rank's
     # updated shard into the model and gathers the others' after its inner optimizers stepped, so only then do

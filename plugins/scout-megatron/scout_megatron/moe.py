@@ -1,15 +1,21 @@
 """Megatron-Core's MoE layers under SCOUT: ``MoELayer`` recognised, its experts bound to scout_core's expert recipe.
 
-* Without expert parallelism every data-parallel rank holds every expert: each expert is checked on its own by
-  the expert recipe (:class:`scout_core.moe.binding.MoEBinding`), among the ranks holding it (Megatron's
-  expert-data-parallel group), on the rows it received in training; the dense recipe replays such a layer's
-  attention (``self_attention``). The router and the layer norms are not replayed.
-* With expert parallelism each EP position holds other experts and the layer exchanges tokens with an AllToAll:
-  a whole layer replayed on one shared input would differ on every rank with nothing wrong. The dense recipe then
-  replays such a layer's attention (``self_attention``) only, and the experts are not bound yet (a warning says
-  so, the same on every rank).
-* Experts are bound where Megatron runs them one by one (``SequentialMLP``, ``--moe-grouped-gemm`` off); grouped
-  GEMM experts (``GroupedMLP``, ``TEGroupedMLP``) are not bound yet.
+* Each expert is checked on its own by the expert recipe (:class:`scout_core.moe.binding.MoEBinding`), among the
+  ranks holding it (Megatron's expert-data-parallel group: the same EP position in every replica), on the rows it
+  received in training. Without expert parallelism that is every data-parallel rank.
+* With expert parallelism (``--expert-model-parallel-size``) each EP position holds other experts and the layer
+  exchanges tokens with an AllToAll: a whole layer replayed on one shared input would differ on every rank with
+  nothing wrong. The experts are still bound (per EP position), and with Megatron's AllToAll dispatcher each
+  expert check also replays the AllToAll with one communication plan across every EP group
+  (:mod:`scout_core.moe.alltoall`), from the split sizes of the layer's last dispatch (the dispatcher's
+  ``input_splits``).
+* The dense recipe replays an MoE layer's attention (``self_attention``) wherever its experts are bound or EP is
+  on; the router (``TopKRouter``) is not replayed: its forward in training mode updates Megatron's auxiliary-loss
+  tracker and expert-bias counters, which a replay must not touch.
+* Not bound (a warning, the same on every rank; the layer is then replayed whole without EP, by its attention
+  with EP): grouped-GEMM experts (``GroupedMLP``, ``TEGroupedMLP``: ``--moe-grouped-gemm``) and experts split
+  by expert tensor parallelism (``--expert-tensor-parallel-size`` > 1: an expert's replay would pair
+  collectives with partners in other expert-data-parallel groups).
 """
 
 from __future__ import annotations
@@ -36,13 +42,20 @@ def moe_layers(inner: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
     return [m for m, _ in found], [n for _, n in found]
 
 
-def _expert_peers() -> list[list[int]]:
-    from megatron.core import parallel_state
-
-    mine = sorted(dist.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
+def _gathered_groups(group: Any) -> list[list[int]]:
+    """Every rank's ``group``, each sorted (one gather). torch orders a group's ranks by global rank, so an EP
+    group's sorted ranks are its EP positions in order."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [list(g) for g in sorted({tuple(g) for g in everyone})]
+    dist.all_gather_object(everyone, sorted(dist.get_process_group_ranks(group)))
+    return [list(g) for g in sorted({tuple(g) for g in everyone}, key=lambda g: min(g))]
+
+
+def _dispatch_splits(layer: nn.Module) -> list[int]:
+    """The rows this rank sent to each EP position in the layer's last AllToAll dispatch."""
+    splits = layer.token_dispatcher.input_splits
+    if splits is None:
+        raise RuntimeError("the MoE layer has not dispatched yet")
+    return [int(x) for x in (splits.tolist() if hasattr(splits, "tolist") else splits)]
 
 
 def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
@@ -50,21 +63,32 @@ def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
     Every rank calls it and decides alike (the layout is the same everywhere)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     layers, names = moe_layers(inner)
     if not layers:
-        return None
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        log.warning("scout_megatron: expert parallelism: Megatron's experts are not bound to SCOUT's expert recipe "
-                    "yet; MoE layers replay by their attention only")
         return None
     if not all(isinstance(m.experts, SequentialMLP) for m in layers):
         log.warning("scout_megatron: grouped-GEMM experts (%s) are not bound to SCOUT's expert recipe yet; they "
                     "are checked inside their layers' replays only", type(layers[0].experts).__name__)
         return None
+    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        log.warning("scout_megatron: expert tensor parallelism: Megatron's experts are not bound to SCOUT's expert "
+                    "recipe; MoE layers replay by their attention only")
+        return None
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    alltoall = ep > 1 and all(isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher) for m in layers)
+    if ep > 1 and not alltoall:
+        log.warning("scout_megatron: expert parallelism without the AllToAll dispatcher (%s): experts are checked, "
+                    "the token exchange is not replayed", type(layers[0].token_dispatcher).__name__)
     # Megatron's expert linears are its own parallel layers, not nn.Linear: the row width is the model's.
-    return MoEBinding(layers=layers, names=names, experts=lambda m: m.experts.local_experts,
-                      expert_peer_groups=_expert_peers(), hidden_size=int(layers[0].config.hidden_size))
+    return MoEBinding(
+        layers=layers, names=names, experts=lambda m: m.experts.local_experts,
+        expert_peer_groups=_gathered_groups(parallel_state.get_expert_data_parallel_group()),
+        ep_groups=(_gathered_groups(parallel_state.get_expert_model_parallel_group())
+                   if alltoall else None),
+        ep_position=parallel_state.get_expert_model_parallel_rank(),
+        splits=_dispatch_splits if alltoall else None, hidden_size=int(layers[0].config.hidden_size))
 
 
 def dense_parts(layers: list[nn.Module], names: list[str], *, bound: bool) -> tuple[list[nn.Module], list[str]]:
@@ -86,5 +110,5 @@ def dense_parts(layers: list[nn.Module], names: list[str], *, bound: bool) -> tu
             kept.append((layer, name))
     if replaced:
         log.warning("scout_megatron: %d MoE layer(s) replay by their attention in the dense recipe (their experts: %s)",
-                    replaced, "the expert recipe" if bound else "not replayed under expert parallelism yet")
+                    replaced, "the expert recipe" if bound else "not checked in this layout")
     return [m for m, _ in kept], [n for _, n in kept]

@@ -1,0 +1,88 @@
+"""Module state outside parameters and buffers: what a module keeps through ``get_extra_state``.
+
+torch lets a module carry state that is neither a parameter nor a buffer through ``get_extra_state`` /
+``set_extra_state`` (``state_dict()`` stores it under ``<prefix>._extra_state``). Transformer Engine keeps its
+FP8 scaling state there (the amax history and the scales of every FP8 tensor): it changes in every forward under
+FP8, it decides how the next step's GEMMs round, and a bitwise resume needs it as much as the weights. SCOUT
+therefore
+
+* keeps it in snapshots and puts it back on restore (:mod:`scout_core.checkpoint.snapshot`);
+* puts it back after a replay's forwards (the replay must not advance it, as it must not advance a BatchNorm's
+  statistics) and compares it among the peers with the parameter state (:mod:`scout_core.replay.layer`).
+
+Values are kept storable with ``torch.load(weights_only=True)``: a tensor as a host copy, a ``BytesIO`` or
+``bytes`` (older Transformer Engine serializes so) as its bytes in a uint8 tensor with a tag saying which;
+anything else is deep-copied as it is (a plain container of tensors stores; other objects make the snapshot's
+persistence fail with a record, never training).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["capture_extra_states", "extra_state_modules", "extra_state_tensors", "restore_extra_states"]
+
+_KIND = "__scout_extra_kind__"
+
+
+def extra_state_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules under ``root`` (itself included) whose class defines its own ``get_extra_state``, by name."""
+    return [(name, m) for name, m in root.named_modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state]
+
+
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8) if not data else \
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, io.BytesIO):
+        return {_KIND: "bytesio", "data": _byte_tensor(value.getvalue())}
+    if isinstance(value, (bytes, bytearray)):
+        return {_KIND: "bytes", "data": _byte_tensor(bytes(value))}
+    return copy.deepcopy(value)
+
+
+def _original(value: Any) -> Any:
+    if isinstance(value, dict) and value.get(_KIND) == "bytesio":
+        return io.BytesIO(value["data"].numpy().tobytes())
+    if isinstance(value, dict) and value.get(_KIND) == "bytes":
+        return value["data"].numpy().tobytes()
+    return value
+
+
+def capture_extra_states(root: nn.Module) -> dict[str, Any]:
+    """Host copies of the extra state of every module under ``root`` that has one, by module name."""
+    return {name: _storable(m.get_extra_state()) for name, m in extra_state_modules(root)}
+
+
+def restore_extra_states(root: nn.Module, saved: dict[str, Any]) -> None:
+    """Put back what :func:`capture_extra_states` took (the modules must be the same)."""
+    live = dict(extra_state_modules(root))
+    if set(live) != set(saved):
+        raise ValueError(f"extra state differs from the model's modules: {sorted(set(live) ^ set(saved))[:5]}")
+    for name, value in saved.items():
+        # A fresh object each time: set_extra_state may keep what it is given, and the saved copy must stay intact.
+        live[name].set_extra_state(_original(_storable(value) if isinstance(value, torch.Tensor) else value))
+
+
+def extra_state_tensors(saved: dict[str, Any]) -> list[torch.Tensor]:
+    """Tensors that sign the captured extra states (for comparison among peers), in module order."""
+    out: list[torch.Tensor] = []
+    for _name, value in sorted(saved.items()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, dict) and _KIND in value:
+            out.append(value["data"])
+        else:  # a plain container: its pickled bytes (the same content pickles to the same bytes)
+            out.append(_byte_tensor(pickle.dumps(value)))
+    return out
