@@ -368,3 +368,48 @@ def test_the_io_tolerance_covers_a_pending_collective_of_a_checkpoint_only():
     assert silence_threshold(spec, snap) == 300.0
     assert silence_threshold(spec, dataclasses.replace(snap, phase=Phase.COLLECTIVE)) == 5.0
     assert silence_threshold(spec, dataclasses.replace(snap, phase=Phase.DATALOADER)) == 5.0
+
+
+def _coalesced(ctx: RankContext):
+    """A coalesced batch of two all-reduces, as Megatron's buckets issue it. Rank 1 joins only after rank 0 has
+    looked at its record, so the batch cannot have completed by then (no timing assumption)."""
+    init_gloo(ctx)
+    store = dist.distributed_c10d._get_default_store()
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    install_collective_hooks(tracker)
+    a, b = torch.ones(3), torch.ones(5)
+    seen = {}
+    try:
+        if ctx.rank == 1:
+            store.wait(["looked"])
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.all_reduce(a, async_op=True)
+            dist.all_reduce(b, async_op=True)
+        if ctx.rank == 0:
+            seen["inflight_after_block"] = len(tracker._inflight)
+            seen["point"] = rec.last
+            store.set("looked", "1")
+        cm.wait()
+        tracker.mark(Phase.FORWARD)  # a publish polls the works in flight
+        seen["inflight_after_wait"] = len(tracker._inflight)
+        with dist._coalescing_manager():  # synchronous: done when the block ends
+            dist.all_reduce(a)
+        seen["inflight_after_sync"] = len(tracker._inflight)
+    finally:
+        uninstall_collective_hooks(tracker)
+        tracker.remove_hooks()
+    return {**seen, "sums": [float(a[0]), float(b[0])], "restored": not hasattr(dist._coalescing_manager,
+                                                                                 "__scout_original__")}
+
+
+def test_a_coalesced_batch_stays_in_flight_until_its_work_completes():
+    """Inside ``_coalescing_manager`` a collective call only queues its operation: without the wrapped manager the
+    bucket showed done at once, and a rank waiting in it was not seen waiting."""
+    result = launch(_coalesced, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    r0, r1 = result.values()
+    assert r0["inflight_after_block"] == 2 and r0["point"][:3] == (0, 1, True)  # waiting in the first of the batch
+    assert r0["inflight_after_wait"] == r1["inflight_after_wait"] == 0
+    assert r0["inflight_after_sync"] == r1["inflight_after_sync"] == 0
+    assert r0["sums"] == [4.0, 2.0] and r0["restored"] and r1["restored"]  # a: the batch, then the synchronous one

@@ -10,7 +10,10 @@ Nothing in the training loop is edited. What is published, and from where:
 * ``torch.distributed`` collectives: module-attribute wrappers (:func:`install_collective_hooks`);
 * DDP gradient buckets: ``DistributedDataParallel.register_comm_hook``;
 * FSDP2 all-gather / reduce-scatter: FSDP2 calls ``dist.all_gather_single``,
-  ``dist.reduce_scatter_single`` and ``dist.all_reduce``, which are wrapped.
+  ``dist.reduce_scatter_single`` and ``dist.all_reduce``, which are wrapped;
+* coalesced batches (``torch.distributed._coalescing_manager``, Megatron's gradient and parameter buckets):
+  inside it a collective call only queues its operation, which runs when the block ends; the wrapped manager
+  keeps the block's collectives in flight until the batch's work completes.
 
 Launch (with the fingerprint) is published BEFORE the call and completion
 after it, so a rank waiting inside a collective is distinguishable from one
@@ -380,11 +383,58 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
             raise
         finally:
             tracker._local.depth = 0
-        tracker.track(key, result, _first_tensor(args, kwargs))
+        pending = getattr(tracker._local, "coalesced", None)
+        if pending is not None:  # queued in a coalesced batch: it runs, and completes, with the batch
+            pending.append((key, _first_tensor(args, kwargs)))
+        else:
+            tracker.track(key, result, _first_tensor(args, kwargs))
         return result
 
     wrapper.__scout_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+class _BatchWork:
+    """The work of a coalesced batch: complete when every work torch returned for it is."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _make_coalescing_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @contextlib.contextmanager
+    def wrapper(group: Any = None, device: Any = None, async_ops: bool = False) -> Iterator[Any]:
+        tracker = _ACTIVE[-1] if _ACTIVE else None
+        if tracker is None or tracker.closed or getattr(tracker._local, "coalesced", None) is not None:
+            with original(group, device, async_ops) as cm:
+                yield cm
+            return
+        pending: list[tuple[tuple[int, int], torch.Tensor | None]] = []
+        tracker._local.coalesced = pending
+        try:
+            with original(group, device, async_ops) as cm:
+                yield cm
+        except BaseException:
+            tracker._local.coalesced = None
+            for key, _ in pending:
+                tracker.complete(key)  # the batch failed: not pending any more
+            raise
+        tracker._local.coalesced = None
+        # The batch ran as the block ended: asynchronously, its work is in the manager; synchronously it was waited
+        # for (on a device, an event recorded now follows it).
+        works = [w for w in getattr(cm, "works", []) if w is not None] if async_ops else []
+        for key, tensor in pending:
+            tracker.track(key, _BatchWork(works) if works else None, tensor)
+
+    functools.update_wrapper(wrapper, original)
+    wrapper.__scout_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+_COALESCING = "_coalescing_manager"
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -410,6 +460,10 @@ def install_collective_hooks(tracker: ProgressTracker) -> None:
             setattr(dist, name, wrapper)
             if getattr(_C10D, name, None) is original:
                 setattr(_C10D, name, wrapper)  # internal callers such as all_gather_object
+        original = getattr(dist, _COALESCING, None)
+        if original is not None:
+            _ORIGINALS[_COALESCING] = original
+            setattr(dist, _COALESCING, _make_coalescing_wrapper(original))
     _ACTIVE.append(tracker)
 
 

@@ -161,13 +161,14 @@ def rng_providers() -> dict[str, RngProvider]:
     return {f"megatron:{name}": provider(name) for name in tracker.get_states()}
 
 
-_BUCKET_FUNCS = ("dist_all_gather_func", "dist_reduce_scatter_func")
+_BUCKET_FUNCS = ("dist_all_gather_func", "dist_reduce_scatter_func", "_coalescing_manager")
 
 
 def observe_bucket_collectives() -> bool:
-    """Route Megatron's gradient-bucket reduce-scatter and parameter all-gather (the distributed optimizer's)
-    through ``torch.distributed`` at call time, where SCOUT's collective hooks see them. Megatron binds them to
-    module globals at import, before any hook exists. Idempotent; True if anything was rerouted."""
+    """Route Megatron's gradient-bucket reduce-scatter and parameter all-gather (the distributed optimizer's) and
+    its buckets' ``_coalescing_manager`` through ``torch.distributed`` at call time, where SCOUT's collective hooks
+    see them (a coalesced bucket stays in flight until its batch completes). Megatron binds them to module
+    globals at import, before any hook exists. Idempotent; True if anything was rerouted."""
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     changed = False
