@@ -147,8 +147,10 @@ def on_host() -> None:
     warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
     warnings.filterwarnings("ignore", message=".*It is recommended to use a ModelConfig.*")
     warnings.filterwarnings("ignore", message=".*MimoModelConfig is experimental.*")
-    # Megatron's expert-parallel token counts gather through a torch name torch has since renamed.
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor. is deprecated.*", category=FutureWarning)
+    # Megatron gathers expert-parallel token counts and reduce-scatters distributed-optimizer buckets through torch
+    # names torch has since renamed.
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated.*",
+                            category=FutureWarning)
     # The host generator plays the CUDA one, so Megatron's check that a tracker fork left the CPU stream alone
     # cannot hold here: its warning says nothing about the job.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

@@ -619,3 +619,18 @@ def test_megatron_ep_cell_fails_without_the_ep_binding(monkeypatch, broken):
     (report,) = run_cells([SPECS["megatron-moe-ep2-clean"]], root=ROOT)
     expected = "no expert check replayed the AllToAll" if broken == "no_alltoall" else "expected []"
     assert report.verdict == "FAIL" and expected in report.details, report.details
+
+
+def test_megatron_bucket_hang_cell_fails_when_coalesced_buckets_are_not_observed(monkeypatch):
+    """The guard of megatron-tp2-dp2-bucket-hang: with Megatron's coalescing manager left as bound at its import,
+    a bucket's queued collectives show done at once: rank 2's one data-parallel peer, waiting in a bucket, looks
+    stopped outside any collective like rank 2, and rank 2 is not named alone."""
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import attach
+
+    monkeypatch.setattr(attach, "_BUCKET_FUNCS", ("dist_all_gather_func", "dist_reduce_scatter_func"))
+    (report,) = run_cells([SPECS["megatron-tp2-dp2-bucket-hang"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected [2]" in report.details, report.details

@@ -393,6 +393,14 @@ def _coalesced(ctx: RankContext):
         cm.wait()
         tracker.mark(Phase.FORWARD)  # a publish polls the works in flight
         seen["inflight_after_wait"] = len(tracker._inflight)
+        # Megatron's distributed-optimizer buckets: gloo's coalesced reduce-scatter work never reports itself
+        # completed, even after its wait returned.
+        shard = torch.zeros(4)
+        with dist._coalescing_manager(async_ops=True) as cm:
+            dist.reduce_scatter_tensor(shard, torch.ones(8), async_op=True)
+        cm.wait()
+        tracker.mark(Phase.FORWARD)
+        seen["inflight_after_reduce_scatter"] = len(tracker._inflight)
         with dist._coalescing_manager():  # synchronous: done when the block ends
             dist.all_reduce(a)
         seen["inflight_after_sync"] = len(tracker._inflight)
@@ -411,5 +419,6 @@ def test_a_coalesced_batch_stays_in_flight_until_its_work_completes():
     r0, r1 = result.values()
     assert r0["inflight_after_block"] == 2 and r0["point"][:3] == (0, 1, True)  # waiting in the first of the batch
     assert r0["inflight_after_wait"] == r1["inflight_after_wait"] == 0
+    assert r0["inflight_after_reduce_scatter"] == r1["inflight_after_reduce_scatter"] == 0
     assert r0["inflight_after_sync"] == r1["inflight_after_sync"] == 0
     assert r0["sums"] == [4.0, 2.0] and r0["restored"] and r1["restored"]  # a: the batch, then the synchronous one

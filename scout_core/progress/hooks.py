@@ -395,13 +395,28 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
 
 
 class _BatchWork:
-    """The work of a coalesced batch: complete when every work torch returned for it is."""
+    """The work of a coalesced batch: complete when every work torch returned for it is, or, on the host, once
+    the batch was waited for (gloo's coalesced reduce-scatter work never reports itself completed, even after its
+    wait returned; a device work's wait returns at once and only orders the stream, so it proves nothing there)."""
 
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Any], *, host: bool) -> None:
         self.works = works
+        self.host = host
+        self.waited = False
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return (self.host and self.waited) or all(w.is_completed() for w in self.works)
+
+    def watch(self, cm: Any) -> None:
+        """Learn when the caller waits for the batch (``cm.wait()``)."""
+        wait = cm.wait
+
+        def waited(*args: Any, **kwargs: Any) -> Any:
+            out = wait(*args, **kwargs)
+            self.waited = True
+            return out
+
+        cm.wait = waited
 
 
 def _make_coalescing_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -426,8 +441,13 @@ def _make_coalescing_wrapper(original: Callable[..., Any]) -> Callable[..., Any]
         # The batch ran as the block ended: asynchronously, its work is in the manager; synchronously it was waited
         # for (on a device, an event recorded now follows it).
         works = [w for w in getattr(cm, "works", []) if w is not None] if async_ops else []
+        batch = None
+        if works:
+            first = next((t for _, t in pending if t is not None), None)
+            batch = _BatchWork(works, host=first is None or first.device.type == "cpu")
+            batch.watch(cm)
         for key, tensor in pending:
-            tracker.track(key, _BatchWork(works) if works else None, tensor)
+            tracker.track(key, batch, tensor)
 
     functools.update_wrapper(wrapper, original)
     wrapper.__scout_original__ = original  # type: ignore[attr-defined]
