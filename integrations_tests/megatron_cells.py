@@ -126,11 +126,13 @@ def _pretrain_on_host(state: dict[str, Any], injector: Injector, rank: int, seed
         if args.iteration:  # Megatron loaded a checkpoint (--load): which iteration, and its state bitwise
             state["loaded"] = [int(args.iteration), *_signature(model, optimizer)]
         _install_faults(model, injector, rank)
+        logged: list[int] = []
+        _log_moe_metrics(logged)
         state["model"], state["optimizer"] = model, optimizer
         iteration = training.train(_forward_step, model, optimizer, scheduler, RerunDataIterator(_batches(seed)),
                                    None, None, get_model_config(model[0]), {}, None)
         state["iterations"] = iteration[0] if isinstance(iteration, tuple) else iteration
-        state["final"] = _signature(model, optimizer)
+        state["final"] = _signature(model, optimizer) + _side_state(model, logged)
         dist.barrier()
 
     return pretrain
@@ -178,6 +180,27 @@ def _signature(model: list[torch.nn.Module], optimizer: Any) -> list[int]:
         for p in (p for g in opt.param_groups for p in g["params"]):
             tensors += [v for _k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
     return [s.signature for s in sign_many([t.detach() for t in tensors])]
+
+
+def _side_state(model: list[torch.nn.Module], logged: list[int]) -> list[int]:
+    """A bitwise signature of what training keeps beside its parameters that a replay could touch: the modules'
+    buffers (a router's token counts for the expert bias), and the MoE metrics Megatron logged (``logged``, see
+    :func:`_log_moe_metrics`)."""
+    tensors = [b for m in model for b in torch.nn.Module.buffers(m)]  # Megatron's DDP has its own `buffers` list
+    return [s.signature for s in sign_many([t.detach() for t in tensors])] + logged
+
+
+def _log_moe_metrics(logged: list[int]) -> None:
+    """Sign the MoE metrics (auxiliary losses) each time Megatron reports and clears them, every iteration."""
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    report = MoEMetricsTracker.report
+
+    def signed_report(self: Any, *args: Any, **kwargs: Any) -> Any:
+        logged.extend(s.signature for s in sign_many([e.values.detach() for _n, e in sorted(self.metrics.items())]))
+        return report(self, *args, **kwargs)
+
+    MoEMetricsTracker.report = signed_report  # this rank's process only
 
 
 def _megatron_rank(ctx: RankContext) -> dict[str, Any]:

@@ -634,3 +634,20 @@ def test_megatron_bucket_hang_cell_fails_when_coalesced_buckets_are_not_observed
     monkeypatch.setattr(attach, "_BUCKET_FUNCS", ("dist_all_gather_func", "dist_reduce_scatter_func"))
     (report,) = run_cells([SPECS["megatron-tp2-dp2-bucket-hang"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected [2]" in report.details, report.details
+
+
+def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged_losses(monkeypatch):
+    """The guard of megatron-moe-ep2-clean's router checks: a replayed router records its auxiliary loss in
+    Megatron's MoE metrics tracker; without the plugin putting the tracker back, the losses Megatron logs are no
+    longer training's, and the job differs from the one without SCOUT."""
+    import contextlib
+
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import attach
+
+    monkeypatch.setattr(attach, "moe_metrics_kept", contextlib.nullcontext)
+    (report,) = run_cells([SPECS["megatron-moe-ep2-clean"]], root=ROOT)
+    assert report.verdict == "FAIL" and "another state than without it" in report.details, report.details

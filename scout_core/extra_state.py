@@ -76,13 +76,46 @@ def restore_extra_states(root: nn.Module, saved: dict[str, Any]) -> None:
 
 
 def extra_state_tensors(saved: dict[str, Any]) -> list[torch.Tensor]:
-    """Tensors that sign the captured extra states (for comparison among peers), in module order."""
+    """Tensors that sign the captured extra states for comparison among peers, in module order.
+
+    Serialized state is decoded first: a pickle of a tensor holds its storage's address, so the same FP8 state
+    pickles to different bytes in every process (Transformer Engine >= 2 hands out ``pickle.dumps`` of a dict of
+    tensors as a uint8 tensor; older versions a ``torch.save`` in a ``BytesIO``). What is signed is the decoded
+    content: its tensors, and its numbers, strings and flags in key order; other objects (a recipe's dataclass)
+    are left out, since nothing guarantees their bytes are the same on two ranks."""
     out: list[torch.Tensor] = []
     for _name, value in sorted(saved.items()):
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, dict) and _KIND in value:
-            out.append(value["data"])
-        else:  # a plain container: its pickled bytes (the same content pickles to the same bytes)
-            out.append(_byte_tensor(pickle.dumps(value)))
+        out += _content(_decoded(value))
     return out
+
+
+def _decoded(value: Any) -> Any:
+    """Serialized extra state as the object it serializes; anything else as it is."""
+    data = value["data"] if isinstance(value, dict) and _KIND in value else value
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1 and data.numel() \
+            and int(data[0]) == 0x80:  # a pickle's protocol marker
+        raw = data.numpy().tobytes()
+        for load in (pickle.loads, lambda b: torch.load(io.BytesIO(b), weights_only=False)):
+            try:
+                # The bytes are this rank's own live module's state, just handed out: nothing foreign is loaded.
+                return load(raw)
+            except Exception:  # noqa: BLE001, S301 - not a pickle after all: signed as raw bytes
+                continue
+    return data
+
+
+def _content(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value.detach()]
+    if isinstance(value, dict):
+        return [t for k in sorted(value, key=repr) for t in [_primitive(k), *_content(value[k])] if t is not None]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _content(v)]
+    t = _primitive(value)
+    return [t] if t is not None else []
+
+
+def _primitive(value: Any) -> torch.Tensor | None:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return _byte_tensor(repr(value).encode())
+    return None

@@ -230,7 +230,8 @@ class ScoutHandle:
                                         comm_rule=StatisticalRule.for_communication(cfg.consensus),
                                         confirm_rounds=cfg.consensus.confirm_rounds,
                                         determinism_every=cfg.replay.determinism_every,
-                                        deterministic=cfg.replay.deterministic, rng_providers=a.rng_providers)
+                                        deterministic=cfg.replay.deterministic, rng_providers=a.rng_providers,
+                                        replay_context=a.replay_context)
 
     def _load_catalog(self, path: str, moe: Any) -> Catalog:
         """The shape catalog, checked on every rank before any group is built: a rank that cannot use it (no

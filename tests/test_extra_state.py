@@ -140,3 +140,28 @@ def test_extra_state_signatures_cover_every_kind():
 
     tensors = extra_state_tensors({k: _storable(v) for k, v in saved.items()})
     assert [t.dtype for t in tensors] == [torch.uint8] * 3
+
+
+def _te2_state(seed: int) -> torch.Tensor:
+    """Transformer Engine >= 2's serialized FP8 state: ``pickle.dumps`` of a dict of tensors and flags."""
+    import pickle
+
+    torch.manual_seed(seed)
+    state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.rand(4, 3),
+             "extra_fp8_variables": {"num_gemms": 1, "recipe": object()}}
+    return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+
+def test_serialized_fp8_state_is_compared_by_content_not_by_its_pickle():
+    """A pickle of a tensor holds its storage's address: the same state pickles to other bytes on another rank.
+    Two such pickles of equal state must sign alike, and a changed amax must not."""
+    from scout_core.extra_state import _storable
+    from scout_core.signature import sign_many
+
+    def signed(t: torch.Tensor) -> list[int]:
+        return [x.signature for x in sign_many(extra_state_tensors({"l": _storable(t)}))]
+
+    a, b = _te2_state(0), _te2_state(0)
+    assert not torch.equal(a, b)  # equal state, other bytes (each pickle names its own storages)
+    assert signed(a) == signed(b)
+    assert signed(a) != signed(_te2_state(1))

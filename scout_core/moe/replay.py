@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,8 +98,10 @@ class ExpertReplay:
                  reporter: Reporter | None, hosts: dict[int, str], catalog: Catalog | None = None,
                  comm_rule: StatisticalRule | None = None, confirm_rounds: int = 2,
                  determinism_every: int = 10, deterministic: bool = True,
-                 rng_providers: dict[str, RngProvider] | None = None) -> None:
+                 rng_providers: dict[str, RngProvider] | None = None,
+                 replay_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None) -> None:
         self.binding, self.every, self.rank = binding, every, rank
+        self.replay_context = replay_context  # the framework's, as around the dense recipe's checks
         self.hosts, self.reporter, self.catalog = hosts, reporter, catalog
         self.determinism_every, self.deterministic = determinism_every, deterministic
         self.rng_providers = dict(rng_providers or {})
@@ -264,8 +266,29 @@ class ExpertReplay:
 
     @contextlib.contextmanager
     def _materialized(self, li: int) -> Iterator[None]:
-        """Layer ``li``'s experts whole for the replay (``MoEBinding.materialize``, on every rank alike); a
-        failure is kept by the guard (the replay then fails too, and the agreement skips the check)."""
+        """Layer ``li``'s experts whole for the replay (``MoEBinding.materialize``, on every rank alike), inside
+        the framework's replay context (Megatron's parameter-gather hooks off: they sit on the experts' modules
+        too); a failure is kept by the guard (the replay then fails too, and the agreement skips the check)."""
+        with self._framework_paused(), self._unsharded(li):
+            yield
+
+    @contextlib.contextmanager
+    def _framework_paused(self) -> Iterator[None]:
+        if self.replay_context is None:
+            yield
+            return
+        # It may hold collectives (Megatron's parameter sync): every rank enters it, whatever failed before.
+        ctx = self.guard.attempt("entering the framework's replay context", self.replay_context)
+        entered = ctx is not None and self.guard.attempt("entering the framework's replay context",
+                                                         lambda: ctx.__enter__() or True)
+        try:
+            yield
+        finally:
+            if entered:
+                self.guard.attempt("leaving the framework's replay context", lambda: ctx.__exit__(None, None, None))
+
+    @contextlib.contextmanager
+    def _unsharded(self, li: int) -> Iterator[None]:
         if self.binding.materialize is None:
             yield
             return

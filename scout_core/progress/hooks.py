@@ -384,14 +384,20 @@ def _make_wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]
         finally:
             tracker._local.depth = 0
         pending = getattr(tracker._local, "coalesced", None)
-        if pending is not None:  # queued in a coalesced batch: it runs, and completes, with the batch
+        if pending is not None and _queued(result):  # in a coalesced batch: it runs, and completes, with the batch
             pending.append((key, _first_tensor(args, kwargs)))
-        else:
+        else:  # an operation the manager does not batch ran at once (Megatron's fp32-accumulating reduce-scatter)
             tracker.track(key, result, _first_tensor(args, kwargs))
         return result
 
     wrapper.__scout_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _queued(result: Any) -> bool:
+    """Whether a call inside a coalescing manager only queued its operation: torch then returns nothing, or a
+    placeholder work (``_IllegalWork``) whose every method raises."""
+    return result is None or type(result).__name__ == "_IllegalWork"
 
 
 class _BatchWork:

@@ -40,7 +40,7 @@ from scout_core.adapter import discover_layers, torch_adapter
 from scout_core.config import ScoutConfig
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
-from scout_megatron.moe import dense_parts, moe_binding
+from scout_megatron.moe import dense_parts, moe_binding, moe_metrics_kept
 
 __all__ = ["attach", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers", "unwrap"]
 
@@ -112,6 +112,13 @@ def _distributed_optimizer(optimizer: Any) -> bool:
         pass
     inner = [optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])]
     return any(isinstance(o, sharded) for o in inner)
+
+
+@contextlib.contextmanager
+def _checking(chunks: list[nn.Module]) -> Iterator[None]:
+    """What a check runs inside: Megatron's parameter-gather hooks off and its MoE metrics kept."""
+    with param_gather_paused(chunks), moe_metrics_kept():
+        yield
 
 
 @contextlib.contextmanager
@@ -229,7 +236,7 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
     # Transformer Engine's FP8 scaling state (its modules' extra state) is the same on the data-parallel replicas
     # only where Megatron reduces the amax over them (its default); --tp-only-amax-red reduces it within TP.
     adapter.compare_extra_state = not getattr(model_config, "tp_only_amax_red", False)
-    adapter.replay_context = functools.partial(param_gather_paused, chunks)
+    adapter.replay_context = functools.partial(_checking, chunks)
     # SCOUT's boundary follows Megatron's own optimizer step: its distributed optimizer copies each rank's
     # updated shard into the model and gathers the others' after its inner optimizers stepped, so only then do
     # the data-parallel replicas hold the same parameters.

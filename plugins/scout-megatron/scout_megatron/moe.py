@@ -9,9 +9,11 @@
   expert check also replays the AllToAll with one communication plan across every EP group
   (:mod:`scout_core.moe.alltoall`), from the split sizes of the layer's last dispatch (the dispatcher's
   ``input_splits``).
-* The dense recipe replays an MoE layer's attention (``self_attention``) wherever its experts are bound or EP is
-  on; the router (``TopKRouter``) is not replayed: its forward in training mode updates Megatron's auxiliary-loss
-  tracker and expert-bias counters, which a replay must not touch.
+* The dense recipe replays an MoE layer's attention (``self_attention``) and its router (``mlp.router``) as two
+  parts wherever its experts are bound or EP is on. A router's forward in training mode counts tokens for the
+  expert bias (buffers: put back after every replay, as every replayed module's buffers are) and records its
+  auxiliary losses in Megatron's MoE metrics tracker, which Megatron logs: :func:`moe_metrics_kept` puts the
+  tracker back as it was after each check, so the logged losses are training's only.
 * Not bound (a warning, the same on every rank; the layer is then replayed whole without EP, by its attention
   with EP): grouped-GEMM experts (``GroupedMLP``, ``TEGroupedMLP``: ``--moe-grouped-gemm``) and experts split
   by expert tensor parallelism (``--expert-tensor-parallel-size`` > 1: an expert's replay would pair
@@ -20,7 +22,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +32,7 @@ from torch import nn
 
 from scout_core.moe.binding import MoEBinding
 
-__all__ = ["dense_parts", "moe_binding", "moe_layers"]
+__all__ = ["dense_parts", "moe_binding", "moe_layers", "moe_metrics_kept"]
 
 log = logging.getLogger("scout_megatron")
 
@@ -66,21 +70,37 @@ def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     layers, names = moe_layers(inner)
-    if not layers:
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    # Decided alike on every rank before anything else: the binding's set-up and every expert check hold world
+    # collectives, and pipeline stages differ (a first stage of dense layers has no MoE layer at all).
+    mine = [bool(layers), all(isinstance(m.experts, SequentialMLP) for m in layers),
+            parallel_state.get_expert_tensor_parallel_world_size() == 1,
+            all(isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher)
+                and not getattr(m.token_dispatcher, "drop_and_pad", False) for m in layers)]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    everywhere, sequential, no_etp, alltoall = (all(flags) for flags in zip(*everyone))
+    if not everywhere:
+        if layers:
+            log.warning("scout_megatron: some pipeline stages have no MoE layer: Megatron's experts are not bound to "
+                        "SCOUT's expert recipe; MoE layers replay by their attention and router")
         return None
-    if not all(isinstance(m.experts, SequentialMLP) for m in layers):
+    if not sequential:
         log.warning("scout_megatron: grouped-GEMM experts (%s) are not bound to SCOUT's expert recipe yet; they "
                     "are checked inside their layers' replays only", type(layers[0].experts).__name__)
         return None
-    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
-        log.warning("scout_megatron: expert tensor parallelism: Megatron's experts are not bound to SCOUT's expert "
-                    "recipe; MoE layers replay by their attention only")
+    if not no_etp:
+        log.warning("scout_megatron: expert tensor parallelism (Megatron's default --expert-tensor-parallel-size is "
+                    "the tensor-parallel size; pass --expert-tensor-parallel-size 1 to have experts checked): "
+                    "Megatron's experts are not bound to SCOUT's expert recipe; MoE layers replay by their "
+                    "attention and router only")
         return None
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    alltoall = ep > 1 and all(isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher) for m in layers)
+    alltoall = alltoall and ep > 1
     if ep > 1 and not alltoall:
-        log.warning("scout_megatron: expert parallelism without the AllToAll dispatcher (%s): experts are checked, "
-                    "the token exchange is not replayed", type(layers[0].token_dispatcher).__name__)
+        dispatcher = layers[0].token_dispatcher
+        log.warning("scout_megatron: expert parallelism without the AllToAll dispatcher's variable splits (%s%s): "
+                    "experts are checked, the token exchange is not replayed", type(dispatcher).__name__,
+                    ", padded to capacity" if getattr(dispatcher, "drop_and_pad", False) else "")
     # Megatron's expert linears are its own parallel layers, not nn.Linear: the row width is the model's.
     return MoEBinding(
         layers=layers, names=names, experts=lambda m: m.experts.local_experts,
@@ -105,10 +125,33 @@ def dense_parts(layers: list[nn.Module], names: list[str], *, bound: bool) -> tu
     for layer, name in zip(layers, names):
         if any(isinstance(m, MoELayer) for m in layer.modules()) and hasattr(layer, "self_attention"):
             kept.append((layer.self_attention, f"{name}.self_attention"))
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                kept.append((router, f"{name}.mlp.router"))
             replaced += 1
         else:
             kept.append((layer, name))
     if replaced:
-        log.warning("scout_megatron: %d MoE layer(s) replay by their attention in the dense recipe (their experts: %s)",
-                    replaced, "the expert recipe" if bound else "not checked in this layout")
+        log.warning("scout_megatron: %d MoE layer(s) replay by their attention and router in the dense recipe (their "
+                    "experts: %s)", replaced, "the expert recipe" if bound else "not checked in this layout")
     return [m for m, _ in kept], [n for _, n in kept]
+
+
+@contextlib.contextmanager
+def moe_metrics_kept() -> Iterator[None]:
+    """Megatron's MoE metrics tracker (the auxiliary losses it logs) as training left it, after whatever runs
+    inside: a replayed router records its losses there too."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # pragma: no cover - an older megatron-core: nothing tracked this way
+        yield
+        return
+    tracker = get_moe_metrics_tracker()
+    saved = {name: entry.values.detach().clone() for name, entry in tracker.metrics.items()}
+    try:
+        yield
+    finally:
+        for name in [n for n in tracker.metrics if n not in saved]:
+            del tracker.metrics[name]  # first recorded by a replay
+        for name, values in saved.items():
+            tracker.metrics[name].values.copy_(values)
