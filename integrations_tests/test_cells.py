@@ -651,3 +651,4 @@ def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged
     monkeypatch.setattr(attach, "moe_metrics_kept", contextlib.nullcontext)
     (report,) = run_cells([SPECS["megatron-moe-ep2-clean"]], root=ROOT)
     assert report.verdict == "FAIL" and "another state than without it" in report.details, report.details
+
