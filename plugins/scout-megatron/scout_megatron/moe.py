@@ -14,10 +14,13 @@
   expert bias (buffers: put back after every replay, as every replayed module's buffers are) and records its
   auxiliary losses in Megatron's MoE metrics tracker, which Megatron logs: :func:`moe_metrics_kept` puts the
   tracker back as it was after each check, so the logged losses are training's only.
+* Under expert tensor parallelism (``--expert-tensor-parallel-size``, by default the tensor-parallel size) each
+  expert's linears hold a shard and run without collectives (Megatron's dispatcher gathers and reduces around
+  them): the expert peers are the ranks with the same EP and expert-TP positions, which hold the same shard and
+  receive the same rows.
 * Not bound (a warning, the same on every rank; the layer is then replayed whole without EP, by its attention
-  with EP): grouped-GEMM experts (``GroupedMLP``, ``TEGroupedMLP``: ``--moe-grouped-gemm``) and experts split
-  by expert tensor parallelism (``--expert-tensor-parallel-size`` > 1: an expert's replay would pair
-  collectives with partners in other expert-data-parallel groups).
+  and router with EP): grouped-GEMM experts (``GroupedMLP``, ``TEGroupedMLP``: ``--moe-grouped-gemm``), and
+  models where some pipeline stages have no MoE layer.
 """
 
 from __future__ import annotations
@@ -74,12 +77,11 @@ def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
     # Decided alike on every rank before anything else: the binding's set-up and every expert check hold world
     # collectives, and pipeline stages differ (a first stage of dense layers has no MoE layer at all).
     mine = [bool(layers), all(isinstance(m.experts, SequentialMLP) for m in layers),
-            parallel_state.get_expert_tensor_parallel_world_size() == 1,
             all(isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher)
                 and not getattr(m.token_dispatcher, "drop_and_pad", False) for m in layers)]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    everywhere, sequential, no_etp, alltoall = (all(flags) for flags in zip(*everyone))
+    everywhere, sequential, alltoall = (all(flags) for flags in zip(*everyone))
     if not everywhere:
         if layers:
             log.warning("scout_megatron: some pipeline stages have no MoE layer: Megatron's experts are not bound to "
@@ -88,12 +90,6 @@ def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
     if not sequential:
         log.warning("scout_megatron: grouped-GEMM experts (%s) are not bound to SCOUT's expert recipe yet; they "
                     "are checked inside their layers' replays only", type(layers[0].experts).__name__)
-        return None
-    if not no_etp:
-        log.warning("scout_megatron: expert tensor parallelism (Megatron's default --expert-tensor-parallel-size is "
-                    "the tensor-parallel size; pass --expert-tensor-parallel-size 1 to have experts checked): "
-                    "Megatron's experts are not bound to SCOUT's expert recipe; MoE layers replay by their "
-                    "attention and router only")
         return None
     alltoall = alltoall and ep > 1
     if ep > 1 and not alltoall:
