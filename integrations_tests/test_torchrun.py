@@ -105,3 +105,36 @@ def test_torchrun_hang_is_diagnosed_through_the_agents_store(tmp_path):
     assert [(i.kind.value, i.scope.value, i.ranks, i.evidence["class"]) for i in incidents] == [
         ("hang", "rank", [2], "lagging")]
     assert incidents[0].evidence["control_plane"] == "agent"
+
+
+def test_torchrun_hang_stop_ends_trainers_whose_sigterm_handler_only_sets_a_flag(tmp_path):
+    """``actions.on_verdict=stop`` on a hang: every observer terminates its trainer. A trainer whose SIGTERM
+    handler only sets a flag read between steps (Megatron's ``--exit-signal-handler``) never reads it while it
+    waits inside a collective: its observer kills it after the grace, and the launcher sees the job end."""
+    import contextlib
+    import signal
+
+    from scout_core.progress.observer import STOP_GRACE_S
+
+    out = tmp_path / "hang-stop"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
+           "--model", "gpt2", "--layout", "ddp", "--steps", "40", "--out", str(out), "--scout", "--preset",
+           "defaults", "--freeze-rank", "2", "--freeze-step", "4", "--sigterm-sets-a-flag",
+           "--scout-set", "actions.on_verdict=stop"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        # The verdict comes within the shipped thresholds (well inside a minute here), then the grace.
+        proc.wait(timeout=120 + STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError("the trainers were still there: the stop action did not end them") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    incidents = list(read_incidents(out / "incidents.jsonl"))
+    assert [(i.kind.value, i.scope.value, i.ranks) for i in incidents][:1] == [("hang", "rank", [2])]
+    assert proc.returncode != 0  # the launcher saw its workers end by a signal, not a finished job

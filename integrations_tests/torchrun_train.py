@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--freeze-rank", type=int, default=None, help="this rank's training thread stops ...")
     p.add_argument("--freeze-step", type=int, default=4, help="... at the start of this step (a hang)")
+    p.add_argument("--sigterm-sets-a-flag", action="store_true",
+                   help="SIGTERM only sets a flag read between steps, as Megatron's --exit-signal-handler does")
     p.add_argument("--scout-set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra SCOUT config overrides (e.g. actions.on_verdict=stop)")
     p.add_argument("--preset", choices=("every-step", "defaults"), default="every-step",
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     inner = build_zoo_model(args.model, args.seed, args.size).to(device)
     state = {"step": 0}
+    if args.sigterm_sets_a_flag:
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: state.__setitem__("exit_requested", 1))
     if args.fault_rank == rank:
         install_fault(blocks(inner)[1], state, args.fault_from_step)
     model, mesh = wrap(inner, args.layout, device)

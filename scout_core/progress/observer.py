@@ -122,6 +122,11 @@ _IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
 _CHECKPOINT_PHASES = (Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)
 _DAEMON_BEAT_S = 10.0
 _CLOSING_STORE_TIMEOUT_S = 2.0
+STOP_GRACE_S = 20.0
+"""After a hang verdict with ``actions.on_verdict: stop``, how long a trainer has to end on SIGTERM before its
+observer kills it. A Python SIGTERM handler runs only when the main thread gets back to the interpreter, which a
+trainer blocked inside a collective never does; a framework's handler may only set a flag it reads between
+iterations (Megatron's ``--exit-signal-handler``)."""
 
 
 def steady_threshold(base: float, multiple: float, ceiling: float, gap_max: float) -> float:
@@ -447,10 +452,21 @@ class _Observer:
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
         if self.spec.stop_on_verdict and incidents and not self._trainer_gone():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.spec.trainer_pid, signal.SIGTERM)
+            self._end_trainer()
             raise _Stopped
         return incidents
+
+    def _end_trainer(self) -> None:
+        """SIGTERM, then SIGKILL if the trainer is still there after :data:`STOP_GRACE_S`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.spec.trainer_pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while not self._trainer_gone():
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.spec.trainer_pid, signal.SIGKILL)
+                return
+            time.sleep(0.2)
 
     def _resolved(self) -> None:
         """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
