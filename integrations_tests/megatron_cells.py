@@ -70,12 +70,15 @@ def _argv(a: dict[str, Any]) -> list[str]:
     return ["pretrain_gpt.py", *megatron, *scout]
 
 
-def _batches(seed: int) -> Any:
-    """Synthetic token batches, different on each data-parallel rank (Megatron's data loader is not needed)."""
+def _batches(seed: int, injector: Injector, rank: int) -> Any:
+    """Synthetic token batches, different on each data-parallel rank (Megatron's data loader is not needed). A
+    ``dataloader`` delay fault holds the fetch (a stalled input pipeline)."""
     from megatron.core import parallel_state
+    from megatron.training import get_args
 
     gen = torch.Generator().manual_seed(seed * 1000 + parallel_state.get_data_parallel_rank())
     while True:
+        injector.delay("dataloader", rank=rank, step=int(getattr(get_args(), "curr_iteration", 0)) + 1)
         tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
         yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
 
@@ -129,8 +132,9 @@ def _pretrain_on_host(state: dict[str, Any], injector: Injector, rank: int, seed
         logged: list[int] = []
         _log_moe_metrics(logged)
         state["model"], state["optimizer"] = model, optimizer
-        iteration = training.train(_forward_step, model, optimizer, scheduler, RerunDataIterator(_batches(seed)),
-                                   None, None, get_model_config(model[0]), {}, None)
+        data = RerunDataIterator(_batches(seed, injector, rank))
+        iteration = training.train(_forward_step, model, optimizer, scheduler, data, None, None,
+                                   get_model_config(model[0]), {}, None)
         state["iterations"] = iteration[0] if isinstance(iteration, tuple) else iteration
         state["final"] = _signature(model, optimizer) + _side_state(model, logged)
         dist.barrier()

@@ -652,3 +652,17 @@ def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged
     (report,) = run_cells([SPECS["megatron-moe-ep2-clean"]], root=ROOT)
     assert report.verdict == "FAIL" and "another state than without it" in report.details, report.details
 
+
+
+def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
+    """The guard of megatron-dp4-data-stall: without the plugin marking Megatron's data fetches, rank 2 waiting for
+    its data looks like a rank stopped in compute: a hang, not a data stall."""
+    from integrations_tests import megatron_cpu
+
+    megatron_cpu.allow_python_311()
+    megatron_cpu.stub_triton_ops()
+    from scout_megatron import attach
+
+    monkeypatch.setattr(attach, "mark_data", lambda handle, iterators: iterators)
+    (report,) = run_cells([SPECS["megatron-dp4-data-stall"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected ['data_stall']" in report.details, report.details

@@ -42,7 +42,8 @@ from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_megatron.moe import dense_parts, moe_binding, moe_metrics_kept
 
-__all__ = ["attach", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers", "unwrap"]
+__all__ = ["attach", "mark_data", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers",
+           "unwrap"]
 
 log = logging.getLogger("scout_megatron")
 
@@ -195,6 +196,27 @@ def observe_bucket_collectives() -> bool:
         setattr(buffers, attr, late)
         changed = True
     return changed
+
+
+def mark_data(handle: ScoutHandle, iterators: Any) -> Any:
+    """Megatron's training data iterator(s) (one, a list per virtual stage, or None on ranks that load no data),
+    each fetch marked on SCOUT's hang path: a rank waiting for its data is named a data stall, judged by
+    ``observer.io_silence_s``, not a hang in compute. Inside Megatron's ``RerunDataIterator`` only the iterable it
+    reads from is wrapped, so its rewind and replay of saved microbatches are left as they are."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    def marked(it: Any) -> Any:
+        if it is None:
+            return None
+        if isinstance(it, RerunDataIterator):
+            if it.iterable is not None:
+                it.iterable = iter(handle.wrap_dataloader(it.iterable))
+            return it
+        return iter(handle.wrap_dataloader(it))
+
+    if isinstance(iterators, list):
+        return [marked(it) for it in iterators]
+    return marked(iterators)
 
 
 def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutConfig | None = None,

@@ -70,6 +70,11 @@ def last_handle() -> ScoutHandle | None:
     return _last.handle
 
 
+_TRAIN_DATA_ARG = 4
+"""The position of ``train_data_iterator`` in Megatron's ``train(forward_step_func, model, optimizer,
+opt_param_scheduler, train_data_iterator, ...)``."""
+
+
 def pretrain(*args: Any, **kwargs: Any) -> Any:
     """Megatron's ``pretrain`` (same arguments, same result), with SCOUT attached when ``--scout`` was given."""
     from megatron.training import get_args, training
@@ -93,7 +98,7 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
         # the capture only, and diagnosis would silently stop.
         raise RuntimeError(f"scout_megatron: SCOUT observes training through Python hooks, which CUDA graphs skip: "
                            f"run without {', '.join(graphs)}, or without --scout")
-    from scout_megatron.attach import attach
+    from scout_megatron.attach import attach, mark_data
     from scout_megatron.checkpoints import continue_after_load, label_saves, plan_restart
 
     global _last
@@ -130,9 +135,21 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
             continue_after_load(handle, int(getattr(margs, "iteration", 0) or 0), getattr(margs, "load", None))
         return model, optimizer, scheduler
 
-    # ``pretrain`` calls the module's ``setup_model_and_optimizer`` and ``save_checkpoint`` by name and offers no
-    # hook between building the model and training it: the names are rebound for this call only.
+    train = training.train
+
+    @functools.wraps(train)
+    def train_with_marked_data(*a: Any, **k: Any) -> Any:
+        if attached.handle is not None:  # a fetch of the training data marks the hang path (data stalls)
+            if len(a) > _TRAIN_DATA_ARG:
+                a = (*a[:_TRAIN_DATA_ARG], mark_data(attached.handle, a[_TRAIN_DATA_ARG]), *a[_TRAIN_DATA_ARG + 1:])
+            elif "train_data_iterator" in k:
+                k["train_data_iterator"] = mark_data(attached.handle, k["train_data_iterator"])
+        return train(*a, **k)
+
+    # ``pretrain`` calls the module's ``setup_model_and_optimizer``, ``train`` and ``save_checkpoint`` by name and
+    # offers no hook between building the model and training it: the names are rebound for this call only.
     training.setup_model_and_optimizer = setup_then_attach
+    training.train = train_with_marked_data
     planned: SystemExit | None = None
     try:
         try:
@@ -146,7 +163,7 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
             # checkpoint to resume from on another GPU: the relaunch loads it unless SCOUT rejected it.
             planned = exc
     finally:
-        training.setup_model_and_optimizer, training.save_checkpoint = setup, save
+        training.setup_model_and_optimizer, training.save_checkpoint, training.train = setup, save, train
         training.maybe_finalize_async_save = finalize
         if attached.handle is not None:
             attached.handle.close()
