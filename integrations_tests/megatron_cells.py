@@ -79,8 +79,7 @@ def _batches(seed: int, injector: Injector, rank: int) -> Any:
     gen = torch.Generator().manual_seed(seed * 1000 + parallel_state.get_data_parallel_rank())
     while True:
         injector.delay("dataloader", rank=rank, step=int(getattr(get_args(), "curr_iteration", 0)) + 1)
-        tokens = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
-        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+        yield torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
 
 
 def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -90,11 +89,18 @@ def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _forward_step(data_iterator: Any, model: Any) -> Any:
-    """pretrain_gpt.py's forward step, on synthetic batches."""
-    batch = next(data_iterator)
+    """pretrain_gpt.py's forward step, on synthetic batches: as Megatron's ``get_batch``, tensor-parallel rank 0
+    reads the batch (the others have no iterator) and broadcasts it to its tensor-parallel partners."""
+    from megatron.core import parallel_state
+
+    tokens = next(data_iterator) if data_iterator is not None else \
+        torch.empty(MICRO_BATCH, SEQ + 1, dtype=torch.int64)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.broadcast(tokens, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                       group=parallel_state.get_tensor_model_parallel_group())
     positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
     mask = torch.ones(MICRO_BATCH, SEQ)
-    return model(batch["tokens"], positions, None, labels=batch["labels"]), partial(_loss, mask)
+    return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]), partial(_loss, mask)
 
 
 def _gpt_provider(pre_process: bool = True, post_process: bool = True, **_: Any) -> torch.nn.Module:
@@ -132,7 +138,11 @@ def _pretrain_on_host(state: dict[str, Any], injector: Injector, rank: int, seed
         logged: list[int] = []
         _log_moe_metrics(logged)
         state["model"], state["optimizer"] = model, optimizer
-        data = RerunDataIterator(_batches(seed, injector, rank))
+        from megatron.core import parallel_state
+
+        # Megatron builds data iterators on tensor-parallel rank 0 only.
+        data = RerunDataIterator(_batches(seed, injector, rank)) \
+            if parallel_state.get_tensor_model_parallel_rank() == 0 else None
         iteration = training.train(_forward_step, model, optimizer, scheduler, data, None, None,
                                    get_model_config(model[0]), {}, None)
         state["iterations"] = iteration[0] if isinstance(iteration, tuple) else iteration

@@ -90,18 +90,40 @@ def extra_state_tensors(saved: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def _decoded(value: Any) -> Any:
-    """Serialized extra state as the object it serializes; anything else as it is."""
+    """Serialized extra state as the object it serializes (tensors on the host); anything else as it is.
+
+    ``torch.save`` output (a zip archive, ``PK``; or the legacy format, a pickle that begins with a magic number)
+    is read by ``torch.load`` onto the host: its archive records each storage's device, which differs between
+    data-parallel peers on different GPUs. A plain pickle (Transformer Engine >= 2) by ``pickle.loads``. The bytes
+    are this rank's own live module's state, just handed out: nothing foreign is loaded. What decodes to nothing
+    with a tensor in it is signed as the raw bytes."""
     data = value["data"] if isinstance(value, dict) and _KIND in value else value
-    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1 and data.numel() \
-            and int(data[0]) == 0x80:  # a pickle's protocol marker
-        raw = data.numpy().tobytes()
-        for load in (pickle.loads, lambda b: torch.load(io.BytesIO(b), weights_only=False)):
-            try:
-                # The bytes are this rank's own live module's state, just handed out: nothing foreign is loaded.
-                return load(raw)
-            except Exception:  # noqa: BLE001, S301 - not a pickle after all: signed as raw bytes
-                continue
+    if not (isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 1 and data.numel() > 1):
+        return data
+    raw = data.numpy().tobytes()
+    loads: list[Any] = []
+    if raw[:2] == b"PK" or raw[:1] == b"\x80":
+        loads.append(lambda b: torch.load(io.BytesIO(b), map_location="cpu", weights_only=False))
+    if raw[:1] == b"\x80":
+        loads.append(pickle.loads)
+    for load in loads:
+        try:
+            decoded = load(raw)
+        except Exception:  # noqa: BLE001 - not this format
+            continue
+        if _content_tensors(decoded):
+            return decoded
     return data
+
+
+def _content_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_content_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_content_tensors(v) for v in value)
+    return False
 
 
 def _content(value: Any) -> list[torch.Tensor]:

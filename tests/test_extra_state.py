@@ -165,3 +165,24 @@ def test_serialized_fp8_state_is_compared_by_content_not_by_its_pickle():
     assert not torch.equal(a, b)  # equal state, other bytes (each pickle names its own storages)
     assert signed(a) == signed(b)
     assert signed(a) != signed(_te2_state(1))
+
+
+def test_torch_saved_fp8_state_is_compared_by_content():
+    """Older Transformer Engine hands out ``torch.save`` of its FP8 state (a zip archive naming each storage's
+    device): decoded onto the host and compared by content; a different amax still differs."""
+    from scout_core.extra_state import _storable
+    from scout_core.signature import sign_many
+
+    def saved(amax: float, legacy: bool = False) -> io.BytesIO:
+        buf = io.BytesIO()
+        torch.save({"scale_fwd": torch.ones(3), "amax_history_fwd": torch.full((4, 3), amax)}, buf,
+                   _use_new_zipfile_serialization=not legacy)
+        buf.seek(0)
+        return buf
+
+    def signed(state: object) -> list[int]:
+        return [x.signature for x in sign_many(extra_state_tensors({"l": _storable(state)}))]
+
+    for legacy in (False, True):
+        assert signed(saved(1.0, legacy)) == signed(saved(1.0, legacy))
+        assert signed(saved(1.0, legacy)) != signed(saved(2.0, legacy)), "a different amax must not compare equal"

@@ -217,6 +217,7 @@ class _Observer:
             self._loop()
             return 0
         except _Stopped:
+            self._see_trainer_out()
             return OBSERVER_REPORTED_EXIT
         except _Closing:  # closed during start-up or while the store was away
             self._answer_closed()
@@ -452,21 +453,31 @@ class _Observer:
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
         if self.spec.stop_on_verdict and incidents and not self._trainer_gone():
-            self._end_trainer()
-            raise _Stopped
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.spec.trainer_pid, signal.SIGTERM)
+            raise _Stopped  # out of the critical section: a trainer that closes SCOUT now is answered (below)
         return incidents
 
-    def _end_trainer(self) -> None:
-        """SIGTERM, then SIGKILL if the trainer is still there after :data:`STOP_GRACE_S`."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.spec.trainer_pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        while not self._trainer_gone():
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.spec.trainer_pid, signal.SIGKILL)
-                return
-            time.sleep(0.2)
+    def _see_trainer_out(self) -> None:
+        """After the stop's SIGTERM: wait for the trainer to end; SIGKILL it if it is still there after
+        :data:`STOP_GRACE_S`, unless it is closing SCOUT (a handler that exits: its close terminates us, and we
+        answer as for any close). Never waits more than three graces."""
+        assert self.record is not None
+        start = time.monotonic()
+        try:
+            while not self._trainer_gone():
+                waited = time.monotonic() - start
+                closing = self.record.read().phase is Phase.CLOSED
+                if (waited > STOP_GRACE_S and not closing) or waited > 3 * STOP_GRACE_S:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.spec.trainer_pid, signal.SIGKILL)
+                    gone_by = time.monotonic() + 2.0  # a large process takes a moment to die: then its record goes
+                    while not self._trainer_gone() and time.monotonic() < gone_by:
+                        time.sleep(0.05)
+                    return
+                time.sleep(0.1)
+        except _Closing:
+            self._answer_closed()
 
     def _resolved(self) -> None:
         """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""

@@ -198,21 +198,51 @@ def observe_bucket_collectives() -> bool:
     return changed
 
 
+class _MarkedFetches:
+    """An iterator whose fetches are marked on SCOUT's hang path (the data phase while ``next`` waits); every other
+    attribute is the iterator's own (a loader's ``save_state`` for ``--dataloader-save``)."""
+
+    def __init__(self, inner: Any, tracker: Any) -> None:
+        self._inner = inner
+        self._tracker = tracker
+
+    def __iter__(self) -> _MarkedFetches:
+        return self
+
+    def __next__(self) -> Any:
+        from scout_core.progress.record import Phase
+
+        self._tracker.mark(Phase.DATALOADER)
+        try:
+            return next(self._inner)
+        finally:
+            self._tracker.mark(Phase.COMPUTE)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def mark_data(handle: ScoutHandle, iterators: Any) -> Any:
-    """Megatron's training data iterator(s) (one, a list per virtual stage, or None on ranks that load no data),
-    each fetch marked on SCOUT's hang path: a rank waiting for its data is named a data stall, judged by
-    ``observer.io_silence_s``, not a hang in compute. Inside Megatron's ``RerunDataIterator`` only the iterable it
-    reads from is wrapped, so its rewind and replay of saved microbatches are left as they are."""
+    """Megatron's training data iterator(s) (one, a list per virtual stage, or None on ranks that load no data:
+    Megatron reads data on tensor-parallel rank 0 only), each fetch marked on SCOUT's hang path: a rank waiting for
+    its data is named a data stall, judged by ``observer.io_silence_s``, not a hang in compute. Inside Megatron's
+    ``RerunDataIterator`` only the iterator it reads from is wrapped, so its rewind and replay of saved microbatches
+    are left as they are. Only marks: a fetch is not a point every rank reaches (TP partners receive the batch by
+    broadcast, middle pipeline stages fetch nothing), so nothing that needs every rank runs there."""
     from megatron.core.rerun_state_machine import RerunDataIterator
 
+    tracker = handle.tracker
+    if tracker is None:  # no observer: nothing watches the marks
+        return iterators
+
     def marked(it: Any) -> Any:
-        if it is None:
-            return None
-        if isinstance(it, RerunDataIterator):
-            if it.iterable is not None:
-                it.iterable = iter(handle.wrap_dataloader(it.iterable))
+        if it is None or isinstance(it, _MarkedFetches):
             return it
-        return iter(handle.wrap_dataloader(it))
+        if isinstance(it, RerunDataIterator):
+            if it.iterable is not None and not isinstance(it.iterable, _MarkedFetches):
+                it.iterable = _MarkedFetches(it.iterable, tracker)
+            return it
+        return _MarkedFetches(it, tracker)
 
     if isinstance(iterators, list):
         return [marked(it) for it in iterators]

@@ -122,7 +122,9 @@ def dense_parts(layers: list[nn.Module], names: list[str], *, bound: bool) -> tu
         if any(isinstance(m, MoELayer) for m in layer.modules()) and hasattr(layer, "self_attention"):
             kept.append((layer.self_attention, f"{name}.self_attention"))
             router = getattr(getattr(layer, "mlp", None), "router", None)
-            if router is not None:
+            # Megatron's routing replay (--moe-enable-routing-replay) records or replays each router call's
+            # choices: a replay by SCOUT would overwrite them, or route by this rank's own record.
+            if router is not None and getattr(router, "router_replay", None) is None:
                 kept.append((router, f"{name}.mlp.router"))
             replaced += 1
         else:
