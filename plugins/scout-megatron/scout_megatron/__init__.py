@@ -19,7 +19,8 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any
 
-__all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "parse_and_validate_args", "plugin", "pretrain"]
+__all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "parse_and_validate_args", "plugin", "pretrain",
+           "transformer_engine_version"]
 
 SUPPORTED = (">=0.19", "<0.20")
 """The megatron-core versions this plugin is tested with (``pyproject.toml`` declares the same range)."""
@@ -61,6 +62,16 @@ class _Plugin:
 
 
 plugin = _Plugin()
+
+
+def transformer_engine_version() -> str | None:
+    """Transformer Engine's version where it imports, else None. Only called once Megatron runs (TE's import
+    initializes CUDA); without CUDA it raises RuntimeError, not ImportError, so any failure means "not here"."""
+    try:
+        import transformer_engine
+    except Exception:  # noqa: BLE001 - ImportError, or RuntimeError where CUDA is missing
+        return None
+    return str(getattr(transformer_engine, "__version__", "unknown"))
 
 
 def __getattr__(name: str) -> Any:

@@ -298,6 +298,9 @@ def attach(model: nn.Module | list[nn.Module], optimizer: Any, *, config: ScoutC
                     "state")
     handle = enable_with(adapter, config=config)
     if handle.rank == 0:
+        from scout_megatron import transformer_engine_version
+
         log.info("scout_megatron: SCOUT attached to %d model chunk(s), %d optimizer(s), %d repeated layers, peer "
-                 "groups %s", len(chunks), len(adapter.optimizers), len(layers), groups)
+                 "groups %s; Transformer Engine: %s", len(chunks), len(adapter.optimizers), len(layers), groups,
+                 transformer_engine_version() or "not importable")
     return handle

@@ -138,3 +138,30 @@ def test_a_mapping_flag_replaces_the_files_mapping(tmp_path):
     assert cfg.topology.shape == {"d": 8}
     cfg = config_from_args(megatron_parse("--scout", "--scout-config", str(path)))
     assert cfg.topology.shape == {"d": 4, "t": 2}
+
+
+def test_transformer_engine_is_probed_behind_a_guard(monkeypatch):
+    """Transformer Engine imports only where CUDA is (without it, its import raises RuntimeError, not
+    ImportError): the plugin's probe says "not here" for either, and gives the version where it imports."""
+    import sys
+    import types
+
+    import scout_megatron
+
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # not installed: ImportError
+    assert scout_megatron.transformer_engine_version() is None
+    monkeypatch.delitem(sys.modules, "transformer_engine")
+    import builtins
+
+    real_import = builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        if name == "transformer_engine":
+            raise RuntimeError("CUDA is required")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", importing)
+    assert scout_megatron.transformer_engine_version() is None
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.8.0"))
+    assert scout_megatron.transformer_engine_version() == "2.8.0"
