@@ -219,6 +219,8 @@ class _MarkedFetches:
             self._tracker.mark(Phase.COMPUTE)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_inner", "_tracker"):  # a copy or unpickling before __init__ ran
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
 

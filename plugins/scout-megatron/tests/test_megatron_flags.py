@@ -165,3 +165,40 @@ def test_transformer_engine_is_probed_behind_a_guard(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", real_import)
     monkeypatch.setitem(sys.modules, "transformer_engine", types.SimpleNamespace(__version__="2.8.0"))
     assert scout_megatron.transformer_engine_version() == "2.8.0"
+
+
+def test_data_fetches_are_marked_and_the_loader_keeps_its_own_attributes():
+    """Megatron's data iterator inside its RerunDataIterator: each fetch is the data phase on SCOUT's hang path,
+    and the loader's own attributes (``save_state`` for ``--dataloader-save``) stay reachable; a copy works."""
+    import copy
+
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from scout_core.progress.record import Phase
+    from scout_megatron.attach import mark_data
+
+    marks = []
+
+    class Tracker:
+        def mark(self, phase):
+            marks.append(phase)
+
+    class Loader:
+        def __init__(self):
+            self.items = iter([1, 2])
+
+        def __next__(self):
+            return next(self.items)
+
+        def save_state(self):
+            return {"consumed": 1}
+
+    class Handle:
+        tracker = Tracker()
+
+    data = mark_data(Handle(), [RerunDataIterator(Loader()), None])
+    assert data[1] is None  # a rank that reads no data (tensor-parallel rank > 0)
+    assert next(data[0]) == 1 and marks == [Phase.DATALOADER, Phase.COMPUTE]
+    assert data[0].iterable.save_state() == {"consumed": 1}
+    assert next(copy.copy(data[0].iterable)) == 2
+    assert mark_data(Handle(), data[0]).iterable is data[0].iterable  # marked once
