@@ -453,31 +453,43 @@ class _Observer:
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
         if self.spec.stop_on_verdict and incidents and not self._trainer_gone():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.spec.trainer_pid, signal.SIGTERM)
-            raise _Stopped  # out of the critical section: a trainer that closes SCOUT now is answered (below)
+            if not self._trainer_closing():  # a trainer closing SCOUT is ending already: its close is not cut short
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.spec.trainer_pid, signal.SIGTERM)
+            raise _Stopped  # out of the critical section: the trainer's close, now or later, is answered (below)
         return incidents
 
+    def _trainer_closing(self) -> bool:
+        return self.record is not None and self.record.read().phase is Phase.CLOSED
+
     def _see_trainer_out(self) -> None:
-        """After the stop's SIGTERM: wait for the trainer to end; SIGKILL it if it is still there after
-        :data:`STOP_GRACE_S`, unless it is closing SCOUT (a handler that exits: its close terminates us, and we
-        answer as for any close). Never waits more than three graces."""
-        assert self.record is not None
+        """After the stop's SIGTERM: wait for the trainer to end, and SIGKILL it if it is still there after
+        :data:`STOP_GRACE_S`. A trainer closing SCOUT (a handler that exits, or a close already under way) is
+        answered as any close is (its close waits for that answer), never killed. Whatever interrupts the wait (a
+        launcher's SIGTERM) still ends a trainer that is left."""
         start = time.monotonic()
         try:
             while not self._trainer_gone():
-                waited = time.monotonic() - start
-                closing = self.record.read().phase is Phase.CLOSED
-                if (waited > STOP_GRACE_S and not closing) or waited > 3 * STOP_GRACE_S:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(self.spec.trainer_pid, signal.SIGKILL)
-                    gone_by = time.monotonic() + 2.0  # a large process takes a moment to die: then its record goes
-                    while not self._trainer_gone() and time.monotonic() < gone_by:
-                        time.sleep(0.05)
+                if self._trainer_closing():
+                    self._answer_closed()
+                    return
+                if time.monotonic() - start > STOP_GRACE_S:
+                    self._kill_trainer()
                     return
                 time.sleep(0.1)
         except _Closing:
             self._answer_closed()
+        except BaseException:
+            if not self._trainer_gone():
+                self._kill_trainer()
+            raise
+
+    def _kill_trainer(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.spec.trainer_pid, signal.SIGKILL)
+        gone_by = time.monotonic() + 2.0  # a large process takes a moment to die: then its record can go
+        while not self._trainer_gone() and time.monotonic() < gone_by:
+            time.sleep(0.05)
 
     def _resolved(self) -> None:
         """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
