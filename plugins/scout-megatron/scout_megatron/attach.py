@@ -40,7 +40,7 @@ from scout_core.adapter import discover_layers, torch_adapter
 from scout_core.config import ScoutConfig
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
-from scout_megatron.moe import dense_parts, moe_binding, moe_metrics_kept
+from scout_megatron.moe import dense_parts, gathered_groups, moe_binding, moe_metrics_kept
 
 __all__ = ["attach", "mark_data", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers",
            "unwrap"]
@@ -55,11 +55,6 @@ def unwrap(chunk: nn.Module) -> nn.Module:
     return unwrap_model(chunk)
 
 
-def _all_groups(mine: list[int]) -> list[list[int]]:
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine))
-    return sorted({tuple(g) for g in everyone}, key=lambda g: g[0])  # type: ignore[return-value]
-
 
 def peer_groups() -> list[list[int]]:
     """SCOUT's peer groups from Megatron's parallel state: each rank's data-parallel group, without context
@@ -68,8 +63,7 @@ def peer_groups() -> list[list[int]]:
     Every rank calls it (one gather of the groups' ranks)."""
     from megatron.core import parallel_state
 
-    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=False))
-    return [list(g) for g in _all_groups(mine)]
+    return gathered_groups(parallel_state.get_data_parallel_group(with_context_parallel=False))
 
 
 def replica_groups(model_config: Any) -> list[list[int]] | None:

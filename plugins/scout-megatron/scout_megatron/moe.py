@@ -35,7 +35,7 @@ from torch import nn
 
 from scout_core.moe.binding import MoEBinding
 
-__all__ = ["dense_parts", "moe_binding", "moe_layers", "moe_metrics_kept"]
+__all__ = ["dense_parts", "gathered_groups", "moe_binding", "moe_layers", "moe_metrics_kept"]
 
 log = logging.getLogger("scout_megatron")
 
@@ -49,9 +49,9 @@ def moe_layers(inner: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
     return [m for m, _ in found], [n for _, n in found]
 
 
-def _gathered_groups(group: Any) -> list[list[int]]:
-    """Every rank's ``group``, each sorted (one gather). torch orders a group's ranks by global rank, so an EP
-    group's sorted ranks are its EP positions in order."""
+def gathered_groups(group: Any) -> list[list[int]]:
+    """Every rank's ``group``, each sorted (one gather; every rank calls it). torch orders a group's ranks by
+    global rank, so an EP group's sorted ranks are its EP positions in order."""
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(dist.get_process_group_ranks(group)))
     return [list(g) for g in sorted({tuple(g) for g in everyone}, key=lambda g: min(g))]
@@ -100,8 +100,8 @@ def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
     # Megatron's expert linears are its own parallel layers, not nn.Linear: the row width is the model's.
     return MoEBinding(
         layers=layers, names=names, experts=lambda m: m.experts.local_experts,
-        expert_peer_groups=_gathered_groups(parallel_state.get_expert_data_parallel_group()),
-        ep_groups=(_gathered_groups(parallel_state.get_expert_model_parallel_group())
+        expert_peer_groups=gathered_groups(parallel_state.get_expert_data_parallel_group()),
+        ep_groups=(gathered_groups(parallel_state.get_expert_model_parallel_group())
                    if alltoall else None),
         ep_position=parallel_state.get_expert_model_parallel_rank(),
         splits=_dispatch_splits if alltoall else None, hidden_size=int(layers[0].config.hidden_size))
