@@ -83,6 +83,12 @@ class FrameworkAdapter:
     replay_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     """Entered around each check: what the framework switches off while SCOUT calls its layers outside
     training (Megatron's parameter all-gather pre-hooks under ``--overlap-param-gather``)."""
+    gather_layer: Callable[[nn.Module], tuple[Callable[..., Any], Callable[[], None]]] | None = None
+    """For parameters a framework shards at rest outside FSDP2 (DeepSpeed ZeRO-3): makes a replayed layer's
+    parameters whole and returns ``(forward, release)``, the callable replay runs the layer through (without the
+    framework's own hooks, which would fetch, release or reduce into the live training state) and what undoes
+    it. Every rank of the layer's gather group calls it for the same layer at the same check, so it may be a
+    collective. On a failure it undoes what it did before raising. None: layers are called as they are."""
     layers: list[nn.Module] | None = None
     """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
     layer_names: list[str] | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ScoutGroups", "build_groups", "local_groups"]
+__all__ = ["ScoutGroups", "build_groups", "gathered_groups", "local_groups"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,15 @@ class ScoutGroups:
     tensor-parallel partners), or () where the adapter declares none."""
     replica_control: Any = None
     """The replica group on gloo, or None."""
+
+
+def gathered_groups(group: Any) -> list[list[int]]:
+    """Every rank's ``group`` of the job's own layout (a framework's data- or expert-parallel group), each sorted,
+    ordered by their lowest rank: the partition a plugin hands SCOUT as peer groups. One gather; every rank calls
+    it. torch orders a group's ranks by global rank, so an EP group's sorted ranks are its EP positions in order."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(dist.get_process_group_ranks(group)))
+    return [list(g) for g in sorted({tuple(g) for g in everyone}, key=lambda g: min(g))]
 
 
 def build_groups(peer_groups: Sequence[Sequence[int]],

@@ -217,7 +217,7 @@ class ScoutHandle:
             replicated_parameters=a.replicated_parameters, compare_optimizer_slices=a.compare_optimizer_slices,
             compare_param_grads=a.compare_param_grads, compare_extra_state=a.compare_extra_state,
             replay_context=a.replay_context,
-            replay_pairs_across_groups=a.replay_pairs_across_groups)
+            replay_pairs_across_groups=a.replay_pairs_across_groups, gather_layer=a.gather_layer)
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
@@ -626,18 +626,19 @@ class ScoutHandle:
 
     # -- teardown ------------------------------------------------------------------------------------
 
-    def close(self, *, discard_snapshots: bool = False) -> None:
+    def close(self, *, discard_snapshots: bool = False, failed: bool | None = None) -> None:
         """Remove every hook, thread, process, record and group SCOUT created; idempotent.
 
         In-memory snapshots are kept (they exist to survive the trainer: a restart resumes from them)
         unless ``discard_snapshots`` (e.g. after the last step of a finished job). Safe in an exception
         handler: while training is failing, a pending stop is not carried out (it would wait for peers
         that may be gone), persistence in flight gets at most ``CRASH_FLUSH_S``, and every clean-up step
-        runs even if an earlier one fails.
+        runs even if an earlier one fails. ``failed``: whether training ended by a failure (None: judged from
+        the exception being handled; an exit handler, where none is, says so from ``sys.last_value``).
         """
         if self._closed:
             return
-        failing = sys.exc_info()[1] is not None
+        failing = sys.exc_info()[1] is not None if failed is None else failed
         pending: ScoutStop | None = None
         if not failing:
             try:

@@ -36,12 +36,47 @@ from typing import Any
 from scout_core.checkpoint.certify import Action, Certifier, FailureKind
 from scout_core.checkpoint.store import fsync_dir
 
-__all__ = ["LABELS_FILE", "FrameworkCheckpoints", "LoadChoice"]
+__all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "point_tracker", "set_aside"]
 
 _log = logging.getLogger("scout")
 
 LABELS_FILE = "scout-labels.json"
 """The file of labels, in the framework's checkpoint folder."""
+SET_ASIDE = "scout-set-aside"
+"""Where a restart moves a framework's checkpoints newer than the one it loads (inside the checkpoint folder)."""
+
+
+def set_aside(folder: str, name: str) -> str:
+    """Move ``folder/name`` (a newer checkpoint a restart abandons) into ``folder/scout-set-aside/``, stamped with
+    the time and this process, out of the framework's reach (a later save of the same step never lands on an
+    abandoned one) but kept for forensics: SCOUT never deletes it. Returns where it went."""
+    target_dir = os.path.join(folder, SET_ASIDE)
+    os.makedirs(target_dir, exist_ok=True)
+    target = os.path.join(target_dir, f"{os.path.basename(name)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+    os.replace(os.path.join(folder, name), target)
+    for f in (target_dir, folder):
+        fsync_dir(f)
+    return target
+
+
+def point_tracker(folder: str, tracker: str, value: str | None) -> None:
+    """Make the framework's tracker file ``folder/tracker`` (Megatron's ``latest_checkpointed_iteration.txt``,
+    DeepSpeed's ``latest``) name ``value``, crash-safely (written, fsynced, then renamed into place); None: nothing
+    is safe to load, and the tracker is set aside so the framework starts from its initialization."""
+    path = os.path.join(folder, tracker)
+    if value is None:
+        if os.path.exists(path):
+            os.makedirs(os.path.join(folder, SET_ASIDE), exist_ok=True)
+            os.replace(path, os.path.join(folder, SET_ASIDE, f"{tracker}-{time.strftime('%Y%m%dT%H%M%S')}"))
+        fsync_dir(folder)
+        return
+    tmp = f"{path}.scout-tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(value)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder)
 
 
 @dataclass(frozen=True)

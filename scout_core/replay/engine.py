@@ -184,6 +184,7 @@ class ReplayEngine:
         compare_extra_state: bool = True,
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
         replay_pairs_across_groups: bool = False,
+        gather_layer: Callable[[torch.nn.Module], tuple[Any, Callable[[], None]]] | None = None,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -230,6 +231,8 @@ class ReplayEngine:
         # training (Megatron's parameter all-gather pre-hooks).
         self.replay_context = replay_context
         self.replay_pairs_across_groups = replay_pairs_across_groups
+        # A framework's own gather of a layer sharded at rest outside FSDP2 (DeepSpeed ZeRO-3), or None.
+        self.gather_layer = gather_layer
         if len(self.layer_owners) != self.n_hidden:
             raise ValueError(f"layer_owners has {len(self.layer_owners)} entries for {self.n_hidden} layers")
         self.captures = [LayerCapture(layer) for layer in self.layers]
@@ -584,7 +587,8 @@ class ReplayEngine:
         owner = self._owner(idx)
         # Always run (its all-gather is a collective every peer joins), but a local failure (out of memory
         # copying the parameters out after the gather) is kept for the agreement, not raised into training.
-        materialized = self.guard.attempt(f"unshard of {name}", lambda: materialize(layer, owner, scratch))
+        materialized = self.guard.attempt(f"unshard of {name}",
+                                          lambda: materialize(layer, owner, scratch, self.gather_layer))
         forward, gather_s, release = materialized or (None, None, release_of(layer, owner))
         done: list[LayerReplay] = []
 

@@ -91,7 +91,7 @@ def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> 
 
 
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
-                scratch: Scratch | None = None) -> tuple[Any, float | None, Any]:
+                scratch: Scratch | None = None, gather: Any = None) -> tuple[Any, float | None, Any]:
     """``(forward, gather_s, release)`` for replaying ``layer``.
 
     An FSDP2 layer is unsharded through its public ``unshard()`` (timed: the
@@ -100,10 +100,14 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
     reduce-scatter into the live sharded gradients, never run for the replay.
     ``release`` reshards. Other layers are called as they are. The memory the
     unshard needs was probed in ``scratch`` (see :mod:`scout_core.replay.scratch`)
-    and is released to it here.
+    and is released to it here. ``gather``: a framework's own way to make a layer whole outside FSDP2
+    (:attr:`scout_core.adapter.FrameworkAdapter.gather_layer`), which returns ``(forward, release)``.
     """
     if scratch is not None:
         scratch.headroom = None  # freed into the caching allocator, where the all-gather finds it
+    if gather is not None and not fsdp_module(layer) and not (owner is not None and fsdp_module(owner)):
+        forward, release = gather(layer)
+        return forward, None, release
     if fsdp_module(layer):
         params = list(layer.parameters())
         sync(params)

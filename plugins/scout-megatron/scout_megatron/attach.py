@@ -38,9 +38,10 @@ from torch import nn
 
 from scout_core.adapter import discover_layers, torch_adapter
 from scout_core.config import ScoutConfig
+from scout_core.groups import gathered_groups
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
-from scout_megatron.moe import dense_parts, gathered_groups, moe_binding, moe_metrics_kept
+from scout_megatron.moe import dense_parts, moe_binding, moe_metrics_kept
 
 __all__ = ["attach", "mark_data", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers",
            "unwrap"]

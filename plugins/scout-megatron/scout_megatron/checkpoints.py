@@ -19,22 +19,18 @@ import functools
 import logging
 import os
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
-from scout_core.checkpoint.durable import FrameworkCheckpoints
-from scout_core.checkpoint.store import fsync_dir
+from scout_core.checkpoint.durable import SET_ASIDE, FrameworkCheckpoints, point_tracker, set_aside
 from scout_core.runtime import ScoutHandle
 
 __all__ = ["SET_ASIDE", "TRACKER", "label_saves", "plan_restart"]
 
 log = logging.getLogger("scout_megatron")
 
-SET_ASIDE = "scout-set-aside"
-"""Where a restart moves the iterations newer than the one it loads (inside the checkpoint folder)."""
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: the iteration ``--load`` reads (megatron.training.checkpointing)."""
 NON_PERSISTENT = "non_persistent"
@@ -76,33 +72,9 @@ def complete(folder: str, iteration: int) -> bool:
     return os.path.isdir(where) and tracked is not None and tracked >= iteration
 
 
-def _write_tracker(folder: str, iteration: int | None) -> None:
-    path = os.path.join(folder, TRACKER)
-    if iteration is None:  # nothing safe to load: Megatron then starts from its initialization
-        if os.path.exists(path):
-            os.makedirs(os.path.join(folder, SET_ASIDE), exist_ok=True)
-            os.replace(path, os.path.join(folder, SET_ASIDE, f"{TRACKER}-{time.strftime('%Y%m%dT%H%M%S')}"))
-        fsync_dir(folder)
-        return
-    tmp = f"{path}.scout-tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(str(iteration))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(folder)
-
-
 def _set_aside(folder: str, iteration: int | None, name: str | None = None) -> str:
     """Move ``iter_<iteration>`` (or the entry ``name``) into ``scout-set-aside/``."""
-    target_dir = os.path.join(folder, SET_ASIDE)
-    os.makedirs(target_dir, exist_ok=True)
-    source = iteration_dir(folder, iteration) if iteration is not None else os.path.join(folder, str(name))
-    target = os.path.join(target_dir, f"{os.path.basename(source)}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-    os.replace(source, target)
-    for f in (target_dir, folder):
-        fsync_dir(f)
-    return target
+    return set_aside(folder, os.path.basename(iteration_dir(folder, iteration)) if iteration is not None else str(name))
 
 
 def _plan(folder: str, ckpt_step: int | None) -> dict[str, Any] | None:
@@ -125,7 +97,7 @@ def _plan(folder: str, ckpt_step: int | None) -> dict[str, Any] | None:
         # Megatron loads its non-persistent checkpoint whenever it is at or past the tracker's iteration: after a
         # verdict it may hold the state the verdict rejected.
         aside.append(_set_aside(folder, None, NON_PERSISTENT))
-    _write_tracker(folder, choice.step)
+    point_tracker(folder, TRACKER, None if choice.step is None else str(choice.step))
     labels.restarted_from(choice.step, set_aside=aside)
     log.warning("scout_megatron: restart from %s (%s: %s); %d newer iteration(s) set aside in %s",
                 f"iteration {choice.step}" if choice.step is not None else "Megatron's initialization",

@@ -33,9 +33,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from scout_core.groups import gathered_groups
 from scout_core.moe.binding import MoEBinding
 
-__all__ = ["dense_parts", "gathered_groups", "moe_binding", "moe_layers", "moe_metrics_kept"]
+__all__ = ["dense_parts", "moe_binding", "moe_layers", "moe_metrics_kept"]
 
 log = logging.getLogger("scout_megatron")
 
@@ -47,14 +48,6 @@ def moe_layers(inner: list[nn.Module]) -> tuple[list[nn.Module], list[str]]:
     found = [(m, f"chunk{i}.{n}" if i else n) for i, chunk in enumerate(inner) for n, m in chunk.named_modules()
              if isinstance(m, MoELayer)]
     return [m for m, _ in found], [n for _, n in found]
-
-
-def gathered_groups(group: Any) -> list[list[int]]:
-    """Every rank's ``group``, each sorted (one gather; every rank calls it). torch orders a group's ranks by
-    global rank, so an EP group's sorted ranks are its EP positions in order."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(dist.get_process_group_ranks(group)))
-    return [list(g) for g in sorted({tuple(g) for g in everyone}, key=lambda g: min(g))]
 
 
 def _dispatch_splits(layer: nn.Module) -> list[int]:

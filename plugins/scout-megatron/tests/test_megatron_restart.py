@@ -63,7 +63,7 @@ def test_a_plan_that_fails_half_way_keeps_why_the_job_stopped(tmp_path, monkeypa
     def broken(*_a, **_k):
         raise OSError("read-only file system")
 
-    monkeypatch.setattr(checkpoints, "_write_tracker", broken)
+    monkeypatch.setattr(checkpoints, "point_tracker", broken)
     with pytest.raises(OSError):
         checkpoints._plan(folder, None)
     assert FrameworkCheckpoints(folder, writer=False).stopped_for == "sdc"  # the launch still stops on it
