@@ -1,0 +1,149 @@
+"""Attach SCOUT to a DeepSpeed engine: its module, the torch optimizer inside its ZeRO wrapper, its groups and RNG.
+
+Everything comes from what ``deepspeed.initialize`` built; scout_core's framework adapter and ``enable_with`` do
+the rest:
+
+* model: ``engine.module`` (the user's model; its repeated blocks, embedding and output found as scout_core finds
+  them in any PyTorch model);
+* optimizer: the torch optimizer inside DeepSpeed's wrapper (``DeepSpeedZeroOptimizer`` for ZeRO 1 and 2,
+  ``DeepSpeedZeroOptimizer_Stage3``, or the client optimizer itself without ZeRO). SCOUT's boundary follows the
+  wrapper's ``step()``, which DeepSpeed's engine calls only at a gradient-accumulation boundary, and which ends
+  once the updated partitions are back in the model (ZeRO 1 and 2 gather them there): replay and snapshots run at
+  real optimizer steps only, with the replicas holding the same parameters;
+* peer groups: every rank's ``engine.data_parallel_group`` (the ranks holding the same dense parameters); under
+  ZeRO each of them steps its own partition of the optimizer state, so optimizer updates are self-checked on each
+  rank, not compared;
+* ZeRO-3: a sampled layer's parameters are gathered for its replay only (``deepspeed.zero.GatheredParameters``,
+  on every rank of its partition group at the same check, as FSDP2 replay unshards) and the layer is called with
+  DeepSpeed's module hooks set aside, so its fetch, release and gradient reduction never touch the live
+  partitioned state; replay's gradients are computed functionally and never reach the parameters' gradient hooks;
+* RNG: every stream of DeepSpeed's activation-checkpointing RNG tracker is a replay RNG provider;
+* MoE: ``deepspeed.moe.layer.MoE`` recognised and its experts bound to the expert recipe (:mod:`scout_deepspeed.moe`);
+* the hang path: DeepSpeed's collectives go through ``torch.distributed`` at call time, where SCOUT observes them;
+  its coalesced all-gathers (ZeRO-3) open torch's ``_coalescing_manager`` through a helper that is rerouted to
+  ``torch.distributed``'s (:func:`observe_coalesced_collectives`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scout_core.adapter import find_inner_optimizers, torch_adapter
+from scout_core.config import ConfigError, ScoutConfig
+from scout_core.groups import gathered_groups
+from scout_core.replay.rng import RngProvider
+from scout_core.runtime import ScoutHandle, enable_with
+from scout_deepspeed.moe import dense_parts, moe_binding, moe_layers
+from scout_deepspeed.zero3 import gather_zero3
+
+__all__ = ["attach", "observe_coalesced_collectives", "rng_providers"]
+
+log = logging.getLogger("scout_deepspeed")
+
+def rng_providers() -> dict[str, RngProvider]:
+    """Every stream of DeepSpeed's activation-checkpointing RNG tracker (``deepspeed.checkpointing``'s, seeded by
+    ``model_parallel_cuda_manual_seed``), as replay RNG providers; none where nothing was added to it."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    def tracker() -> Any:
+        return checkpointing.get_cuda_rng_tracker()
+
+    def provider(name: str) -> RngProvider:
+        def get() -> torch.Tensor:
+            return tracker().get_states()[name]
+
+        def set_(state: torch.Tensor) -> None:
+            live = tracker()
+            states = live.get_states()
+            states[name] = state.clone()
+            live.set_states(states)
+
+        return get, set_
+
+    return {f"deepspeed:{name}": provider(name) for name in tracker().get_states()}
+
+
+_LATE_BOUND = "_scout_late_bound"
+
+
+def observe_coalesced_collectives() -> bool:
+    """Route DeepSpeed's coalesced collectives (ZeRO-3's parameter all-gather opens
+    ``torch.distributed.distributed_c10d._coalescing_manager`` through ``deepspeed.comm.torch``'s helper) through
+    ``torch.distributed._coalescing_manager`` at call time, where SCOUT's collective hooks see a coalesced batch
+    in flight until it completes. Idempotent; True if it rerouted."""
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` the attribute is torch
+    helper = ds_torch.get_coalescing_manager
+    if getattr(helper, _LATE_BOUND, False):
+        return False
+
+    def get_coalescing_manager(group: Any, device: Any, reqs: Any, async_op: bool) -> Any:
+        return dist._coalescing_manager(group, device=device, async_ops=async_op)
+
+    setattr(get_coalescing_manager, _LATE_BOUND, True)
+    ds_torch.get_coalescing_manager = get_coalescing_manager
+    return True
+
+
+def _wrapper_steps(engine: Any, inner: list[torch.optim.Optimizer]) -> Any:
+    """DeepSpeed's optimizer wrapper whose ``step()`` ends the training step (None: the engine steps the torch
+    optimizer itself, whose own step is the boundary)."""
+    wrapper = engine.optimizer
+    if wrapper is None or any(wrapper is o for o in inner):
+        return None
+    return wrapper
+
+
+def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str, Any] | None = None) -> ScoutHandle:
+    """Install SCOUT on the engine ``deepspeed.initialize`` returned (every rank calls it). ``config``: SCOUT's
+    configuration (default: the engine config's ``"scout"`` section; an engine whose section is absent or
+    disabled still gets SCOUT when this is called with a config). ``state``: more objects with ``state_dict`` for
+    SCOUT's snapshots (the engine's LR scheduler is kept already)."""
+    from scout_deepspeed.section import config_from_deepspeed
+
+    if config is None:
+        config = config_from_deepspeed(getattr(engine, "config", None)) or ScoutConfig()
+    stage = int(engine.zero_optimization_stage())
+    if config.checkpoint.enabled and stage > 0:
+        raise ConfigError('DeepSpeed config "scout.checkpoint.enabled": SCOUT\'s in-memory snapshots keep the model '
+                          f"and the torch optimizer's state, not ZeRO stage {stage}'s partitioned master weights: "
+                          "under ZeRO, certification labels DeepSpeed's own checkpoints (engine.save_checkpoint) "
+                          "and the restart loads the one it chose; set it to false")
+    model: nn.Module = engine.module
+    inner = find_inner_optimizers(engine.optimizer) if engine.optimizer is not None else []
+    if not inner:
+        raise RuntimeError("scout_deepspeed: the engine has no optimizer (an inference engine?): SCOUT's boundary is "
+                           "the optimizer step")
+    kept = dict(state or {})
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and hasattr(scheduler, "state_dict"):
+        kept.setdefault("lr_scheduler", scheduler)
+    observe_coalesced_collectives()
+    groups = gathered_groups(engine.data_parallel_group)
+    moe = moe_binding(model, zero3=stage == 3)
+    adapter = torch_adapter(model, inner, peer_groups=groups, rng_providers=rng_providers(), state=kept or None,
+                            moe=moe)
+    if moe_layers(model)[0]:
+        adapter.marked_layers = adapter.layers  # hangs are placed by the model's blocks, whatever replay samples
+        adapter.layers, adapter.layer_names = dense_parts(adapter.layers or [], adapter.layer_names or [],
+                                                          bound=moe is not None)
+    adapter.name = "deepspeed"
+    # Each data-parallel rank's ZeRO optimizer steps its own partition of the state: nothing to compare.
+    adapter.compare_optimizer_slices = False if stage > 0 else None
+    adapter.gather_layer = gather_zero3 if stage == 3 else None
+    adapter.step_owner = _wrapper_steps(engine, inner)
+    if config.topology.shape or config.topology.order != ScoutConfig().topology.order:
+        log.warning('scout_deepspeed: "scout.topology" is ignored: peer groups come from the engine\'s '
+                    "data-parallel group")
+    handle = enable_with(adapter, config=config)
+    if handle.rank == 0:
+        log.info("scout_deepspeed: SCOUT attached to a ZeRO stage %d engine (%s -> %s), %d repeated layers, peer "
+                 "groups %s%s", stage, type(engine.optimizer).__name__, type(inner[0]).__name__,
+                 len(adapter.layers or []), groups, f", {len(moe.layers)} MoE layer(s)" if moe is not None else "")
+    return handle

@@ -1,0 +1,148 @@
+"""DeepSpeed's own checkpoints (``engine.save_checkpoint(save_dir, tag)`` and its ``latest`` file), labelled by
+SCOUT's certification, and the restart that loads the tag SCOUT's retrieval policy chose.
+
+* While training, every ``save_checkpoint`` is marked as checkpoint I/O for SCOUT's observers (a save that takes
+  minutes is a checkpoint write, not a stalled job) and, once DeepSpeed returned from it (every rank wrote its
+  part, the tag committed, ``latest`` written), labelled latest / candidate / verified / rejected in
+  ``scout-labels.json`` beside the tags (:mod:`scout_core.checkpoint.durable`), by the engine's global step.
+* At a restart, ``engine.load_checkpoint(load_dir)`` without a tag (DeepSpeed then reads ``latest``): rank 0 reads
+  the labels, chooses the step (after an SDC stop: the newest verified one), moves the tags of newer steps into
+  ``scout-set-aside/`` (kept for forensics, out of DeepSpeed's reach) and points ``latest`` at the chosen tag, or
+  sets ``latest`` aside where nothing is safe (DeepSpeed then loads nothing and training starts from the model's
+  initialization). DeepSpeed's own ``load_checkpoint`` then loads it, the way it always does. An explicit ``tag``
+  (the user's choice) is loaded as asked.
+* After the load, SCOUT's step count, replay schedule and certification go on from the engine's global step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from scout_core.checkpoint.durable import SET_ASIDE, FrameworkCheckpoints, point_tracker, set_aside
+from scout_core.runtime import ScoutHandle
+
+__all__ = ["LATEST", "install", "plan_restart"]
+
+log = logging.getLogger("scout_deepspeed")
+
+LATEST = "latest"
+"""DeepSpeed's tracker file: the tag ``load_checkpoint`` reads when it is given none."""
+
+
+def _plan(folder: str) -> dict[str, Any] | None:
+    """Rank 0's restart plan for ``folder`` (None: nothing SCOUT labelled there, DeepSpeed's own choice)."""
+    labels = FrameworkCheckpoints(folder, writer=True)
+    if not labels.entries:
+        return None
+    tag_of = {step: os.path.basename(os.path.normpath(e["path"])) for step, e in labels.entries.items()}
+    choice = labels.choose(exists=lambda step: os.path.isdir(os.path.join(folder, tag_of[step])))
+    # Newest first: the rejected tag leaves DeepSpeed's reach before anything else can fail. The labels change only
+    # once everything moved: a plan that fails half-way still knows why the job stopped.
+    after = choice.step if choice.step is not None else -1
+    aside = [set_aside(folder, tag_of[step]) for step in sorted(tag_of, reverse=True)
+             if step > after and os.path.isdir(os.path.join(folder, tag_of[step]))]
+    point_tracker(folder, LATEST, None if choice.step is None else tag_of[choice.step])
+    labels.restarted_from(choice.step, set_aside=aside)
+    log.warning("scout_deepspeed: restart from %s (%s: %s); %d newer tag(s) set aside in %s",
+                f"tag {tag_of[choice.step]}" if choice.step is not None else "the model's initialization",
+                choice.label, choice.reason, len(aside), SET_ASIDE)
+    return {"load": None if choice.step is None else tag_of[choice.step], "step": choice.step,
+            "reason": choice.reason}
+
+
+def plan_restart(load_dir: str) -> dict[str, Any] | None:
+    """Before DeepSpeed's ``load_checkpoint`` reads ``latest``: choose the tag from SCOUT's labels and point
+    ``latest`` at it (every rank calls it; rank 0 moves files and broadcasts the plan). None: no labels,
+    DeepSpeed's own choice. After an SDC stop a plan that cannot be made stops the launch: loading the newest tag
+    then would restore the state the verdict rejected."""
+    if not dist.is_initialized():
+        return None
+    plan: dict[str, Any] | None = None
+    if dist.get_rank() == 0:
+        stopped = None
+        try:
+            stopped = FrameworkCheckpoints(load_dir, writer=False).stopped_for  # before the plan changes anything
+            plan = _plan(load_dir)
+        except Exception as exc:  # noqa: BLE001 - reported below on every rank
+            plan = {"error": f"{type(exc).__name__}: {exc}", "fatal": stopped == "sdc"}
+    box = [plan]
+    dist.broadcast_object_list(box, src=0)
+    plan = box[0]
+    if plan is not None and "error" in plan:
+        if plan["fatal"]:
+            raise RuntimeError(f"scout_deepspeed: the job stopped on an SDC verdict and the restart tag cannot be "
+                               f"chosen ({plan['error']}): refusing to load DeepSpeed's latest checkpoint")
+        log.error("scout_deepspeed: choosing the restart tag failed (%s): DeepSpeed's own choice is loaded, "
+                  "unchecked by SCOUT", plan["error"])
+        return None
+    return plan
+
+
+def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
+    """Wrap this engine's ``save_checkpoint`` and ``load_checkpoint`` (see the module's docstring); returns what
+    puts DeepSpeed's own methods back."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+    folders: dict[str, FrameworkCheckpoints | None] = {}
+
+    def labels_for(save_dir: str) -> FrameworkCheckpoints | None:
+        key = os.path.realpath(save_dir)
+        if key not in folders:
+            if folders:  # one job, one folder: SCOUT labels the first one it sees
+                log.warning("scout_deepspeed: checkpoints in %s are not labelled (SCOUT labels %s)", save_dir,
+                            next(iter(folders)))
+                folders[key] = None
+            else:
+                folders[key] = handle.label_framework_checkpoints(save_dir)
+        return folders[key]
+
+    @functools.wraps(save)
+    def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        with handle.checkpoint_io("write"):
+            out = save(save_dir, tag, *args, **kwargs)
+        step = int(engine.global_steps)
+        try:
+            labels = labels_for(save_dir)
+            if labels is not None:
+                labels.saved(step, os.path.join(save_dir, str(tag if tag is not None else f"global_step{step}")),
+                             handle.certifier)
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            handle.guard.report(step, "checkpoint", exc, "labelling DeepSpeed's checkpoint")
+        return out
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if tag is None:
+            plan_restart(load_dir)  # points `latest` at SCOUT's choice
+        else:
+            log.warning("scout_deepspeed: tag %s asked for: loaded as asked", tag)
+        with handle.checkpoint_io("read"):
+            out = load(load_dir, tag, *args, **kwargs)
+        if out and out[0] is not None:
+            _continue_after_load(handle, int(engine.global_steps), load_dir)
+        return out
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+    def restore() -> None:
+        engine.save_checkpoint, engine.load_checkpoint = save, load
+
+    return restore
+
+
+def _continue_after_load(handle: ScoutHandle, step: int, folder: str) -> None:
+    """DeepSpeed loaded the checkpoint of ``step``: SCOUT goes on from there, trusting it as far as its labels say
+    (labels of the folder it loaded from, read the same on every rank)."""
+    if step <= 0:
+        return
+    labels = handle.framework_checkpoints
+    if labels is None or os.path.realpath(labels.folder) != os.path.realpath(folder):
+        labels = FrameworkCheckpoints(folder, writer=False)
+    handle.continue_from(step, verified=labels.verified_at(step))
+    if handle.rank == 0:
+        log.info("scout_deepspeed: SCOUT goes on from DeepSpeed's step %d in %s", step, folder)

@@ -1,0 +1,82 @@
+"""``scout_deepspeed.initialize``: ``deepspeed.initialize`` with SCOUT attached where the config's ``"scout"`` section
+enables it (the one-line change), and the life of that SCOUT beside the engine.
+
+* The section is read from the config DeepSpeed will use (``config``, ``config_params`` or
+  ``args.deepspeed_config``) and validated before DeepSpeed builds anything: a bad key fails the launch there,
+  naming its JSON path.
+* After ``deepspeed.initialize`` returned, SCOUT is attached to the engine (:func:`scout_deepspeed.attach.attach`)
+  and the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped (:mod:`scout_deepspeed.checkpoints`).
+* SCOUT closes with the engine (``engine.destroy()``) or, at the latest, when the process exits (a normal exit
+  marks the run's labels as ended normally; an uncaught exception does not).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import sys
+import weakref
+from typing import Any
+
+from scout_core.runtime import ScoutHandle
+from scout_deepspeed.section import config_from_deepspeed, user_config
+
+__all__ = ["handle_of", "initialize"]
+
+_HANDLE_ATTR = "_scout_handle"
+
+
+def handle_of(engine: Any) -> ScoutHandle | None:
+    """The SCOUT handle attached to ``engine`` (its replay history, incidents, ``close()``), or None."""
+    return getattr(engine, _HANDLE_ATTR, None)
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.initialize`` (same arguments, same result), with SCOUT attached to the engine where the
+    DeepSpeed config has ``"scout": {"enabled": true, ...}``."""
+    import deepspeed
+
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    given = bound.arguments
+    config = config_from_deepspeed(user_config(given.get("config"), given.get("config_params"), given.get("args")))
+    out = deepspeed.initialize(*args, **kwargs)
+    if config is not None:
+        install(out[0], config)
+    return out
+
+
+def install(engine: Any, config: Any) -> ScoutHandle:
+    """Attach SCOUT to ``engine`` with ``config`` and tie its life to the engine's (idempotent)."""
+    from scout_deepspeed.attach import attach
+    from scout_deepspeed.checkpoints import install as label_checkpoints
+
+    handle = handle_of(engine)
+    if handle is not None:
+        return handle
+    handle = attach(engine, config=config)
+    restore_checkpoints = label_checkpoints(handle, engine)
+    setattr(engine, _HANDLE_ATTR, handle)
+    destroy = engine.destroy
+
+    @functools.wraps(destroy)
+    def destroy_then_close(*a: Any, **k: Any) -> Any:
+        try:
+            handle.close()
+        finally:
+            restore_checkpoints()
+            engine.destroy = destroy
+        return destroy(*a, **k)
+
+    engine.destroy = destroy_then_close
+    ref = weakref.ref(handle)
+
+    def close_at_exit() -> None:
+        # Interpreter exit without engine.destroy(): an uncaught exception left sys.last_value (a failure: the
+        # labels must not say the run ended normally); a plain exit is a normal end.
+        live = ref()
+        if live is not None:
+            live.close(failed=getattr(sys, "last_value", None) is not None)
+
+    atexit.register(close_at_exit)
+    return handle

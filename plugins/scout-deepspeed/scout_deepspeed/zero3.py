@@ -1,0 +1,65 @@
+"""ZeRO-3 under replay: a sampled layer's partitioned parameters gathered for its replay only, and the layer called
+without DeepSpeed's module hooks (scout_core's ``FrameworkAdapter.gather_layer`` and ``MoEBinding.materialize``).
+
+ZeRO-3 keeps each parameter partitioned across its data-parallel group and registers hooks on every module: before
+a forward they fetch (all-gather) the module's parameters, after it they release them, and around the backward
+they fetch again and reduce-scatter the gradients into the optimizer's partition. A replay that ran those hooks
+would move the prefetch coordinator's trace and reduce replay's gradients into training's. So the parameters are
+gathered with ``deepspeed.zero.GatheredParameters`` (without a modifier rank: nothing is written back) on every rank
+of the partition group at the same check, as FSDP2 replay unshards, and the hooks are set aside while the layer
+replays. Replay's gradients are computed with ``torch.autograd.grad``, which never runs the parameters'
+post-accumulate-grad hooks (ZeRO's gradient reduction).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+__all__ = ["gather_zero3", "module_hooks_set_aside"]
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def module_hooks_set_aside(module: nn.Module) -> Iterator[None]:
+    """``module`` and everything inside it called without their module hooks (ZeRO-3's parameter fetch and
+    release, its pre-backward gradient hooks), restored afterwards, also on a failure."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for m in module.modules():
+            for attr in _HOOK_DICTS:
+                hooks = getattr(m, attr, None)
+                if hooks:
+                    saved.append((m, attr, hooks))
+                    setattr(m, attr, type(hooks)())
+        yield
+    finally:
+        for m, attr, hooks in saved:
+            setattr(m, attr, hooks)
+
+
+def _zero3_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if hasattr(p, "ds_id")]
+
+
+def gather_zero3(layer: nn.Module) -> tuple[Callable[..., Any], Callable[[], None]]:
+    """ZeRO-3: ``layer``'s parameters gathered whole (a collective over their partition group: every rank calls it
+    for the same layer at the same check) and the layer callable without DeepSpeed's hooks; returns
+    ``(forward, release)`` (scout_core's ``FrameworkAdapter.gather_layer``). On a failure what was done is undone
+    before the error goes on."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    params = _zero3_params(layer)
+    stack = contextlib.ExitStack()
+    try:
+        if params:
+            stack.enter_context(GatheredParameters(params))  # modifier_rank None: nothing is written back
+        stack.enter_context(module_hooks_set_aside(layer))
+    except BaseException:
+        stack.close()
+        raise
+    return layer, stack.close
