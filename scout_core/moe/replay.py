@@ -328,12 +328,14 @@ class ExpertReplay:
 
     def _source_input(self, li: int, ei: int, rows: int | None) -> torch.Tensor:
         seen = self._seen.get((li, ei))
+        if seen is not None:
+            # As [rows, width] in the expert's dtype: a dispatch may hand 3-D or 4-D blocks (DeepSpeed's
+            # [ep, 1, capacity, hidden]) or lower-precision rows; the rows are counted after the reshape.
+            seen = seen.detach().reshape(-1, self._width(li, ei)).to("cpu", self._dtype(li, ei), copy=True)
         if rows is None:  # no catalog: the training shape, or SWEEP_ROWS seeded rows if none were routed here
             rows = seen.shape[0] if seen is not None and seen.shape[0] else SWEEP_ROWS
         if seen is None or seen.shape[0] == 0:
             return _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei))
-        # As [rows, width] in the expert's dtype (a dispatch may hand 3-D or lower-precision rows).
-        seen = seen.detach().reshape(-1, self._width(li, ei)).to("cpu", self._dtype(li, ei), copy=True)
         reps = -(-rows // seen.shape[0]) if rows else 0
         return seen.repeat(reps, 1)[:rows] if rows else seen[:0]
 
