@@ -44,16 +44,28 @@ def _install_megatron(session: nox.Session) -> None:
     session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
 
 
+def _install_deepspeed(session: nox.Session) -> None:
+    """DeepSpeed (the release plugins/scout-deepspeed/requirements.txt names) and the plugin. deepspeed builds from
+    its sdist: torch (already installed, pinned) must be visible to its setup.py (--no-build-isolation), and none
+    of its kernels is compiled (DS_BUILD_OPS=0: on a GPU they are built on first use)."""
+    plugin = ROOT / "plugins" / "scout-deepspeed"
+    session.install("setuptools>=69", "wheel", env=CONSTRAINTS)  # its build, without isolation, runs here
+    session.install("--no-build-isolation", "-r", str(plugin / "requirements.txt"),
+                    env={**CONSTRAINTS, "DS_BUILD_OPS": "0"})
+    session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and property tests plus the fast 16-rank cells, and the plugins' tests."""
     _install(session)
     _install_torchtitan(session)
     _install_megatron(session)
+    _install_deepspeed(session)
     session.run("python", "-m", "pytest", "-m", "not cells", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
     # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
     # must not carry a framework's imports (threads, allocators, hooks) into scout_core's own cells.
-    for plugin in ("scout-torchtitan", "scout-megatron"):
+    for plugin in ("scout-torchtitan", "scout-megatron", "scout-deepspeed"):
         session.run("python", "-m", "pytest", "-q", f"plugins/{plugin}/tests", env={"OMP_NUM_THREADS": "1"})
 
 
@@ -64,6 +76,7 @@ def cells(session: nox.Session) -> None:
     _install(session)
     _install_torchtitan(session)
     _install_megatron(session)
+    _install_deepspeed(session)
     session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
 

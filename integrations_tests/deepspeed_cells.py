@@ -113,6 +113,10 @@ def _ds_config(a: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": a["gas"],
         "zero_optimization": {"stage": a["stage"]}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if a["stage"] == 3:
+        # ZeRO-3 keeps parameters below this size whole on every rank (default 1e5 elements: every parameter of
+        # this small model); 0 partitions every one of them, as a large model's are.
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_model_persistence_threshold=0)
     if a["scout"] is not None:
         config["scout"] = a["scout"]
     return config

@@ -653,7 +653,6 @@ def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged
     assert report.verdict == "FAIL" and "another state than without it" in report.details, report.details
 
 
-
 def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
     """The guard of megatron-dp4-data-stall: without the plugin marking Megatron's data fetches, rank 2 waiting for
     its data looks like a rank stopped in compute: a hang, not a data stall."""
@@ -666,3 +665,26 @@ def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
     monkeypatch.setattr(attach, "mark_data", lambda handle, iterators: iterators)
     (report,) = run_cells([SPECS["megatron-dp4-data-stall"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected ['data_stall']" in report.details, report.details
+
+
+def test_deepspeed_zero3_clean_cell_fails_when_replay_runs_deepspeeds_hooks(monkeypatch):
+    """The guard of deepspeed-zero3-clean: with DeepSpeed's module hooks left on while a gathered ZeRO-3 layer
+    replays, its fetch and release run inside SCOUT's gather, outside training's order: the checks fail (seen:
+    every rank's replay raises, diagnosis errors until the recipe is switched off), and the cell turns red."""
+    import contextlib
+
+    import scout_deepspeed.zero3 as zero3
+
+    monkeypatch.setattr(zero3, "module_hooks_set_aside", lambda _module: contextlib.nullcontext())
+    (report,) = run_cells([SPECS["deepspeed-zero3-clean"]], root=ROOT)
+    assert report.verdict == "FAIL", report.details
+
+
+def test_deepspeed_zero3_sdc_cell_fails_without_the_gather(monkeypatch):
+    """The guard of deepspeed-zero3-sdc: with DeepSpeed's hooks set aside (as they must be) but nothing gathered, a
+    ZeRO-3 layer replays on its empty partitions; every check fails and nothing is named."""
+    import scout_deepspeed.zero3 as zero3
+
+    monkeypatch.setattr(zero3, "_zero3_params", lambda _module: [])
+    (report,) = run_cells([SPECS["deepspeed-zero3-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected [3]" in report.details, report.details

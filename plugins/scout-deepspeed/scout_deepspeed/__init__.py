@@ -6,8 +6,8 @@ The one-line change in a DeepSpeed training script::
 
 :func:`initialize` is ``deepspeed.initialize`` (same arguments, same result); where the config has
 ``"scout": {"enabled": true, ...}`` it validates the section before DeepSpeed builds anything and attaches SCOUT to
-the engine it returns (:func:`scout_deepspeed.attach.attach`; scripts that keep calling ``deepspeed.initialize``
-call that on their engine instead). Without the section, or with ``"enabled": false``, nothing of SCOUT is
+the engine it returns (scripts that keep calling ``deepspeed.initialize`` call :func:`scout_deepspeed.attach` on
+their engine instead). Without the section, or with ``"enabled": false``, nothing of SCOUT is
 installed.
 
 Importing the package checks that the installed deepspeed is one this plugin is tested with and raises
@@ -65,12 +65,8 @@ plugin = _Plugin()
 
 def __getattr__(name: str) -> Any:
     # deepspeed is imported only when used: scout_core's plugin discovery reads ``plugin`` without paying for it.
-    if name in ("initialize", "handle_of"):
+    if name in ("initialize", "handle_of", "attach"):
         from scout_deepspeed import entry
 
         return getattr(entry, name)
-    if name == "attach":
-        from scout_deepspeed.attach import attach
-
-        return attach
     raise AttributeError(f"module 'scout_deepspeed' has no attribute {name!r}")

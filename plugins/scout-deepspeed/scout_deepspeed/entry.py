@@ -4,7 +4,7 @@ enables it (the one-line change), and the life of that SCOUT beside the engine.
 * The section is read from the config DeepSpeed will use (``config``, ``config_params`` or
   ``args.deepspeed_config``) and validated before DeepSpeed builds anything: a bad key fails the launch there,
   naming its JSON path.
-* After ``deepspeed.initialize`` returned, SCOUT is attached to the engine (:func:`scout_deepspeed.attach.attach`)
+* After ``deepspeed.initialize`` returned, SCOUT is attached to the engine (:func:`scout_deepspeed.adapter.attach`)
   and the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped (:mod:`scout_deepspeed.checkpoints`).
 * SCOUT closes with the engine (``engine.destroy()``) or, at the latest, when the process exits (a normal exit
   marks the run's labels as ended normally; an uncaught exception does not).
@@ -19,10 +19,11 @@ import sys
 import weakref
 from typing import Any
 
+from scout_core.config import ScoutConfig
 from scout_core.runtime import ScoutHandle
 from scout_deepspeed.section import config_from_deepspeed, user_config
 
-__all__ = ["handle_of", "initialize"]
+__all__ = ["attach", "handle_of", "initialize"]
 
 _HANDLE_ATTR = "_scout_handle"
 
@@ -42,19 +43,24 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     config = config_from_deepspeed(user_config(given.get("config"), given.get("config_params"), given.get("args")))
     out = deepspeed.initialize(*args, **kwargs)
     if config is not None:
-        install(out[0], config)
+        attach(out[0], config)
     return out
 
 
-def install(engine: Any, config: Any) -> ScoutHandle:
-    """Attach SCOUT to ``engine`` with ``config`` and tie its life to the engine's (idempotent)."""
-    from scout_deepspeed.attach import attach
+def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle:
+    """Attach SCOUT to an engine ``deepspeed.initialize`` built (every rank calls it), for scripts that keep calling
+    ``deepspeed.initialize``: the adapter (:func:`scout_deepspeed.adapter.attach`), the checkpoint labels, and SCOUT's
+    life tied to the engine's. ``config``: default, the engine config's ``"scout"`` section, or SCOUT's defaults
+    where it has none. Idempotent."""
+    from scout_deepspeed.adapter import attach as attach_adapter
     from scout_deepspeed.checkpoints import install as label_checkpoints
 
     handle = handle_of(engine)
     if handle is not None:
         return handle
-    handle = attach(engine, config=config)
+    if config is None:
+        config = config_from_deepspeed(getattr(engine, "config", None)) or ScoutConfig()
+    handle = attach_adapter(engine, config=config)
     restore_checkpoints = label_checkpoints(handle, engine)
     setattr(engine, _HANDLE_ATTR, handle)
     destroy = engine.destroy

@@ -1,0 +1,43 @@
+"""The restart plan on DeepSpeed's checkpoint folder: the chosen tag in `latest`, newer tags set aside."""
+
+import os
+
+from scout_core.checkpoint.durable import LABELS_FILE, SET_ASIDE, FrameworkCheckpoints
+from scout_deepspeed import checkpoints
+
+
+def job(tmp_path, labels, stopped_for=None, latest="global_step3"):
+    folder = str(tmp_path)
+    for step in labels:
+        os.makedirs(os.path.join(folder, f"global_step{step}"))
+    with open(os.path.join(folder, "latest"), "w") as fh:
+        fh.write(latest)
+    entries = {str(s): {"label": lab, "path": os.path.join(folder, f"global_step{s}"), "saved_unix": 0.0}
+               for s, lab in labels.items()}
+    import json
+
+    with open(os.path.join(folder, LABELS_FILE), "w") as fh:
+        json.dump({"checkpoints": entries, "stopped_for": stopped_for}, fh)
+    return folder
+
+
+def test_after_an_sdc_stop_latest_names_the_newest_verified_tag(tmp_path):
+    folder = job(tmp_path, {1: "verified", 2: "verified", 3: "rejected"}, stopped_for="sdc")
+    plan = checkpoints._plan(folder)
+    assert plan["load"] == "global_step2" and plan["step"] == 2
+    assert open(os.path.join(folder, "latest")).read() == "global_step2"
+    assert sorted(os.listdir(folder)) == ["global_step1", "global_step2", "latest", LABELS_FILE, SET_ASIDE]
+    assert os.listdir(os.path.join(folder, SET_ASIDE))[0].startswith("global_step3-")
+    labels = FrameworkCheckpoints(folder, writer=False)
+    assert sorted(labels.entries) == [1, 2] and labels.stopped_for is None
+
+
+def test_nothing_safe_sets_latest_aside(tmp_path):
+    folder = job(tmp_path, {1: "latest"}, stopped_for="sdc")
+    plan = checkpoints._plan(folder)
+    assert plan["load"] is None and not os.path.exists(os.path.join(folder, "latest"))
+
+
+def test_a_folder_without_labels_is_deepspeeds_own_choice(tmp_path):
+    os.makedirs(tmp_path / "global_step5")
+    assert checkpoints._plan(str(tmp_path)) is None and os.path.isdir(tmp_path / "global_step5")
