@@ -19,20 +19,18 @@ the rest:
   partitioned state; replay's gradients are computed functionally and never reach the parameters' gradient hooks;
 * RNG: every stream of DeepSpeed's activation-checkpointing RNG tracker is a replay RNG provider;
 * MoE: ``deepspeed.moe.layer.MoE`` recognised and its experts bound to the expert recipe (:mod:`scout_deepspeed.moe`);
-* the hang path: DeepSpeed's collectives go through ``torch.distributed`` at call time, where SCOUT observes them;
-  its coalesced all-gathers (ZeRO-3) open torch's ``_coalescing_manager`` through a helper that is rerouted to
-  ``torch.distributed``'s (:func:`observe_coalesced_collectives`).
+* the hang path: DeepSpeed's collectives (``deepspeed.comm``'s torch backend) call ``torch.distributed`` at call
+  time, where SCOUT observes them, ZeRO-3's asynchronous parameter all-gathers included (in flight until waited
+  on and complete).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from scout_core.adapter import find_inner_optimizers, torch_adapter
@@ -43,9 +41,10 @@ from scout_core.runtime import ScoutHandle, enable_with
 from scout_deepspeed.moe import dense_parts, moe_binding, moe_layers
 from scout_deepspeed.zero3 import gather_zero3
 
-__all__ = ["attach", "observe_coalesced_collectives", "rng_providers"]
+__all__ = ["attach", "rng_providers"]
 
 log = logging.getLogger("scout_deepspeed")
+
 
 def rng_providers() -> dict[str, RngProvider]:
     """Every stream of DeepSpeed's activation-checkpointing RNG tracker (``deepspeed.checkpointing``'s, seeded by
@@ -70,27 +69,6 @@ def rng_providers() -> dict[str, RngProvider]:
     return {f"deepspeed:{name}": provider(name) for name in tracker().get_states()}
 
 
-_LATE_BOUND = "_scout_late_bound"
-
-
-def observe_coalesced_collectives() -> bool:
-    """Route DeepSpeed's coalesced collectives (ZeRO-3's parameter all-gather opens
-    ``torch.distributed.distributed_c10d._coalescing_manager`` through ``deepspeed.comm.torch``'s helper) through
-    ``torch.distributed._coalescing_manager`` at call time, where SCOUT's collective hooks see a coalesced batch
-    in flight until it completes. Idempotent; True if it rerouted."""
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `deepspeed.comm.torch` the attribute is torch
-    helper = ds_torch.get_coalescing_manager
-    if getattr(helper, _LATE_BOUND, False):
-        return False
-
-    def get_coalescing_manager(group: Any, device: Any, reqs: Any, async_op: bool) -> Any:
-        return dist._coalescing_manager(group, device=device, async_ops=async_op)
-
-    setattr(get_coalescing_manager, _LATE_BOUND, True)
-    ds_torch.get_coalescing_manager = get_coalescing_manager
-    return True
-
-
 def _wrapper_steps(engine: Any, inner: list[torch.optim.Optimizer]) -> Any:
     """DeepSpeed's optimizer wrapper whose ``step()`` ends the training step (None: the engine steps the torch
     optimizer itself, whose own step is the boundary)."""
@@ -110,21 +88,22 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
     if config is None:
         config = config_from_deepspeed(getattr(engine, "config", None)) or ScoutConfig()
     stage = int(engine.zero_optimization_stage())
-    if config.checkpoint.enabled and stage > 0:
-        raise ConfigError('DeepSpeed config "scout.checkpoint.enabled": SCOUT\'s in-memory snapshots keep the model '
-                          f"and the torch optimizer's state, not ZeRO stage {stage}'s partitioned master weights: "
-                          "under ZeRO, certification labels DeepSpeed's own checkpoints (engine.save_checkpoint) "
-                          "and the restart loads the one it chose; set it to false")
     model: nn.Module = engine.module
     inner = find_inner_optimizers(engine.optimizer) if engine.optimizer is not None else []
     if not inner:
         raise RuntimeError("scout_deepspeed: the engine has no optimizer (an inference engine?): SCOUT's boundary is "
                            "the optimizer step")
+    wrapper = _wrapper_steps(engine, inner)
+    if config.checkpoint.enabled and wrapper is not None:
+        raise ConfigError('DeepSpeed config "scout.checkpoint.enabled": SCOUT\'s in-memory snapshots keep the model '
+                          f"and the torch optimizer's state, not the master weights {type(wrapper).__name__} (ZeRO "
+                          f"stage {stage}, or bf16/fp16) keeps beside them: certification labels DeepSpeed's own "
+                          "checkpoints (engine.save_checkpoint) and the restart loads the one it chose; set it to "
+                          "false")
     kept = dict(state or {})
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and hasattr(scheduler, "state_dict"):
         kept.setdefault("lr_scheduler", scheduler)
-    observe_coalesced_collectives()
     groups = gathered_groups(engine.data_parallel_group)
     moe = moe_binding(model, zero3=stage == 3)
     adapter = torch_adapter(model, inner, peer_groups=groups, rng_providers=rng_providers(), state=kept or None,
@@ -137,7 +116,7 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
     # Each data-parallel rank's ZeRO optimizer steps its own partition of the state: nothing to compare.
     adapter.compare_optimizer_slices = False if stage > 0 else None
     adapter.gather_layer = gather_zero3 if stage == 3 else None
-    adapter.step_owner = _wrapper_steps(engine, inner)
+    adapter.step_owner = wrapper
     if config.topology.shape or config.topology.order != ScoutConfig().topology.order:
         log.warning('scout_deepspeed: "scout.topology" is ignored: peer groups come from the engine\'s '
                     "data-parallel group")

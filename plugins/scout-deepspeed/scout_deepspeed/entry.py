@@ -17,6 +17,7 @@ import functools
 import inspect
 import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from scout_core.config import ScoutConfig
@@ -75,14 +76,18 @@ def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle:
         return destroy(*a, **k)
 
     engine.destroy = destroy_then_close
-    ref = weakref.ref(handle)
+    atexit.register(_close_at_exit(weakref.ref(handle)))
+    return handle
 
-    def close_at_exit() -> None:
-        # Interpreter exit without engine.destroy(): an uncaught exception left sys.last_value (a failure: the
-        # labels must not say the run ended normally); a plain exit is a normal end.
-        live = ref()
+
+def _close_at_exit(handle: Callable[[], Any]) -> Callable[[], None]:
+    """What closes SCOUT at interpreter exit, where the script never called ``engine.destroy()``: an uncaught
+    exception left ``sys.last_value`` (a failure: the labels must not say the run ended normally); a plain exit is
+    a normal end. ``handle`` returns the handle, or None once it is gone."""
+
+    def close() -> None:
+        live = handle()
         if live is not None:
             live.close(failed=getattr(sys, "last_value", None) is not None)
 
-    atexit.register(close_at_exit)
-    return handle
+    return close
