@@ -89,6 +89,10 @@ class FrameworkAdapter:
     framework's own hooks, which would fetch, release or reduce into the live training state) and what undoes
     it. Every rank of the layer's gather group calls it for the same layer at the same check, so it may be a
     collective. On a failure it undoes what it did before raising. None: layers are called as they are."""
+    gather_bytes: Callable[[nn.Module], int] | None = None
+    """Device bytes ``gather_layer`` allocates for a layer: probed before any rank joins the gather, so a rank
+    without the memory skips the check together with its peers rather than failing alone before the collective.
+    None: no probe."""
     layers: list[nn.Module] | None = None
     """Repeated layers for hang marks and hidden-layer replay; None = discovered."""
     layer_names: list[str] | None = None

@@ -217,7 +217,8 @@ class ScoutHandle:
             replicated_parameters=a.replicated_parameters, compare_optimizer_slices=a.compare_optimizer_slices,
             compare_param_grads=a.compare_param_grads, compare_extra_state=a.compare_extra_state,
             replay_context=a.replay_context,
-            replay_pairs_across_groups=a.replay_pairs_across_groups, gather_layer=a.gather_layer)
+            replay_pairs_across_groups=a.replay_pairs_across_groups, gather_layer=a.gather_layer,
+            gather_bytes=a.gather_bytes)
         every, catalog_path = cfg.replay.cadence.expert, cfg.replay.moe_catalog
         if a.moe is None and catalog_path:
             raise ValueError(f"replay.moe_catalog is set ({catalog_path}) but enable() was given no moe= binding: "
@@ -634,7 +635,7 @@ class ScoutHandle:
         handler: while training is failing, a pending stop is not carried out (it would wait for peers
         that may be gone), persistence in flight gets at most ``CRASH_FLUSH_S``, and every clean-up step
         runs even if an earlier one fails. ``failed``: whether training ended by a failure (None: judged from
-        the exception being handled; an exit handler, where none is, says so from ``sys.last_value``).
+        the exception being handled; an exit handler, which cannot tell, passes True).
         """
         if self._closed:
             return

@@ -195,3 +195,19 @@ def test_a_verdicts_stop_is_never_taken_for_a_normal_end(tmp_path):
     labels.ended()
     choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()
     assert (choice.step, choice.failure) == (4, "sdc")
+
+
+def test_a_folder_saved_to_again_no_longer_vouches_for_the_step_it_held(tmp_path):
+    """A rolling tag (DeepSpeed's ``save_checkpoint(dir, "last")``): each save overwrites the folder, so only the
+    newest step it holds keeps a label; after an SDC a restart finds nothing verified there, not the rejected state
+    under an older step's verified label."""
+    cert = Certifier(recipes_per_cycle=1, static=True)
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
+    for step in (1, 2, 3):
+        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.saved(step, "/ckpt/last", cert)
+    action = cert.on_boundary(4, SDC)
+    labels.on_boundary(4, action, cert, failure=FailureKind.SDC, stopping=True)
+    labels.saved(4, "/ckpt/last", cert)
+    assert _labels(labels) == {4: "rejected"}
+    assert labels.choose().step is None

@@ -422,3 +422,17 @@ def test_a_coalesced_batch_stays_in_flight_until_its_work_completes():
     assert r0["inflight_after_reduce_scatter"] == r1["inflight_after_reduce_scatter"] == 0
     assert r0["inflight_after_sync"] == r1["inflight_after_sync"] == 0
     assert r0["sums"] == [4.0, 2.0] and r0["restored"] and r1["restored"]  # a: the batch, then the synchronous one
+
+
+def test_late_bound_stand_in_calls_torch_distributed_at_call_time(monkeypatch):
+    """A framework's name for a torch.distributed function, bound before SCOUT's hooks (DeepSpeed's backend,
+    Megatron's buckets), becomes a stand-in that reaches whatever torch.distributed holds at call time."""
+    from scout_core.progress.hooks import late_bound
+
+    bound = dist.all_gather_into_tensor
+    late = late_bound(bound)
+    assert late is not None and late.__name__ == "all_gather_into_tensor" and late_bound(late) is None
+    seen = []
+    monkeypatch.setattr(dist, "all_gather_into_tensor", lambda *a, **k: seen.append((a, k)) or "hooked")
+    assert late(1, 2, group=None) == "hooked" and seen == [((1, 2), {"group": None})]
+    assert late_bound(lambda *a: None) is None  # a framework's own function is left alone

@@ -147,6 +147,10 @@ class FrameworkCheckpoints:
         """The framework wrote its checkpoint of ``step`` (at ``where``). Step 0 is the initial state (a seed
         checkpoint, before any training step): nothing can have corrupted it, it is verified."""
         label = "verified" if int(step) == 0 else "latest"
+        # A folder saved to again (a rolling tag such as DeepSpeed's ``save_checkpoint(dir, "last")``) no longer
+        # holds the step it held: that step's label would vouch for state that is gone.
+        for older in [s for s, e in self.entries.items() if where and e.get("path") == where and s != int(step)]:
+            del self.entries[older]
         self.entries[int(step)] = {"label": label, "path": where, "saved_unix": time.time()}
         self.ended_normally = False  # the run goes on
         self._relabel(certifier)

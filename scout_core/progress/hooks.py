@@ -43,7 +43,7 @@ from scout_core.progress.fingerprint import SUPPORTED_OPS, CollectiveFingerprint
 from scout_core.progress.record import Phase, ProgressRecord
 from scout_core.replay.calls import tensor_leaves
 
-__all__ = ["ProgressTracker", "install_collective_hooks", "uninstall_collective_hooks", "unobserved"]
+__all__ = ["ProgressTracker", "install_collective_hooks", "late_bound", "uninstall_collective_hooks", "unobserved"]
 
 _THREAD = threading.local()
 POLL_QUIET_S = 0.05
@@ -470,6 +470,25 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
             return value[0]
     return None
+
+
+def late_bound(bound: Any) -> Any:
+    """For a ``torch.distributed`` function a framework bound to a name of its own before SCOUT's collective hooks
+    existed (Megatron's bucket functions, DeepSpeed's backend): a stand-in that calls ``torch.distributed``'s
+    function of the same name at call time, where the hooks see it (torch's own function when none are installed).
+    None where ``bound`` is not torch.distributed's (a framework's own implementation) or is a stand-in already."""
+    if bound is None or getattr(bound, "_scout_late_bound", False):
+        return None
+    name = getattr(bound, "__name__", "")
+    if getattr(dist, name, None) is not bound:
+        return None
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        return getattr(dist, name)(*args, **kwargs)
+
+    late._scout_late_bound = True  # type: ignore[attr-defined]
+    late.__name__ = name
+    return late
 
 
 def install_collective_hooks(tracker: ProgressTracker) -> None:

@@ -185,6 +185,7 @@ class ReplayEngine:
         replay_context: Callable[[], AbstractContextManager[Any]] | None = None,
         replay_pairs_across_groups: bool = False,
         gather_layer: Callable[[torch.nn.Module], tuple[Any, Callable[[], None]]] | None = None,
+        gather_bytes: Callable[[torch.nn.Module], int] | None = None,
     ) -> None:
         if not layers:
             raise ValueError("replay needs at least one repeated layer")
@@ -233,6 +234,7 @@ class ReplayEngine:
         self.replay_pairs_across_groups = replay_pairs_across_groups
         # A framework's own gather of a layer sharded at rest outside FSDP2 (DeepSpeed ZeRO-3), or None.
         self.gather_layer = gather_layer
+        self.gather_bytes = gather_bytes
         if len(self.layer_owners) != self.n_hidden:
             raise ValueError(f"layer_owners has {len(self.layer_owners)} entries for {self.n_hidden} layers")
         self.captures = [LayerCapture(layer) for layer in self.layers]
@@ -559,7 +561,10 @@ class ReplayEngine:
         return self.owner if idx >= self.n_hidden else self.layer_owners[idx]
 
     def _unshard_bytes(self, idx: int) -> int:
-        return unshard_bytes(self.layers[idx], self._owner(idx))
+        layer, owner = self.layers[idx], self._owner(idx)
+        if self.gather_bytes is not None and not fsdp_module(layer) and not fsdp_module(owner):
+            return self.gather_bytes(layer)  # the framework's own gather (DeepSpeed ZeRO-3)
+        return unshard_bytes(layer, owner)
 
     def _reserve(self, idx: int, *, timed: bool, headroom: int) -> Scratch:
         """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's)."""

@@ -19,9 +19,10 @@ the rest:
   partitioned state; replay's gradients are computed functionally and never reach the parameters' gradient hooks;
 * RNG: every stream of DeepSpeed's activation-checkpointing RNG tracker is a replay RNG provider;
 * MoE: ``deepspeed.moe.layer.MoE`` recognised and its experts bound to the expert recipe (:mod:`scout_deepspeed.moe`);
-* the hang path: DeepSpeed's collectives (``deepspeed.comm``'s torch backend) call ``torch.distributed`` at call
-  time, where SCOUT observes them, ZeRO-3's asynchronous parameter all-gathers included (in flight until waited
-  on and complete).
+* the hang path: DeepSpeed's collectives (``deepspeed.comm``'s torch backend) call ``torch.distributed``, where
+  SCOUT observes them; the all-gather and reduce-scatter the backend bound at its start-up (ZeRO's parameter
+  gathers and gradient reduce-scatters) are rerouted through ``torch.distributed`` at call time
+  (:func:`observe_backend_collectives`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from torch import nn
 from scout_core.adapter import find_inner_optimizers, torch_adapter
 from scout_core.config import ConfigError, ScoutConfig
 from scout_core.groups import gathered_groups
+from scout_core.progress.hooks import late_bound
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_deepspeed.moe import dense_parts, moe_binding, moe_layers
-from scout_deepspeed.zero3 import gather_zero3
+from scout_deepspeed.zero3 import gather_zero3, gathered_bytes
 
-__all__ = ["attach", "rng_providers"]
+__all__ = ["attach", "observe_backend_collectives", "rng_providers"]
 
 log = logging.getLogger("scout_deepspeed")
 
@@ -67,6 +69,23 @@ def rng_providers() -> dict[str, RngProvider]:
         return get, set_
 
     return {f"deepspeed:{name}": provider(name) for name in tracker().get_states()}
+
+
+def observe_backend_collectives() -> bool:
+    """Route the all-gather and reduce-scatter DeepSpeed's torch backend bound at its start-up (before SCOUT's
+    collective hooks existed) through ``torch.distributed`` at call time, where SCOUT's hooks see them: ZeRO-3's
+    parameter all-gathers and gradient reduce-scatters, ZeRO-1/2's gather of the updated partitions. A function of
+    DeepSpeed's own (not torch.distributed's) is left alone. Idempotent; True if anything was rerouted."""
+    from deepspeed.comm import comm
+
+    backend = getattr(comm, "cdb", None)
+    changed = False
+    for attr in ("all_gather_function", "reduce_scatter_function"):
+        late = late_bound(getattr(backend, attr, None))
+        if late is not None:
+            setattr(backend, attr, late)
+            changed = True
+    return changed
 
 
 def _wrapper_steps(engine: Any, inner: list[torch.optim.Optimizer]) -> Any:
@@ -104,8 +123,9 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and hasattr(scheduler, "state_dict"):
         kept.setdefault("lr_scheduler", scheduler)
+    observe_backend_collectives()
     groups = gathered_groups(engine.data_parallel_group)
-    moe = moe_binding(model, zero3=stage == 3)
+    moe = moe_binding(model)
     adapter = torch_adapter(model, inner, peer_groups=groups, rng_providers=rng_providers(), state=kept or None,
                             moe=moe)
     if moe_layers(model)[0]:
@@ -113,9 +133,11 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
         adapter.layers, adapter.layer_names = dense_parts(adapter.layers or [], adapter.layer_names or [],
                                                           bound=moe is not None)
     adapter.name = "deepspeed"
-    # Each data-parallel rank's ZeRO optimizer steps its own partition of the state: nothing to compare.
-    adapter.compare_optimizer_slices = False if stage > 0 else None
-    adapter.gather_layer = gather_zero3 if stage == 3 else None
+    # DeepSpeed's wrappers (ZeRO 1-3, and BF16_Optimizer under a pipeline engine) give each data-parallel rank its
+    # own partition of the master weights and optimizer state: nothing to compare among peers.
+    adapter.compare_optimizer_slices = False if wrapper is not None else None
+    if stage == 3:
+        adapter.gather_layer, adapter.gather_bytes = gather_zero3, gathered_bytes
     adapter.step_owner = wrapper
     if config.topology.shape or config.topology.order != ScoutConfig().topology.order:
         log.warning('scout_deepspeed: "scout.topology" is ignored: peer groups come from the engine\'s '

@@ -10,7 +10,8 @@ SCOUT's certification, and the restart that loads the tag SCOUT's retrieval poli
   ``scout-set-aside/`` (kept for forensics, out of DeepSpeed's reach) and points ``latest`` at the chosen tag, or
   sets ``latest`` aside where nothing is safe (DeepSpeed then loads nothing and training starts from the model's
   initialization). DeepSpeed's own ``load_checkpoint`` then loads it, the way it always does. An explicit ``tag``
-  (the user's choice) is loaded as asked.
+  (the user's choice), a warm start, universal checkpoints and node-local storage are left to DeepSpeed
+  (:func:`_no_plan`).
 * After the load, SCOUT's step count, replay schedule and certification go on from the engine's global step.
 """
 
@@ -117,10 +118,11 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
 
     @functools.wraps(load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if tag is None:
+        why_not = _no_plan(engine, tag, load_dir, args, kwargs)
+        if why_not is None:
             plan_restart(load_dir)  # points `latest` at SCOUT's choice
-        else:
-            log.warning("scout_deepspeed: tag %s asked for: loaded as asked", tag)
+        elif handle.rank == 0:
+            log.warning("scout_deepspeed: %s: DeepSpeed's own choice is loaded", why_not)
         with handle.checkpoint_io("read"):
             out = load(load_dir, tag, *args, **kwargs)
         if out and out[0] is not None:
@@ -133,6 +135,24 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
         engine.save_checkpoint, engine.load_checkpoint = save, load
 
     return restore
+
+
+_LOAD_ARGS = ("load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")
+"""``load_checkpoint``'s parameters after ``tag``, in order."""
+
+
+def _no_plan(engine: Any, tag: Any, load_dir: str, args: tuple, kwargs: dict) -> str | None:
+    """Why this load must not be steered by SCOUT's labels (None: it is a restart of this job, steer it)."""
+    given = {**dict(zip(_LOAD_ARGS, args)), **kwargs}
+    if tag is not None:
+        return f"tag {tag} asked for"
+    if given.get("load_module_only") or given.get("load_optimizer_states") is False:
+        return "a warm start (the module only, no optimizer state) from a folder that is only read"
+    if engine.load_universal_checkpoint():
+        return "a universal checkpoint (read through latest_universal, which SCOUT's labels do not steer)"
+    if engine.use_node_local_storage():
+        return "node-local checkpoint storage (every node's own latest: rank 0 cannot steer them all)"
+    return None
 
 
 def _continue_after_load(handle: ScoutHandle, step: int, folder: str) -> None:

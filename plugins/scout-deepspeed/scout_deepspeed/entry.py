@@ -6,8 +6,8 @@ enables it (the one-line change), and the life of that SCOUT beside the engine.
   naming its JSON path.
 * After ``deepspeed.initialize`` returned, SCOUT is attached to the engine (:func:`scout_deepspeed.adapter.attach`)
   and the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped (:mod:`scout_deepspeed.checkpoints`).
-* SCOUT closes with the engine (``engine.destroy()``) or, at the latest, when the process exits (a normal exit
-  marks the run's labels as ended normally; an uncaught exception does not).
+* SCOUT closes with the engine (``engine.destroy()``: a normal end) or, at the latest, when the process exits
+  (not known to be a normal end: see :func:`_close_at_exit`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -81,13 +80,15 @@ def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle:
 
 
 def _close_at_exit(handle: Callable[[], Any]) -> Callable[[], None]:
-    """What closes SCOUT at interpreter exit, where the script never called ``engine.destroy()``: an uncaught
-    exception left ``sys.last_value`` (a failure: the labels must not say the run ended normally); a plain exit is
-    a normal end. ``handle`` returns the handle, or None once it is gone."""
+    """What closes SCOUT at interpreter exit, where the script never called ``engine.destroy()``. An exit handler
+    cannot tell a normal end from ``sys.exit(1)`` after a caught error, so this close counts as a failure: the
+    labels do not say the run ended normally, and a relaunch loads the newest verified checkpoint rather than the
+    newest one not rejected (``engine.destroy()`` at the end of training marks a normal end). ``handle`` returns
+    the handle, or None once it is gone."""
 
     def close() -> None:
         live = handle()
         if live is not None:
-            live.close(failed=getattr(sys, "last_value", None) is not None)
+            live.close(failed=True)
 
     return close

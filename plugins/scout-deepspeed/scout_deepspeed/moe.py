@@ -12,8 +12,8 @@ expert recipe.
   the layer's gate (``TopKGate``: a linear router and top-k gating, its random token selection under the
   source's RNG): a whole block replayed on one input would run the experts too, whose capture hooks must see
   training's rows only, and under expert parallelism would differ on every rank with nothing wrong.
-* Under ZeRO-3 the experts' partitioned parameters are gathered for their check only, as the dense layers'
-  are (:mod:`scout_deepspeed.zero3`).
+* DeepSpeed 0.19 refuses its native MoE under ZeRO-3 (it points to AutoEP, whose layers are not recognised here
+  yet).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch import nn
 
 from scout_core.groups import gathered_groups
 from scout_core.moe.binding import MoEBinding
-from scout_deepspeed.zero3 import gather_zero3
 
 __all__ = ["dense_parts", "moe_binding", "moe_layers"]
 
@@ -45,14 +44,14 @@ def _local_experts(layer: nn.Module) -> list[nn.Module]:
     return list(layer.deepspeed_moe.experts.deepspeed_experts)
 
 
-def moe_binding(model: nn.Module, *, zero3: bool = False) -> MoEBinding | None:
+def moe_binding(model: nn.Module) -> MoEBinding | None:
     """The expert recipe's binding of DeepSpeed's MoE layers, or None (no MoE layer, or a layout not bound). Every
     rank calls it and decides alike (one gather of each rank's layout before any other collective)."""
     from deepspeed.utils import groups
 
     layers, names = moe_layers(model)
     sizes = sorted({int(m.ep_size) for m in layers})
-    mine = [bool(layers), len(sizes) <= 1, any(getattr(m, "use_residual", False) for m in layers)]
+    mine = [bool(layers), len(sizes) <= 1]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     everywhere, one_size = all(f[0] for f in everyone), all(f[1] for f in everyone)
@@ -76,8 +75,7 @@ def moe_binding(model: nn.Module, *, zero3: bool = False) -> MoEBinding | None:
         layers=layers, names=names, experts=_local_experts,
         expert_peer_groups=gathered_groups(groups._get_expert_data_parallel_group(name)),
         ep_position=dist.get_rank(group=ep_group) if layers[0].ep_size > 1 else 0,
-        hidden_size=width or int(layers[0].deepspeed_moe.gate.wg.in_features),
-        materialize=(lambda layer: gather_zero3(layer)[1]) if zero3 else None)
+        hidden_size=width or int(layers[0].deepspeed_moe.gate.wg.in_features))
 
 
 def dense_parts(layers: list[nn.Module], names: list[str], *, bound: bool) -> tuple[list[nn.Module], list[str]]:

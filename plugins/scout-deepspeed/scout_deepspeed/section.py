@@ -9,7 +9,6 @@ or out of range fails at start-up, before DeepSpeed builds anything, naming the 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,22 +25,30 @@ REFERENCE_END = "<!-- end of the generated section reference -->"
 
 
 def user_config(config: Any = None, config_params: Any = None, args: Any = None) -> Mapping[str, Any] | None:
-    """The DeepSpeed config a ``deepspeed.initialize`` call uses, as a mapping: ``config`` (a dict or a JSON file's
-    path), else the deprecated ``config_params``, else ``args.deepspeed_config`` (DeepSpeed's own order)."""
+    """The DeepSpeed config a ``deepspeed.initialize`` call uses, as a mapping, read the way DeepSpeed reads it:
+    ``config``, else the deprecated ``config_params``, else ``args.deepspeed_config`` (or the older
+    ``args.deepscale_config``); a dict, a file (JSON, or HJSON with comments and trailing commas) or a base64
+    string (DeepSpeed's ``load_ds_config``)."""
     chosen = config if config is not None else config_params
-    if chosen is None and args is not None:
-        chosen = getattr(args, "deepspeed_config", None)
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if chosen is None and args is not None:
+            chosen = getattr(args, attr, None)
     if chosen is None:
         return None
     if isinstance(chosen, Mapping):
         return chosen
-    if isinstance(chosen, (str, os.PathLike)):
-        try:
-            with open(chosen, encoding="utf-8") as fh:
-                return json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"DeepSpeed config {os.fspath(chosen)!r} cannot be read as JSON: {exc}") from exc
-    raise ConfigError(f"DeepSpeed config must be a dict or a JSON file's path, got {type(chosen).__name__}")
+    if isinstance(chosen, os.PathLike):
+        chosen = os.fspath(chosen)
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    try:
+        loaded = load_ds_config(chosen)
+    except Exception as exc:  # noqa: BLE001 - hjson's and DeepSpeed's own errors alike
+        raise ConfigError(f"DeepSpeed config {chosen!r} cannot be read (a dict, a JSON or HJSON file, or base64): "
+                          f"{exc}") from exc
+    if not isinstance(loaded, Mapping):
+        raise ConfigError(f"DeepSpeed config {chosen!r} is not an object")
+    return loaded
 
 
 def _mapping_keys() -> set[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["gather_zero3", "module_hooks_set_aside"]
+__all__ = ["gather_zero3", "gathered_bytes", "module_hooks_set_aside"]
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -44,6 +44,14 @@ def module_hooks_set_aside(module: nn.Module) -> Iterator[None]:
 
 def _zero3_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if hasattr(p, "ds_id")]
+
+
+def gathered_bytes(layer: nn.Module) -> int:
+    """Device bytes gathering ``layer`` allocates (scout_core's ``FrameworkAdapter.gather_bytes``): its partitioned
+    parameters whole (``ds_numel``), twice over for the gather's flat buffer and the copies out of it. Replay
+    probes this much before any rank joins the gather, so a rank without the memory skips the check with its peers
+    instead of failing alone before the collective (DeepSpeed allocates the gathered buffers first)."""
+    return 2 * sum(int(p.ds_numel) * p.element_size() for p in _zero3_params(layer))
 
 
 def gather_zero3(layer: nn.Module) -> tuple[Callable[..., Any], Callable[[], None]]:

@@ -41,3 +41,17 @@ def test_nothing_safe_sets_latest_aside(tmp_path):
 def test_a_folder_without_labels_is_deepspeeds_own_choice(tmp_path):
     os.makedirs(tmp_path / "global_step5")
     assert checkpoints._plan(str(tmp_path)) is None and os.path.isdir(tmp_path / "global_step5")
+
+
+def test_loads_that_are_not_this_jobs_restart_are_left_to_deepspeed():
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: False)
+    assert checkpoints._no_plan(engine, None, "/ckpt", (), {}) is None
+    assert "tag" in checkpoints._no_plan(engine, "global_step7", "/ckpt", (), {})
+    assert "warm start" in checkpoints._no_plan(engine, None, "/ckpt", (), {"load_module_only": True})
+    assert "warm start" in checkpoints._no_plan(engine, None, "/ckpt", (True, False), {})  # positional
+    universal = SimpleNamespace(load_universal_checkpoint=lambda: True, use_node_local_storage=lambda: False)
+    assert "universal" in checkpoints._no_plan(universal, None, "/ckpt", (), {})
+    local = SimpleNamespace(load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: True)
+    assert "node-local" in checkpoints._no_plan(local, None, "/ckpt", (), {})

@@ -51,8 +51,24 @@ def test_the_config_deepspeed_uses_is_the_one_read(tmp_path):
     assert user_config({"a": 1}, {"b": 2}, Args()) == {"a": 1}  # DeepSpeed's own order: config first
     assert user_config(None, {"b": 2}) == {"b": 2}
     assert user_config() is None
-    with pytest.raises(ConfigError, match="cannot be read as JSON"):
+    with pytest.raises(ConfigError, match="cannot be read"):
         user_config(str(tmp_path / "missing.json"))
+
+
+def test_configs_deepspeed_reads_are_read_alike(tmp_path):
+    """HJSON (comments, trailing commas), base64 and the old --deepscale_config, as DeepSpeed accepts them."""
+    import base64
+
+    hjson_file = tmp_path / "ds.hjson"
+    hjson_file.write_text('{\n  // SCOUT on\n  "scout": {"enabled": true,},\n}\n')
+    assert user_config(str(hjson_file)) == {"scout": {"enabled": True}}
+    encoded = base64.urlsafe_b64encode(json.dumps({"scout": {"enabled": True}}).encode()).decode()
+    assert user_config(encoded) == {"scout": {"enabled": True}}
+
+    class OldArgs:
+        deepscale_config = str(hjson_file)
+
+    assert user_config(args=OldArgs()) == {"scout": {"enabled": True}}
 
 
 def test_readme_reference_is_current():

@@ -39,6 +39,7 @@ from torch import nn
 from scout_core.adapter import discover_layers, torch_adapter
 from scout_core.config import ScoutConfig
 from scout_core.groups import gathered_groups
+from scout_core.progress.hooks import late_bound
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_megatron.moe import dense_parts, moe_binding, moe_metrics_kept
@@ -176,20 +177,10 @@ def observe_bucket_collectives() -> bool:
 
     changed = False
     for attr in _BUCKET_FUNCS:
-        bound = getattr(buffers, attr, None)
-        if bound is None or getattr(bound, "_scout_late_bound", False):
-            continue
-        name = getattr(bound, "__name__", "")
-        if getattr(dist, name, None) is not bound:
-            continue  # Megatron's own implementation (fp32-accumulating reduce-scatter): leave it
-
-        def late(*args: Any, _name: str = name, **kwargs: Any) -> Any:
-            return getattr(dist, _name)(*args, **kwargs)
-
-        late._scout_late_bound = True  # type: ignore[attr-defined]
-        late.__name__ = name
-        setattr(buffers, attr, late)
-        changed = True
+        late = late_bound(getattr(buffers, attr, None))  # None: Megatron's own (fp32-accumulating reduce-scatter)
+        if late is not None:
+            setattr(buffers, attr, late)
+            changed = True
     return changed
 
 
