@@ -688,3 +688,4 @@ def test_deepspeed_zero3_sdc_cell_fails_without_the_gather(monkeypatch):
     monkeypatch.setattr(zero3, "_zero3_params", lambda _module: [])
     (report,) = run_cells([SPECS["deepspeed-zero3-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected [3]" in report.details, report.details
+

@@ -49,7 +49,13 @@ from scout_core.moe.catalog import Catalog
 from scout_core.moe.replay import ExpertReplay
 from scout_core.progress.control import ControlPlane
 from scout_core.progress.hooks import ProgressTracker, install_collective_hooks, uninstall_collective_hooks
-from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, ObserverSpec, start_observer, steady_threshold
+from scout_core.progress.observer import (
+    OBSERVER_REPORTED_EXIT,
+    OBSERVER_STACKS_SIGNAL,
+    ObserverSpec,
+    start_observer,
+    steady_threshold,
+)
 from scout_core.progress.record import Phase, create_record
 from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
@@ -181,6 +187,10 @@ class ScoutHandle:
                 ok = bool(sel.select(cfg.observer.startup_timeout_s)) and os.read(ready_fd, 1) == b"R"
         finally:
             os.close(ready_fd)
+        if not ok:  # where it waits, on stderr, for whoever reads the job's log
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, OBSERVER_STACKS_SIGNAL)
+                time.sleep(1.0)
         everyone = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.groups.world_control)
         if not everyone.item():  # every rank raises together: no rank is left waiting in a later collective

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import os
 import signal
 import socket
@@ -54,12 +55,14 @@ from scout_core.progress.episode import CLOSED_LIST, EpisodeOutcome, EpisodeProt
 from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot, pid_alive
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
 
-__all__ = ["ObserverSpec", "start_observer", "OBSERVER_REPORTED_EXIT"]
+__all__ = ["OBSERVER_REPORTED_EXIT", "OBSERVER_STACKS_SIGNAL", "ObserverSpec", "start_observer"]
 
 OBSERVER_REPORTED_EXIT = 3
 """Exit code of an observer that crashed and already reported its own failure."""
 
 _PR_SET_PDEATHSIG = 1
+OBSERVER_STACKS_SIGNAL = signal.SIGUSR1
+"""Makes an observer print every thread's Python stack to stderr (a trainer whose observer does not start)."""
 
 
 @dataclass(kw_only=True)
@@ -165,12 +168,17 @@ def start_observer(spec: ObserverSpec) -> tuple[int, int]:
     # lives on. Only the main thread lives as long as the process; elsewhere the loop's liveness check of
     # the trainer (at least once a second) is what ends the observer.
     death_signal = threading.current_thread() is threading.main_thread()
+    # Resolved here, before the fork: looking a symbol up takes the dynamic loader's lock, which another thread of
+    # the trainer (a C++ exception unwinding in a communicator thread, a library loading) may hold at the fork,
+    # and a forked child of a threaded process that waits for it waits forever. The child only calls it.
+    prctl = _prctl() if death_signal else None
     pid = os.fork()
     if pid == 0:  # observer process: never returns
         os.close(read_fd)
         code = 0
         try:
-            code = _Observer(spec, write_fd).run(death_signal=death_signal)
+            faulthandler.register(OBSERVER_STACKS_SIGNAL, all_threads=True)  # a trainer kept waiting asks where we are
+            code = _Observer(spec, write_fd).run(death_signal=prctl)
         except SystemExit:
             code = 0  # SIGTERM from a trainer that closed: a normal end
         except BaseException:  # noqa: BLE001 - last resort: never let the observer die silently
@@ -202,9 +210,9 @@ class _Observer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def run(self, *, death_signal: bool = True) -> int:
-        if death_signal:
-            _die_with_parent()
+    def run(self, *, death_signal: Callable[..., int] | None = None) -> int:
+        if death_signal is not None:
+            _die_with_parent(death_signal)
         _release_inherited_files(keep={0, 1, 2, self.ready_fd})
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
@@ -565,11 +573,19 @@ def _release_inherited_files(keep: set[int]) -> None:
     os.close(null)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the trainer exits (the loop also checks)."""
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, looked up in the trainer before the observer is forked (see :func:`start_observer`)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except Exception:  # noqa: BLE001 - no libc prctl: the loop's liveness check still ends the observer
+        return None
+
+
+def _die_with_parent(prctl: Callable[..., int]) -> None:
+    """Ask Linux to SIGTERM us when the trainer exits (the loop also checks). ``prctl`` was resolved before the
+    fork: a symbol lookup in this forked child could wait for a loader lock held by a trainer thread forever."""
     with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def peer_groups_as_lists(groups: Sequence[Sequence[int]]) -> list[list[int]]:
