@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from integrations_tests.training_jobs import bitwise_problems, cell_report, run_job
+from integrations_tests.training_jobs import bitwise_problems, cell_report, restart_problems, run_job
 from integrations_tests.zoo import HEADS, HIDDEN, VOCAB, LlamaBlock, LlamaLM, zoo_batches
 from scout_core.adapter import find_inner_optimizers
 from scout_core.cells import CellReport, CellSpec
 from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent
-from scout_core.report import read_incidents
+from scout_core.launcher import RankContext, init_gloo, prepare_parent
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
 
@@ -236,48 +235,7 @@ def deepspeed_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
         run.problems += bitwise_problems(_deepspeed_rank, spec, world_size, args, run)
     if recovery and not run.problems:
-        run.problems += _restart(spec, world_size, workdir, args, p)
+        run.problems += restart_problems(_deepspeed_rank, spec, world_size, workdir, args,
+                                         folder=os.path.join(workdir, "deepspeed"),
+                                         unit="step", prefix="global_step", counted="steps")
     return cell_report(spec, world_size, run, hang=hang)
-
-
-def _labels(workdir: str) -> dict[str, Any]:
-    from scout_core.checkpoint.durable import LABELS_FILE
-
-    with open(os.path.join(workdir, "deepspeed", LABELS_FILE)) as fh:
-        return json.load(fh)
-
-
-def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any], p: dict[str, Any]) -> list[str]:
-    """The restart of a recovery cell: the labels the stopped run left, then DeepSpeed must load the tag SCOUT
-    chose (bitwise the state the first run saved there), with the newer ones set aside, and train on to the end
-    without a report, its own saves verified in turn."""
-    problems = []
-    labels = {int(k): v["label"] for k, v in _labels(workdir)["checkpoints"].items()}
-    if labels != {int(k): v for k, v in p["labels"].items()}:
-        problems.append(f"labels after the stop {labels}, expected {p['labels']}")
-    first = os.path.join(workdir, "incidents.jsonl")
-    os.replace(first, os.path.join(workdir, "incidents-first-run.jsonl"))
-    result = launch(_deepspeed_rank, world_size, timeout_s=spec.timeout_s,
-                    args={**args, "faults": [], "phase": "b"}, failure_grace_s=10.0)
-    if not result.ok:
-        return problems + [f"the restart failed: {result.failures()}"]
-    want = int(p["restart_step"])
-    for rank, value in enumerate(result.values()):
-        with open(os.path.join(workdir, f"sigs-a-r{rank}.json")) as fh:
-            saved = json.load(fh).get(str(want))
-        if value["loaded"] != [want, *(saved or [])]:
-            problems.append(f"rank {rank} loaded step {value['loaded'][:1]} (bitwise the first run's step {want}: "
-                            f"{value['loaded'][1:] == saved}), expected step {want} bitwise")
-        if value["steps"] != args["steps"]:
-            problems.append(f"rank {rank} trained to step {value['steps']}, expected {args['steps']}")
-    again = list(read_incidents(first)) if os.path.exists(first) else []
-    if again:
-        problems.append(f"the restart reported {[(i.kind.value, i.ranks, i.step) for i in again]}, expected nothing")
-    body = _labels(workdir)
-    after = {int(k): v["label"] for k, v in body["checkpoints"].items()}
-    if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
-        problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
-    aside = sorted(int(os.path.basename(x).split("-")[0][len("global_step"):]) for x in body.get("set_aside", []))
-    if aside != sorted(p["set_aside"]):
-        problems.append(f"set aside {body.get('set_aside')}, expected the steps {p['set_aside']}")
-    return problems

@@ -25,11 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from integrations_tests.training_jobs import bitwise_problems, cell_report, run_job
+from integrations_tests.training_jobs import bitwise_problems, cell_report, restart_problems, run_job
 from scout_core.cells import CellReport, CellSpec
 from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch, prepare_parent
-from scout_core.report import read_incidents
+from scout_core.launcher import RankContext, init_gloo, prepare_parent
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
 
@@ -284,48 +283,7 @@ def megatron_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
         run.problems += bitwise_problems(_megatron_rank, spec, world_size, args, run)
     if recovery and not run.problems:
-        run.problems += _restart(spec, world_size, workdir, args, p)
+        run.problems += restart_problems(_megatron_rank, spec, world_size, workdir, args,
+                                         folder=os.path.join(workdir, "megatron"),
+                                         unit="iteration", prefix="iter_", counted="iterations")
     return cell_report(spec, world_size, run, hang=hang)
-
-
-def _labels(workdir: str) -> dict[str, Any]:
-    from scout_core.checkpoint.durable import LABELS_FILE
-
-    with open(os.path.join(workdir, "megatron", LABELS_FILE)) as fh:
-        return json.load(fh)
-
-
-def _restart(spec: CellSpec, world_size: int, workdir: str, args: dict[str, Any], p: dict[str, Any]) -> list[str]:
-    """The restart of a recovery cell: the labels the stopped run left, then Megatron must load the iteration
-    SCOUT chose (bitwise the state the first run saved there), with the newer ones set aside, and train on to
-    the end without a report, its own saves verified in turn."""
-    problems = []
-    labels = {int(k): v["label"] for k, v in _labels(workdir)["checkpoints"].items()}
-    if labels != {int(k): v for k, v in p["labels"].items()}:
-        problems.append(f"labels after the stop {labels}, expected {p['labels']}")
-    first = os.path.join(workdir, "incidents.jsonl")
-    os.replace(first, os.path.join(workdir, "incidents-first-run.jsonl"))
-    result = launch(_megatron_rank, world_size, timeout_s=spec.timeout_s, args={**args, "faults": [], "phase": "b"},
-                    failure_grace_s=10.0)
-    if not result.ok:
-        return problems + [f"the restart failed: {result.failures()}"]
-    want = int(p["restart_step"])
-    for rank, value in enumerate(result.values()):
-        with open(os.path.join(workdir, f"sigs-a-r{rank}.json")) as fh:
-            saved = json.load(fh).get(str(want))
-        if value["loaded"] != [want, *(saved or [])]:
-            problems.append(f"rank {rank} loaded iteration {value['loaded'][:1]} (bitwise the first run's iteration "
-                            f"{want}: {value['loaded'][1:] == saved}), expected iteration {want} bitwise")
-        if value["iterations"] != args["steps"]:
-            problems.append(f"rank {rank} trained to iteration {value['iterations']}, expected {args['steps']}")
-    again = list(read_incidents(first)) if os.path.exists(first) else []
-    if again:
-        problems.append(f"the restart reported {[(i.kind.value, i.ranks, i.step) for i in again]}, expected nothing")
-    body = _labels(workdir)
-    after = {int(k): v["label"] for k, v in body["checkpoints"].items()}
-    if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
-        problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
-    aside = sorted(int(os.path.basename(x).split("-")[0][len("iter_"):]) for x in body.get("set_aside", []))
-    if aside != sorted(p["set_aside"]):
-        problems.append(f"set aside {body.get('set_aside')}, expected the iterations {p['set_aside']}")
-    return problems

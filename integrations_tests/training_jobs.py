@@ -9,6 +9,7 @@ cell's report.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.launcher import LaunchResult, RankContext, launch
 from scout_core.report import read_incidents
 
-__all__ = ["JobRun", "bitwise_problems", "cell_report", "run_job"]
+__all__ = ["JobRun", "bitwise_problems", "cell_report", "restart_problems", "run_job"]
 
 STOP_STATUS = 75
 """SCOUT's default exit status for ``actions.on_verdict: stop``."""
@@ -82,6 +83,54 @@ def bitwise_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_s
         differ = [r for r, (x, y) in enumerate(zip(plain.values(), run.result.values())) if x["final"] != y["final"]]
         return [f"training with SCOUT ended in another state than without it on ranks {differ}"]
     return []
+
+
+def _labels(folder: str) -> dict[str, Any]:
+    from scout_core.checkpoint.durable import LABELS_FILE
+
+    with open(os.path.join(folder, LABELS_FILE)) as fh:
+        return json.load(fh)
+
+
+def restart_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_size: int, workdir: str,
+                     args: dict[str, Any], *, folder: str, unit: str, prefix: str, counted: str) -> list[str]:
+    """The restart of a recovery cell over a framework's own checkpoints in ``folder``: the labels the stopped run
+    left (``labels`` in the cell's params), then the framework must load the ``restart_step`` SCOUT chose (bitwise
+    the state the first run saved there: each rank of the first run wrote ``sigs-a-r<rank>.json``, and each rank of
+    the restart returns ``loaded: [step, *signature]``), with the newer ones set aside (``set_aside``: their
+    folders are named ``<prefix><step>``), and train on to the end (``counted``: the step count each rank returns)
+    without a report, its own saves labelled ``labels_after_restart``. ``unit`` names a step in messages."""
+    p = spec.params
+    problems = []
+    labels = {int(k): v["label"] for k, v in _labels(folder)["checkpoints"].items()}
+    if labels != {int(k): v for k, v in p["labels"].items()}:
+        problems.append(f"labels after the stop {labels}, expected {p['labels']}")
+    first = os.path.join(workdir, "incidents.jsonl")
+    os.replace(first, os.path.join(workdir, "incidents-first-run.jsonl"))
+    result = launch(rank, world_size, timeout_s=spec.timeout_s, args={**args, "faults": [], "phase": "b"},
+                    failure_grace_s=10.0)
+    if not result.ok:
+        return problems + [f"the restart failed: {result.failures()}"]
+    want = int(p["restart_step"])
+    for r, value in enumerate(result.values()):
+        with open(os.path.join(workdir, f"sigs-a-r{r}.json")) as fh:
+            saved = json.load(fh).get(str(want))
+        if value["loaded"] != [want, *(saved or [])]:
+            problems.append(f"rank {r} loaded {unit} {value['loaded'][:1]} (bitwise the first run's {unit} {want}: "
+                            f"{value['loaded'][1:] == saved}), expected {unit} {want} bitwise")
+        if value[counted] != args["steps"]:
+            problems.append(f"rank {r} trained to {unit} {value[counted]}, expected {args['steps']}")
+    again = list(read_incidents(first)) if os.path.exists(first) else []
+    if again:
+        problems.append(f"the restart reported {[(i.kind.value, i.ranks, i.step) for i in again]}, expected nothing")
+    body = _labels(folder)
+    after = {int(k): v["label"] for k, v in body["checkpoints"].items()}
+    if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
+        problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
+    aside = sorted(int(os.path.basename(x).split("-")[0][len(prefix):]) for x in body.get("set_aside", []))
+    if aside != sorted(p["set_aside"]):
+        problems.append(f"set aside {body.get('set_aside')}, expected the {unit}s {p['set_aside']}")
+    return problems
 
 
 def cell_report(spec: CellSpec, world_size: int, run: JobRun, *, hang: bool = False) -> CellReport:

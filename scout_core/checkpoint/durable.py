@@ -36,7 +36,8 @@ from typing import Any
 from scout_core.checkpoint.certify import Action, Certifier, FailureKind
 from scout_core.checkpoint.store import fsync_dir
 
-__all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "point_tracker", "set_aside"]
+__all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "agreed_restart_plan", "point_tracker",
+           "set_aside"]
 
 _log = logging.getLogger("scout")
 
@@ -57,6 +58,37 @@ def set_aside(folder: str, name: str) -> str:
     for f in (target_dir, folder):
         fsync_dir(f)
     return target
+
+
+def agreed_restart_plan(folder: str, plan: Callable[[], dict[str, Any] | None], *, who: str,
+                        what: str) -> dict[str, Any] | None:
+    """A framework's restart plan for ``folder``, made by rank 0 (``plan``: choose from the labels, move files,
+    point the framework's tracker) and broadcast to every rank (every rank calls it). None: no labels, or the plan
+    failed and the framework's own choice is loaded, with an error logged. After an SDC stop a plan that cannot be
+    made raises on every rank: loading the framework's newest checkpoint then would restore the state the verdict
+    rejected. ``who`` names the plugin and ``what`` the framework's checkpoint (``Megatron's iteration``) in
+    messages."""
+    import torch.distributed as dist
+
+    made: dict[str, Any] | None = None
+    if dist.get_rank() == 0:
+        stopped = None
+        try:
+            stopped = FrameworkCheckpoints(folder, writer=False).stopped_for  # before the plan changes anything
+            made = plan()
+        except Exception as exc:  # noqa: BLE001 - reported below on every rank
+            made = {"error": f"{type(exc).__name__}: {exc}", "fatal": stopped == "sdc"}
+    box = [made]
+    dist.broadcast_object_list(box, src=0)
+    made = box[0]
+    if made is not None and "error" in made:
+        if made["fatal"]:
+            raise RuntimeError(f"{who}: the job stopped on an SDC verdict and the restart point ({what}) cannot be "
+                               f"chosen ({made['error']}): refusing to load the newest one")
+        _log.error("%s: choosing the restart point (%s) failed (%s): the framework's own choice is loaded, "
+                   "unchecked by SCOUT", who, what, made["error"])
+        return None
+    return made
 
 
 def point_tracker(folder: str, tracker: str, value: str | None) -> None:
@@ -149,7 +181,9 @@ class FrameworkCheckpoints:
         label = "verified" if int(step) == 0 else "latest"
         # A folder saved to again (a rolling tag such as DeepSpeed's ``save_checkpoint(dir, "last")``) no longer
         # holds the step it held: that step's label would vouch for state that is gone.
-        for older in [s for s, e in self.entries.items() if where and e.get("path") == where and s != int(step)]:
+        same = os.path.realpath(where) if where else None
+        for older in [s for s, e in self.entries.items()
+                      if same and e.get("path") and os.path.realpath(e["path"]) == same and s != int(step)]:
             del self.entries[older]
         self.entries[int(step)] = {"label": label, "path": where, "saved_unix": time.time()}
         self.ended_normally = False  # the run goes on

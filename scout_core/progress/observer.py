@@ -168,16 +168,25 @@ def start_observer(spec: ObserverSpec) -> tuple[int, int]:
     # lives on. Only the main thread lives as long as the process; elsewhere the loop's liveness check of
     # the trainer (at least once a second) is what ends the observer.
     death_signal = threading.current_thread() is threading.main_thread()
-    # Resolved here, before the fork: looking a symbol up takes the dynamic loader's lock, which another thread of
-    # the trainer (a C++ exception unwinding in a communicator thread, a library loading) may hold at the fork,
-    # and a forked child of a threaded process that waits for it waits forever. The child only calls it.
+    # Looked up here, before the fork: the forked child of a threaded trainer does as little as it can (a symbol
+    # lookup there is one thing less that could meet a lock another trainer thread held at the fork).
     prctl = _prctl() if death_signal else None
-    pid = os.fork()
+    # The stacks signal is blocked until the child has its handler: its default action would end the child.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {OBSERVER_STACKS_SIGNAL})
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
     if pid == 0:  # observer process: never returns
         os.close(read_fd)
         code = 0
         try:
-            faulthandler.register(OBSERVER_STACKS_SIGNAL, all_threads=True)  # a trainer kept waiting asks where we are
+            # A trainer kept waiting for us asks where we are; written to fd 2 itself (sys.stderr may be no file,
+            # or a buffered writer whose lock another trainer thread held at the fork).
+            with contextlib.suppress(Exception):
+                faulthandler.register(OBSERVER_STACKS_SIGNAL, file=2, all_threads=True)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             code = _Observer(spec, write_fd).run(death_signal=prctl)
         except SystemExit:
             code = 0  # SIGTERM from a trainer that closed: a normal end
@@ -186,6 +195,7 @@ def start_observer(spec: ObserverSpec) -> tuple[int, int]:
             code = 1
         finally:
             os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.close(write_fd)
     return pid, read_fd
 
@@ -582,8 +592,8 @@ def _prctl() -> Callable[..., int] | None:
 
 
 def _die_with_parent(prctl: Callable[..., int]) -> None:
-    """Ask Linux to SIGTERM us when the trainer exits (the loop also checks). ``prctl`` was resolved before the
-    fork: a symbol lookup in this forked child could wait for a loader lock held by a trainer thread forever."""
+    """Ask Linux to SIGTERM us when the trainer exits (the loop also checks). ``prctl`` was looked up before the
+    fork."""
     with contextlib.suppress(Exception):
         prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 

@@ -563,7 +563,8 @@ class ReplayEngine:
     def _unshard_bytes(self, idx: int) -> int:
         layer, owner = self.layers[idx], self._owner(idx)
         if self.gather_bytes is not None and not fsdp_module(layer) and not fsdp_module(owner):
-            return self.gather_bytes(layer)  # the framework's own gather (DeepSpeed ZeRO-3)
+            # The framework's own gather (DeepSpeed ZeRO-3); a failure to size it skips the check everywhere.
+            return self.guard.run(f"gather size of {self.names[idx]}", lambda: self.gather_bytes(layer)) or 0
         return unshard_bytes(layer, owner)
 
     def _reserve(self, idx: int, *, timed: bool, headroom: int) -> Scratch:

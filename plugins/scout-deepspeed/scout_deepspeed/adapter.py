@@ -97,6 +97,15 @@ def _wrapper_steps(engine: Any, inner: list[torch.optim.Optimizer]) -> Any:
     return wrapper
 
 
+def _partitions(wrapper: Any) -> bool:
+    """Whether a stage-0 wrapper partitions the optimizer state over the data-parallel ranks (BF16_Optimizer)."""
+    try:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    except ImportError:  # pragma: no cover - another deepspeed layout
+        return False
+    return isinstance(wrapper, BF16_Optimizer)
+
+
 def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str, Any] | None = None) -> ScoutHandle:
     """Install SCOUT on the engine ``deepspeed.initialize`` returned (every rank calls it). ``config``: SCOUT's
     configuration (default: the engine config's ``"scout"`` section; an engine whose section is absent or
@@ -133,9 +142,10 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
         adapter.layers, adapter.layer_names = dense_parts(adapter.layers or [], adapter.layer_names or [],
                                                           bound=moe is not None)
     adapter.name = "deepspeed"
-    # DeepSpeed's wrappers (ZeRO 1-3, and BF16_Optimizer under a pipeline engine) give each data-parallel rank its
-    # own partition of the master weights and optimizer state: nothing to compare among peers.
-    adapter.compare_optimizer_slices = False if wrapper is not None else None
+    # ZeRO (stages 1-3) and BF16_Optimizer (under a pipeline engine) give each data-parallel rank its own partition
+    # of the master weights and optimizer state: nothing to compare among peers. Elsewhere (the torch optimizer
+    # itself, FP16_Optimizer) the replicas hold the same state and are compared.
+    adapter.compare_optimizer_slices = False if stage > 0 or _partitions(wrapper) else None
     if stage == 3:
         adapter.gather_layer, adapter.gather_bytes = gather_zero3, gathered_bytes
     adapter.step_owner = wrapper

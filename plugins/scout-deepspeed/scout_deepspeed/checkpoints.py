@@ -10,8 +10,7 @@ SCOUT's certification, and the restart that loads the tag SCOUT's retrieval poli
   ``scout-set-aside/`` (kept for forensics, out of DeepSpeed's reach) and points ``latest`` at the chosen tag, or
   sets ``latest`` aside where nothing is safe (DeepSpeed then loads nothing and training starts from the model's
   initialization). DeepSpeed's own ``load_checkpoint`` then loads it, the way it always does. An explicit ``tag``
-  (the user's choice), a warm start, universal checkpoints and node-local storage are left to DeepSpeed
-  (:func:`_no_plan`).
+  (the user's choice), universal checkpoints and node-local storage are left to DeepSpeed (:func:`_no_plan`).
 * After the load, SCOUT's step count, replay schedule and certification go on from the engine's global step.
 """
 
@@ -25,7 +24,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scout_core.checkpoint.durable import SET_ASIDE, FrameworkCheckpoints, point_tracker, set_aside
+from scout_core.checkpoint.durable import (
+    SET_ASIDE,
+    FrameworkCheckpoints,
+    agreed_restart_plan,
+    point_tracker,
+    set_aside,
+)
 from scout_core.runtime import ScoutHandle
 
 __all__ = ["LATEST", "install", "plan_restart"]
@@ -64,25 +69,7 @@ def plan_restart(load_dir: str) -> dict[str, Any] | None:
     then would restore the state the verdict rejected."""
     if not dist.is_initialized():
         return None
-    plan: dict[str, Any] | None = None
-    if dist.get_rank() == 0:
-        stopped = None
-        try:
-            stopped = FrameworkCheckpoints(load_dir, writer=False).stopped_for  # before the plan changes anything
-            plan = _plan(load_dir)
-        except Exception as exc:  # noqa: BLE001 - reported below on every rank
-            plan = {"error": f"{type(exc).__name__}: {exc}", "fatal": stopped == "sdc"}
-    box = [plan]
-    dist.broadcast_object_list(box, src=0)
-    plan = box[0]
-    if plan is not None and "error" in plan:
-        if plan["fatal"]:
-            raise RuntimeError(f"scout_deepspeed: the job stopped on an SDC verdict and the restart tag cannot be "
-                               f"chosen ({plan['error']}): refusing to load DeepSpeed's latest checkpoint")
-        log.error("scout_deepspeed: choosing the restart tag failed (%s): DeepSpeed's own choice is loaded, "
-                  "unchecked by SCOUT", plan["error"])
-        return None
-    return plan
+    return agreed_restart_plan(load_dir, lambda: _plan(load_dir), who="scout_deepspeed", what="DeepSpeed's tag")
 
 
 def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
@@ -118,7 +105,7 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
 
     @functools.wraps(load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-        why_not = _no_plan(engine, tag, load_dir, args, kwargs)
+        why_not = _no_plan(engine, tag)
         if why_not is None:
             plan_restart(load_dir)  # points `latest` at SCOUT's choice
         elif handle.rank == 0:
@@ -137,17 +124,12 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
     return restore
 
 
-_LOAD_ARGS = ("load_module_strict", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")
-"""``load_checkpoint``'s parameters after ``tag``, in order."""
-
-
-def _no_plan(engine: Any, tag: Any, load_dir: str, args: tuple, kwargs: dict) -> str | None:
-    """Why this load must not be steered by SCOUT's labels (None: it is a restart of this job, steer it)."""
-    given = {**dict(zip(_LOAD_ARGS, args)), **kwargs}
+def _no_plan(engine: Any, tag: Any) -> str | None:
+    """Why this load must not be steered by SCOUT's labels (None: steer it). A load without a tag of a folder SCOUT
+    labelled is steered whatever it restores: even ``load_module_only`` or ``load_optimizer_states=False`` restore
+    the rejected state's weights (and, without ``load_module_only``, its global step) from what ``latest`` names."""
     if tag is not None:
         return f"tag {tag} asked for"
-    if given.get("load_module_only") or given.get("load_optimizer_states") is False:
-        return "a warm start (the module only, no optimizer state) from a folder that is only read"
     if engine.load_universal_checkpoint():
         return "a universal checkpoint (read through latest_universal, which SCOUT's labels do not steer)"
     if engine.use_node_local_storage():

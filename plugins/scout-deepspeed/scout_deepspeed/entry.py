@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -67,8 +68,11 @@ def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle:
 
     @functools.wraps(destroy)
     def destroy_then_close(*a: Any, **k: Any) -> Any:
+        # DeepSpeed's engine calls destroy() from its __del__ too, whenever the collector frees it (after main()
+        # returned an error status, say): only a call of the script's own is a normal end.
+        collected = sys._getframe(1).f_code.co_name == "__del__"
         try:
-            handle.close()
+            handle.close(failed=True if collected else None)
         finally:
             restore_checkpoints()
             engine.destroy = destroy

@@ -48,7 +48,8 @@ def _zero3_params(module: nn.Module) -> list[nn.Parameter]:
 
 def gathered_bytes(layer: nn.Module) -> int:
     """Device bytes gathering ``layer`` allocates (scout_core's ``FrameworkAdapter.gather_bytes``): its partitioned
-    parameters whole (``ds_numel``), twice over for the gather's flat buffer and the copies out of it. Replay
+    parameters whole (``ds_numel``), twice over (DeepSpeed gathers each into a padded flat buffer that the parameter
+    then views: about once, the rest is margin). Replay
     probes this much before any rank joins the gather, so a rank without the memory skips the check with its peers
     instead of failing alone before the collective (DeepSpeed allocates the gathered buffers first)."""
     return 2 * sum(int(p.ds_numel) * p.element_size() for p in _zero3_params(layer))

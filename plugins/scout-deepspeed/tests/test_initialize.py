@@ -78,3 +78,30 @@ def test_scouts_own_snapshots_are_refused_where_deepspeed_keeps_master_weights()
     config.checkpoint.enabled = True
     with pytest.raises(ConfigError, match=r'"scout\.checkpoint\.enabled".*ZeRO stage 2'):
         attach(engine, config=config)
+
+
+def test_only_the_scripts_own_destroy_is_a_normal_end(monkeypatch):
+    """engine.destroy() closes SCOUT; DeepSpeed's finalizer calls destroy() too, whenever the engine is collected
+    (after main() returned an error status): that close is taken for a failure."""
+    from scout_deepspeed import adapter, checkpoints
+
+    closed: list = []
+
+    class Handle:
+        def close(self, failed=None) -> None:
+            closed.append(failed)
+
+    monkeypatch.setattr(adapter, "attach", lambda engine, config=None: Handle())
+    monkeypatch.setattr(checkpoints, "install", lambda handle, engine: lambda: None)
+
+    class Engine(_Engine):
+        def __del__(self) -> None:  # as DeepSpeedEngine.__del__ does
+            self.destroy()
+
+    explicit = Engine({})
+    entry.attach(explicit, ScoutConfig())
+    explicit.destroy()
+    collected = Engine({})
+    entry.attach(collected, ScoutConfig())
+    collected.__del__()
+    assert closed == [None, True]

@@ -47,11 +47,9 @@ def test_loads_that_are_not_this_jobs_restart_are_left_to_deepspeed():
     from types import SimpleNamespace
 
     engine = SimpleNamespace(load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: False)
-    assert checkpoints._no_plan(engine, None, "/ckpt", (), {}) is None
-    assert "tag" in checkpoints._no_plan(engine, "global_step7", "/ckpt", (), {})
-    assert "warm start" in checkpoints._no_plan(engine, None, "/ckpt", (), {"load_module_only": True})
-    assert "warm start" in checkpoints._no_plan(engine, None, "/ckpt", (True, False), {})  # positional
+    assert checkpoints._no_plan(engine, None) is None
+    assert "tag" in checkpoints._no_plan(engine, "global_step7")
     universal = SimpleNamespace(load_universal_checkpoint=lambda: True, use_node_local_storage=lambda: False)
-    assert "universal" in checkpoints._no_plan(universal, None, "/ckpt", (), {})
+    assert "universal" in checkpoints._no_plan(universal, None)
     local = SimpleNamespace(load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: True)
-    assert "node-local" in checkpoints._no_plan(local, None, "/ckpt", (), {})
+    assert "node-local" in checkpoints._no_plan(local, None)

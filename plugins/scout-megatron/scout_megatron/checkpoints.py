@@ -24,7 +24,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scout_core.checkpoint.durable import SET_ASIDE, FrameworkCheckpoints, point_tracker, set_aside
+from scout_core.checkpoint.durable import (
+    SET_ASIDE,
+    FrameworkCheckpoints,
+    agreed_restart_plan,
+    point_tracker,
+    set_aside,
+)
 from scout_core.runtime import ScoutHandle
 
 __all__ = ["SET_ASIDE", "TRACKER", "label_saves", "plan_restart"]
@@ -112,25 +118,8 @@ def plan_restart(load_dir: str | None, ckpt_step: int | None = None) -> dict[str
     would restore the state the verdict rejected."""
     if not load_dir or not dist.is_initialized():
         return None
-    plan: dict[str, Any] | None = None
-    if dist.get_rank() == 0:
-        stopped = None
-        try:
-            stopped = FrameworkCheckpoints(load_dir, writer=False).stopped_for  # before the plan changes anything
-            plan = _plan(load_dir, ckpt_step)
-        except Exception as exc:  # noqa: BLE001 - reported below on every rank
-            plan = {"error": f"{type(exc).__name__}: {exc}", "fatal": stopped == "sdc"}
-    box = [plan]
-    dist.broadcast_object_list(box, src=0)
-    plan = box[0]
-    if plan is not None and "error" in plan:
-        if plan["fatal"]:
-            raise RuntimeError(f"scout_megatron: the job stopped on an SDC verdict and the restart iteration cannot "
-                               f"be chosen ({plan['error']}): refusing to load Megatron's newest checkpoint")
-        log.error("scout_megatron: choosing the restart iteration failed (%s): Megatron's own choice is loaded, "
-                  "unchecked by SCOUT", plan["error"])
-        return None
-    return plan
+    return agreed_restart_plan(load_dir, lambda: _plan(load_dir, ckpt_step), who="scout_megatron",
+                               what="Megatron's iteration")
 
 
 def label_saves(handle: ScoutHandle, save_dir: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
