@@ -197,12 +197,15 @@ def _deepspeed_rank(ctx: RankContext) -> dict[str, Any]:
             engine.save_checkpoint(folder)
     handle = scout_deepspeed.handle_of(engine)
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    alltoall = 0  # expert checks that replayed the AllToAll (its surfaces compared among the expert peers)
     if handle is not None and handle.experts is not None:
         checks += [(c.step, ["expert"], c.skipped) for c in handle.experts.history]
+        alltoall = sum(any(r.surface.startswith("alltoall.") for r in c.surfaces) for c in handle.experts.history)
     final = _signature(engine)
     dist.barrier()
     engine.destroy()  # closes SCOUT
-    return {"checks": checks, "steps": int(engine.global_steps), "final": final, "loaded": loaded}
+    return {"checks": checks, "steps": int(engine.global_steps), "final": final, "loaded": loaded,
+            "alltoall_checks": alltoall}
 
 
 def deepspeed_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -232,6 +235,10 @@ def deepspeed_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
         run.problems.append(f"DeepSpeed trained {[v['steps'] for v in run.result.values()]} steps, expected "
                             f"{args['steps']}")
+    if p.get("alltoall") and run.result.ok and not hang:  # expert parallelism: the token exchange replayed too
+        missing = [r for r, v in enumerate(run.result.values()) if not (v or {}).get("alltoall_checks")]
+        if missing:
+            run.problems.append(f"no expert check replayed the AllToAll on ranks {missing}")
     if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
         run.problems += bitwise_problems(_deepspeed_rank, spec, world_size, args, run)
     if recovery and not run.problems:

@@ -5,9 +5,10 @@ expert recipe.
   (:class:`scout_core.moe.binding.MoEBinding`), among the ranks holding it: DeepSpeed's expert-data-parallel group
   of the layer's ``ep_size`` (the same EP position in every replica; without expert parallelism, every
   data-parallel rank), on the rows it received in training.
-* DeepSpeed's dispatch pads every expert's rows to a capacity and exchanges equal blocks with an AllToAll, so
-  there are no variable split sizes to replay it from: under expert parallelism the experts are checked and the
-  token exchange is not replayed (a warning says so).
+* Under expert parallelism each expert check also replays the AllToAll with one communication plan across every
+  EP group (:mod:`scout_core.moe.alltoall`). DeepSpeed pads every expert's rows to a capacity and sends each EP
+  position equal blocks; the split sizes are computed from the last dispatch as its gate sizes the capacity. Not
+  under ``drop_tokens=False``, where the gate agrees the capacity across the EP group (a warning says so).
 * The dense recipe replays a block holding an MoE layer by its largest part without one (the attention) and by
   the layer's gate (``TopKGate``: a linear router and top-k gating, its random token selection under the
   source's RNG): a whole block replayed on one input would run the experts too, whose capture hooks must see
@@ -19,6 +20,7 @@ expert recipe.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch.distributed as dist
@@ -44,6 +46,20 @@ def _local_experts(layer: nn.Module) -> list[nn.Module]:
     return list(layer.deepspeed_moe.experts.deepspeed_experts)
 
 
+def _dispatch_splits(layer: nn.Module) -> list[int]:
+    """The rows this rank sent to each EP position in the layer's last dispatch: DeepSpeed pads every expert's
+    tokens to one capacity, ``max(ceil(tokens * k / experts * capacity_factor), min_capacity)`` (its gate's
+    ``_capacity``; ``exp_counts`` counts tokens * k), and sends each EP position its local experts' blocks."""
+    moe = layer.deepspeed_moe
+    counts = getattr(moe, "exp_counts", None)
+    if counts is None:
+        raise RuntimeError("the MoE layer has not dispatched yet")
+    gate = moe.gate
+    experts = moe.num_local_experts * moe.ep_size
+    capacity = max(math.ceil(int(counts.sum()) / experts * float(gate.capacity_factor)), int(gate.min_capacity))
+    return [moe.num_local_experts * capacity] * moe.ep_size
+
+
 def moe_binding(model: nn.Module) -> MoEBinding | None:
     """The expert recipe's binding of DeepSpeed's MoE layers, or None (no MoE layer, or a layout not bound). Every
     rank calls it and decides alike (one gather of each rank's layout before any other collective)."""
@@ -66,15 +82,20 @@ def moe_binding(model: nn.Module) -> MoEBinding | None:
         return None
     name = layers[0].expert_group_name
     ep_group = groups._get_expert_parallel_group(name)
-    if layers[0].ep_size > 1:
-        log.warning("scout_deepspeed: expert parallelism %d: experts are checked among their replicas; DeepSpeed's "
-                    "capacity-padded AllToAll is not replayed", layers[0].ep_size)
+    ep = int(layers[0].ep_size)
+    # The AllToAll is replayed from split sizes computed as DeepSpeed's gate sizes its capacity; without dropping,
+    # the capacity is agreed across the EP group inside the gate, and a split cannot be known here.
+    alltoall = ep > 1 and all(getattr(m.deepspeed_moe.gate, "drop_tokens", True) for m in layers)
+    if ep > 1 and not alltoall:
+        log.warning("scout_deepspeed: expert parallelism %d without token dropping (drop_tokens=False): experts are "
+                    "checked among their replicas; the AllToAll is not replayed", ep)
     first = _local_experts(layers[0])[0]
     width = next((int(m.in_features) for m in first.modules() if isinstance(m, nn.Linear)), None)
     return MoEBinding(
         layers=layers, names=names, experts=_local_experts,
         expert_peer_groups=gathered_groups(groups._get_expert_data_parallel_group(name)),
-        ep_position=dist.get_rank(group=ep_group) if layers[0].ep_size > 1 else 0,
+        ep_groups=gathered_groups(ep_group) if alltoall else None, splits=_dispatch_splits if alltoall else None,
+        ep_position=dist.get_rank(group=ep_group) if ep > 1 else 0,
         hidden_size=width or int(layers[0].deepspeed_moe.gate.wg.in_features))
 
 
