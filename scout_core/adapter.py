@@ -31,7 +31,7 @@ from scout_core.replay.rng import RngProvider
 
 _log = logging.getLogger("scout")
 
-__all__ = ["FrameworkAdapter", "find_inner_optimizers", "stateful_state", "torch_adapter"]
+__all__ = ["FrameworkAdapter", "dense_part", "find_inner_optimizers", "stateful_state", "torch_adapter"]
 
 EMBEDDING_NAMES = ("embed_tokens", "tok_embeddings", "wte", "word_embeddings", "embedding", "embed", "embeddings")
 """Attribute names of the token embedding in popular model libraries (HF, TorchTitan, Megatron)."""
@@ -133,6 +133,19 @@ def _unwrap(module: nn.Module) -> nn.Module:
     while isinstance(module, nn.parallel.DistributedDataParallel):
         module = module.module
     return module
+
+
+def dense_part(block: nn.Module, has_moe: Callable[[nn.Module], bool]) -> tuple[str, nn.Module] | None:
+    """The part of an MoE block the dense recipe replays in its place: its child without an MoE layer that holds
+    the most parameters (the attention in common models, found by structure, not by name; the norms beside it are
+    tiny), as ``(child name, child)``; None when no such child holds parameters."""
+    parts = [(sum(p.numel() for p in child.parameters()), child_name, child)
+             for child_name, child in block.named_children() if not has_moe(child)]
+    parts = [p for p in parts if p[0] > 0]
+    if not parts:
+        return None
+    _, child_name, child = max(parts, key=lambda p: p[0])
+    return child_name, child
 
 
 def discover_layers(chunks: Iterable[nn.Module]) -> tuple[list[nn.Module], list[str]]:

@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from scout_core.adapter import dense_part
 from scout_core.groups import gathered_groups
 from scout_core.moe.binding import MoEBinding
 
@@ -115,12 +116,9 @@ def dense_parts(layers: list[nn.Module], names: list[str], *, bound: bool) -> tu
             kept.append((layer, name))
             continue
         replaced += 1
-        parts = [(sum(p.numel() for p in child.parameters()), child_name, child)
-                 for child_name, child in layer.named_children() if not has_moe(child)]
-        parts = [p for p in parts if p[0] > 0]
-        if parts:
-            _, child_name, child = max(parts, key=lambda p: p[0])
-            kept.append((child, f"{name}.{child_name}"))
+        part = dense_part(layer, has_moe)
+        if part is not None:
+            kept.append((part[1], f"{name}.{part[0]}"))
         kept += [(m.deepspeed_moe.gate, ".".join(filter(None, (name, n, "deepspeed_moe.gate"))))
                  for n, m in layer.named_modules() if isinstance(m, MoE)]
     if replaced:

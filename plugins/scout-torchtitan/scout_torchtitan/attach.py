@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from scout_core.adapter import torch_adapter
+from scout_core.adapter import dense_part, torch_adapter
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_core.topology import peer_groups as peer_groups_of_shape
 from scout_torchtitan.config import ScoutSection, to_core
@@ -73,12 +73,9 @@ def dense_parts(layers: list[Any], names: list[str], ep: int) -> tuple[list[Any]
         if not has_moe(block):
             kept.append((layer, name))
             continue
-        parts = [(sum(p.numel() for p in child.parameters()), child_name, child)
-                 for child_name, child in block.named_children() if not has_moe(child)]
-        parts = [p for p in parts if p[0] > 0]
-        if parts:
-            _, child_name, child = max(parts, key=lambda p: p[0])
-            kept.append((child, f"{name}.{child_name}"))
+        part = dense_part(block, has_moe)
+        if part is not None:
+            kept.append((part[1], f"{name}.{part[0]}"))
         else:
             dropped.append(name)
     replaced = [n for _, n in kept if n not in names]
