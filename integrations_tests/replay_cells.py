@@ -139,7 +139,12 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     # The compute noise floor in force in each flagged round (consensus.NoiseFloor), where it was finite.
     floors = {r.step: round(r.noise_floor, 4) for r in engine.history
               if r.noise_floor is not None and math.isfinite(r.noise_floor)} if engine else {}
+    # Each round's communication time of the peer group (its median) and C3 status: what a failing
+    # communication cell, or a clean cell that found a slow group, is read with.
+    comm = [(r.step, r.comm_timing.status.value, r.comm_timing.reference, r.group_slowdown)
+            for r in engine.history if r.comm_timing is not None] if engine else []
     return {"final": final, "checks": checks, "compared": compared, "compute_s": times, "floors": floors,
+            "comm_s": comm,
             "rng": sign_many([torch.get_rng_state()])[0].signature}
 
 
@@ -181,6 +186,8 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         metrics.update({f"floor.step{step}": f for step, f in result.values()[watched[0]]["floors"].items()})
         if problems:
             problems.append(_timing_summary(rounds, watched, watched[0]))
+    if result.ok and problems and any(i.scope == "peer_group" for i in incidents):
+        problems.append(_comm_summary(result.values()[0]["comm_s"]))
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
                       injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
                       details="\n".join(problems), wall_s=time.monotonic() - start, metrics=metrics)
@@ -198,6 +205,14 @@ def _timing_metrics(rounds: list, watched: int) -> dict[str, float]:
         out[f"ratio.step{step}"] = round(times[watched] / med, 4)
         out[f"spread.step{step}"] = round(statistics.median(abs(v - med) for v in values) / med, 4)
     return out
+
+
+def _comm_summary(rounds: list) -> str:
+    """Per round the peer group's communication time (its median across peers), the C3 status of the peers'
+    times, and whether the group read slow against its own history."""
+    cells = [f"{step}:{status[:2]}:{'-' if med is None else f'{med * 1e3:.1f}'}{'*' if slow else ''}"
+             for step, status, med, slow in rounds]
+    return "communication per round (rank 0's peer group; step:status:median ms, * slow vs history): " + " ".join(cells)
 
 
 def _timing_summary(rounds: list, watched: list[int], viewer: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from scout_core.config import ConsensusConfig
-from scout_core.consensus import StatisticalRule, statistical
+from scout_core.consensus import C3Status, StatisticalRule, statistical
 from scout_core.replay.timing import BASELINE_ROUNDS, CommTiming
 
 COMM_RULE = StatisticalRule.for_communication(ConsensusConfig())  # what the engine judges comm_s by
@@ -59,6 +59,22 @@ def test_isolated_slow_readings_join_the_history():
     assert _round(timing, 0.05) is False and timing.slow_group_rounds == 1
     assert _round(timing, 0.005) is False
     assert 0.05 in timing.baseline  # the clock's tail, learned
+
+
+def test_rounds_in_which_a_peer_stood_out_join_the_history():
+    """A loaded host scatters the peers' readings: its noisy rounds are the ones with a peer beyond the spatial
+    rule (attributed). History built from the agreeing rounds alone learned only the calm ones, and three noisy
+    rounds whose peers happened to agree were then called a slowdown (a clean 16-rank DDP cell, once)."""
+    timing = _timing()
+    scattered = [0.009, 0.009, 0.009, 0.030]  # the group's median 9 ms, one peer far beyond it
+    for i in range(2 * BASELINE_ROUNDS):
+        if i % 3 == 2:
+            assert statistical(scattered).status is not C3Status.AGREE
+            assert timing.group_slowdown(statistical(scattered)) is False
+        else:
+            _round(timing, 0.005)
+    assert 0.009 in timing.baseline
+    assert [_round(timing, 0.009) for _ in range(4)] == [False] * 4  # the host's usual noisy round
 
 
 def test_a_confirmed_slowdown_stays_out_of_the_history():

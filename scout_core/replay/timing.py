@@ -151,17 +151,20 @@ class CommTiming:
             if base > 0:
                 threshold = max(threshold, base * tail_floor([h / base for h in history], TAIL_MULTIPLE))
             slow = median > threshold
+        # Every measured round's median joins the history, also one in which a peer's own reading stood out
+        # (attributed or inconclusive): the median is still the group's time. Keeping only the rounds where the
+        # peers agreed kept the calm rounds (a loaded host is what scatters the peers' readings), so the history
+        # learned too narrow a tail and later noisy rounds read slow: a clean 16-rank DDP job was once called
+        # slow, and two rounds left out of an FSDP2 job's first eleven delayed its history past a real slowdown.
         if slow:
             self.slow_group_rounds += 1
-            if comm.status is C3Status.AGREE:  # what the history takes of any round
-                self._streak.append(median)
+            self._streak.append(median)
         else:
             if self.slow_group_rounds < self.temporal_rounds:
                 self.baseline.extend(self._streak)  # an unconfirmed streak was noise: part of the history
             self._streak.clear()
             self.slow_group_rounds = 0
-            if comm.status is C3Status.AGREE:
-                self.baseline.append(median)
+            self.baseline.append(median)
         return self.slow_group_rounds >= self.temporal_rounds
 
 
