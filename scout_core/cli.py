@@ -1,4 +1,4 @@
-"""The ``scout`` command: incident tables, named fault-injection cells, the MoE shape catalog."""
+"""The ``scout`` command: incident tables, hosts to drain, named fault-injection cells, the MoE shape catalog."""
 
 from __future__ import annotations
 
@@ -10,20 +10,49 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
-    from scout_core.report import format_table, read_incidents
+def _read_records(paths: Sequence[str], command: str) -> list | None:
+    """Every record of ``paths``, or None after saying on stderr which file or line is wrong."""
+    from scout_core.report import read_incidents
 
-    try:
-        incidents = list(read_incidents(args.path))
-    except FileNotFoundError:
-        print(f"scout report: {args.path}: no such file", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"scout report: {exc}", file=sys.stderr)
+    def truncated(message: str) -> None:
+        print(f"scout {command}: warning: {message}", file=sys.stderr)
+
+    incidents = []
+    for path in paths:
+        try:
+            incidents += read_incidents(path, on_truncated=truncated)
+        except FileNotFoundError:
+            print(f"scout {command}: {path}: no such file", file=sys.stderr)
+            return None
+        except (OSError, ValueError) as exc:  # RecordError names the file and line
+            print(f"scout {command}: {exc}", file=sys.stderr)
+            return None
+    return incidents
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import shutil
+
+    from scout_core.report import format_table
+
+    incidents = _read_records([args.path], "report")
+    if incidents is None:
         return 2
     if args.kind:
         incidents = [i for i in incidents if i.kind.value in args.kind]
-    print(format_table(incidents))
+    width = None if args.wide else shutil.get_terminal_size((160, 24)).columns
+    print(format_table(incidents, width=width, group=not args.every))
+    return 0
+
+
+def _cmd_hosts_to_exclude(args: argparse.Namespace) -> int:
+    from scout_core.report import hosts_to_exclude
+
+    incidents = _read_records(args.paths, "hosts-to-exclude")
+    if incidents is None:
+        return 2
+    for host in hosts_to_exclude(incidents):
+        print(host)
     return 0
 
 
@@ -123,7 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="print incident records from a JSON-lines file as a table")
     rep.add_argument("path")
     rep.add_argument("--kind", action="append", help="only incidents of this kind (repeatable)")
+    rep.add_argument("--every", action="store_true",
+                     help="one row per record (default: repeated records of one fault on one rank are one row)")
+    rep.add_argument("--wide", action="store_true", help="never clip long surfaces and reasons")
     rep.set_defaults(func=_cmd_report)
+
+    hosts = sub.add_parser(
+        "hosts-to-exclude",
+        help="print the machines a scheduler should drain (SDC, machine-scoped stragglers), one per line")
+    hosts.add_argument("paths", nargs="+", help="incident JSON-lines files (report.jsonl_path)")
+    hosts.set_defaults(func=_cmd_hosts_to_exclude)
 
     cells = sub.add_parser("cells", help="multi-rank fault-injection cells")
     cells_sub = cells.add_subparsers(dest="cells_command", required=True)

@@ -16,12 +16,13 @@ import dataclasses
 import enum
 import json
 import logging
+import operator
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,9 +33,13 @@ __all__ = [
     "IncidentScope",
     "JsonlSink",
     "LoggingSink",
+    "RecordError",
     "Reporter",
     "Sink",
     "format_table",
+    "group_repeats",
+    "hosts_to_exclude",
+    "parse_incident",
     "read_incidents",
 ]
 
@@ -103,7 +108,10 @@ class Incident:
     def __post_init__(self) -> None:
         self.kind = IncidentKind(self.kind)
         self.scope = IncidentScope(self.scope)
-        self.ranks = [int(r) for r in self.ranks]
+        try:
+            self.ranks = [operator.index(r) for r in self.ranks]  # ints of any kind (numpy's too), never 1.5
+        except TypeError:
+            raise ValueError(f"ranks must be a list of rank numbers, got {self.ranks!r}") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -196,20 +204,52 @@ class Reporter:
         return incident
 
 
-def read_incidents(path: str | os.PathLike[str]) -> Iterator[Incident]:
-    """Parse a JSON-lines incident file; a truncated final line is skipped."""
-    with open(path, encoding="utf-8") as fh:
-        lines = fh.read().split("\n")
+class RecordError(ValueError):
+    """A line of an incident file that is not a valid record; the message names the file and line."""
+
+
+_REQUIRED = ("kind", "scope", "ranks")
+
+
+def parse_incident(line: str, where: str = "record") -> Incident:
+    """One JSON-lines record, or :class:`RecordError` saying what is wrong with it (``where``: file and line)."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RecordError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise RecordError(f"{where}: a record is a JSON object, got {type(data).__name__}")
+    missing = [k for k in _REQUIRED if k not in data]
+    if missing:
+        raise RecordError(f"{where}: missing field(s) {', '.join(missing)}")
+    try:
+        return Incident.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise RecordError(f"{where}: {exc}") from None
+
+
+def read_incidents(path: str | os.PathLike[str], *,
+                   on_truncated: Callable[[str], None] | None = None) -> Iterator[Incident]:
+    """Parse a JSON-lines incident file.
+
+    A final line without its newline that does not parse is a writer killed mid-record (whole-line writes
+    make this rare): it is skipped, and ``on_truncated`` hears about it with its line number. Any other bad
+    line raises :class:`RecordError` naming the file and line."""
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        text = fh.read()
+    lines = text.split("\n")
     for i, line in enumerate(lines):
         if not line.strip():
             continue
+        where = f"{path}:{i + 1}"
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # a writer killed mid-line; whole-line writes make this rare
+            yield parse_incident(line, where)
+        except RecordError as exc:
+            if i == len(lines) - 1:  # no newline after it: the last write did not finish
+                if on_truncated is not None:
+                    on_truncated(f"{where}: a truncated last record was skipped ({exc})")
                 continue
-            raise ValueError(f"{path}:{i + 1}: not a JSON incident record") from None
-        yield Incident.from_dict(data)
+            raise
 
 
 def ranks_text(ranks: Sequence[int]) -> str:
@@ -220,26 +260,94 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(map(str, rs))
 
 
-def format_table(incidents: Sequence[Incident]) -> str:
-    """A fixed-width table an operator can read at a glance."""
-    headers = ("time", "kind", "scope", "ranks", "hosts", "step", "surface", "verdict_s", "reason")
-    rows = []
+@dataclass(frozen=True)
+class IncidentGroup:
+    """Repeated records of one fault: the same kind and scope naming the same ranks."""
+
+    first: Incident
+    count: int
+    steps: tuple[int, ...]
+    surfaces: tuple[str, ...]
+    last_time_unix: float
+
+
+def group_repeats(incidents: Iterable[Incident]) -> list[IncidentGroup]:
+    """One group per (kind, scope, ranks), in order of first appearance: a faulty rank found again at every
+    check is one row, with how often and at which steps."""
+    order: dict[tuple[Any, ...], list[Incident]] = {}
     for inc in incidents:
-        rows.append((
+        order.setdefault((inc.kind, inc.scope, tuple(sorted(inc.ranks))), []).append(inc)
+    return [IncidentGroup(first=g[0], count=len(g), steps=tuple(sorted({i.step for i in g if i.step is not None})),
+                          surfaces=tuple(dict.fromkeys(i.surface for i in g if i.surface)),
+                          last_time_unix=max(i.time_unix for i in g))
+            for g in order.values()]
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 3, 1)] + "..."
+
+
+def _steps_text(steps: Sequence[int]) -> str:
+    if not steps:
+        return "-"
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}..{steps[-1]}"
+
+
+def format_table(incidents: Sequence[Incident], *, width: int | None = 160, group: bool = True) -> str:
+    """A fixed-width table an operator can read at a glance: repeated records of one fault on one rank are one
+    row (``n``: how many; ``step``: first..last), long surface lists and reasons are clipped so a row fits
+    ``width`` columns (None: never clipped); the JSON records keep every detail."""
+    headers = ("time", "kind", "scope", "ranks", "hosts", "n", "step", "surface", "verdict_s", "reason")
+    groups = group_repeats(incidents) if group else [
+        IncidentGroup(first=i, count=1, steps=() if i.step is None else (i.step,),
+                      surfaces=(i.surface,) if i.surface else (), last_time_unix=i.time_unix) for i in incidents]
+    rows = []
+    for g in groups:
+        inc = g.first
+        surface = g.surfaces[0] if g.surfaces else "-"
+        if len(g.surfaces) > 1:
+            surface = f"{_clip(surface, 40)} (+{len(g.surfaces) - 1})"
+        hosts = list(dict.fromkeys(inc.hosts))  # each machine once, in order
+        rows.append([
             time.strftime("%H:%M:%S", time.localtime(inc.time_unix)),
             inc.kind.value,
             inc.scope.value,
             ranks_text(inc.ranks) or "-",
-            ",".join(dict.fromkeys(inc.hosts)) or "-",  # each machine once, in order
-            "-" if inc.step is None else str(inc.step),
-            inc.surface or "-",
+            (",".join(hosts[:3]) + (f" (+{len(hosts) - 3})" if len(hosts) > 3 else "")) or "-",
+            str(g.count),
+            _steps_text(g.steps),
+            surface,
             "-" if inc.time_to_verdict_s is None else f"{inc.time_to_verdict_s:.3f}",
             inc.reason,
-        ))
+        ])
     if not rows:
         return "no incidents"
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    if width is not None:  # surface and reason share what the other columns leave (each at least 12)
+        surface_col = headers.index("surface")
+        fixed = sum(w for i, w in enumerate(widths) if i not in (surface_col, len(headers) - 1))
+        room = width - fixed - 2 * (len(headers) - 1)
+        surface_room = max(min(widths[surface_col], room // 2), 12)
+        for r in rows:
+            r[surface_col] = _clip(r[surface_col], surface_room)
+        widths[surface_col] = max(len("surface"), *(len(r[surface_col]) for r in rows))
+        for r in rows:
+            r[-1] = _clip(r[-1], max(room - widths[surface_col], 12))
+        widths[-1] = max(len(headers[-1]), *(len(r[-1]) for r in rows))
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def hosts_to_exclude(incidents: Iterable[Incident]) -> list[str]:
+    """Machines a scheduler should drain: those of silent data corruption named on a rank or a machine, and
+    of stragglers localized to a machine. A group-scoped verdict names no culprit; a hang or a one-rank
+    straggler is for a restart to clear or confirm (the restart's own exclusions are ``actions.exclude_hosts_path``)."""
+    hosts: dict[str, None] = {}
+    for inc in incidents:
+        sdc = inc.kind is IncidentKind.SDC and inc.scope in (IncidentScope.RANK, IncidentScope.MACHINE)
+        slow_machine = inc.kind is IncidentKind.STRAGGLER and inc.scope is IncidentScope.MACHINE
+        if sdc or slow_machine:
+            hosts.update((h, None) for h in inc.hosts if h and h != "?")
+    return sorted(hosts)

@@ -125,3 +125,66 @@ def test_scout_report_prints_table(tmp_path, capsys):
 
 def test_empty_table():
     assert format_table([]) == "no incidents"
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"kind": "sdc", "ranks": [9]}', "missing field(s) scope"),  # was a TypeError traceback
+    ('{"kind": "sdc", "scope": "rank"}', "missing field(s) ranks"),
+    ('{"kind": "melted", "scope": "rank", "ranks": [1]}', "'melted' is not a valid IncidentKind"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "colour": "red"}', "unknown incident fields"),
+    ('[1, 2]', "a record is a JSON object, got list"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": 7}', "ranks"),
+    ('not json', "not JSON"),
+])
+def test_scout_report_names_the_bad_line_without_a_traceback(tmp_path, capsys, line, message):
+    path = tmp_path / "i.jsonl"
+    path.write_text(_incident().to_json() + "\n" + line + "\n" + _incident().to_json() + "\n")
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: " in err and message in err and "Traceback" not in err
+    assert main(["hosts-to-exclude", str(path)]) == 2
+    assert f"{path}:2: " in capsys.readouterr().err
+
+
+def test_a_truncated_last_record_is_reported_with_its_line(tmp_path, capsys):
+    path = tmp_path / "i.jsonl"
+    path.write_text(_incident().to_json() + "\n" + '{"kind": "sdc", "sco')
+    assert main(["report", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert f"{path}:2: a truncated last record was skipped" in captured.err and "sdc" in captured.out
+
+
+def test_repeated_records_of_one_fault_are_one_row():
+    records = [_incident(step=s, surface=f"layers.{s % 3}.x1.output") for s in (4, 5, 6, 7)]
+    records.append(_incident(ranks=[3], step=6))
+    table = format_table(records)
+    rows = table.splitlines()[2:]
+    assert len(rows) == 2
+    assert " 4  " in rows[0] and "4..7" in rows[0] and "(+2)" in rows[0]  # 4 records, 3 surfaces
+    assert len(format_table(records, group=False).splitlines()) == 2 + 5
+
+
+def test_rows_fit_the_terminal_and_the_json_keeps_the_detail():
+    long = _incident(surface=";".join(f"layers.{i}.x10.grad_param" for i in range(40)), reason="r" * 500,
+                     ranks=list(range(64)), hosts=[f"node{i // 8}" for i in range(64)])
+    table = format_table([long], width=120)
+    assert max(len(line) for line in table.splitlines()) <= 120
+    assert "node0,node1,node2 (+5)" in table and "0-63" in table
+    assert len(format_table([long], width=None).splitlines()[2]) > 1000
+
+
+def test_hosts_to_exclude_lists_sdc_and_slow_machines_once(tmp_path, capsys):
+    path = tmp_path / "i.jsonl"
+    sink = JsonlSink(path)
+    sink.emit(_incident(hosts=["node1"]))  # SDC on rank 9
+    sink.emit(_incident(hosts=["node1"], step=8))  # the same again
+    sink.emit(_incident(kind="straggler", scope="machine", ranks=[4, 5], hosts=["node0", "node0"]))
+    sink.emit(_incident(kind="straggler", scope="rank", ranks=[12], hosts=["node3"]))  # one slow rank: no
+    sink.emit(_incident(kind="sdc", scope="peer_group", ranks=[6, 7], hosts=["node5", "node6"]))  # no culprit
+    sink.emit(_incident(kind="hang", scope="rank", ranks=[2], hosts=["node7"]))  # for a restart to clear
+    assert main(["hosts-to-exclude", str(path)]) == 0
+    assert capsys.readouterr().out == "node0\nnode1\n"
+    empty = tmp_path / "clean.jsonl"
+    empty.write_text("")
+    assert main(["hosts-to-exclude", str(empty)]) == 0
+    assert capsys.readouterr().out == ""
