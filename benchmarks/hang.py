@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.report import read_incidents
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 ARMS = ("plain", "scout", "detail")
 

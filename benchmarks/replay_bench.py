@@ -26,8 +26,8 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from scout_core.config import ReplayCadence, ReplayConfig
-    from scout_core.launcher import init_gloo
     from scout_core.replay.engine import ReplayEngine
+    from scout_core.testing.launcher import init_gloo
 
     init_gloo(ctx, timeout_s=900)
     torch.set_num_threads(1)
@@ -78,7 +78,7 @@ def bench_replay_curve(*, world: int = 16, intervals: tuple[int, ...] = INTERVAL
                        depth: int = 6, width: int = 256, batch: int = 256, plot_path: str | None = None
                        ) -> dict[str, Any]:
     from scout_core.config import ReplayConfig
-    from scout_core.launcher import launch
+    from scout_core.testing.launcher import launch
 
     result = launch(_curve_rank, world, timeout_s=1800, args={"intervals": list(intervals), "pairs": pairs,
                                                               "depth": depth, "width": width, "batch": batch})
@@ -135,8 +135,8 @@ def _rss_bytes() -> int:
 
 def _memory_rank(ctx: Any) -> dict[str, Any]:
     from scout_core.config import ReplayCadence, ReplayConfig
-    from scout_core.launcher import init_gloo
     from scout_core.replay.engine import ReplayEngine
+    from scout_core.testing.launcher import init_gloo
 
     init_gloo(ctx)
     torch.set_num_threads(1)
@@ -184,7 +184,7 @@ def _memory_rank(ctx: Any) -> dict[str, Any]:
 
 
 def bench_replay_memory(*, width: int = 2048, batch: int = 512) -> dict[str, Any]:
-    from scout_core.launcher import launch
+    from scout_core.testing.launcher import launch
 
     result = launch(_memory_rank, 1, timeout_s=600, args={"width": width, "batch": batch})
     if not result.ok:

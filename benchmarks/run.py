@@ -210,10 +210,10 @@ def _step_overhead(steps: int, *, backward: bool = False) -> dict:
 def bench_hang(repeats: int) -> dict:
     """Publish cost, hook overhead, and observer latency / startup on a 16-rank job."""
 
-    from scout_core.launcher import RankContext, init_gloo, launch
     from scout_core.progress.fingerprint import fingerprint_call
     from scout_core.progress.hooks import ProgressTracker
     from scout_core.progress.record import Phase, create_record
+    from scout_core.testing.launcher import RankContext, init_gloo, launch
 
     rec = create_record("benchpub", 0, directory=tempfile.mkdtemp())
     tracker = ProgressTracker(rec)
@@ -263,7 +263,7 @@ def _hang_latency() -> dict:
     """Frozen-rank and mismatch cells at 16 ranks with a 1 s threshold: verdict latency beyond it."""
     import dataclasses
 
-    from scout_core.cells import load_cells, run_cells
+    from scout_core.testing.cells import load_cells, run_cells
 
     specs = load_cells(ROOT / "configs" / "cells.yaml")
     rows = []
@@ -336,7 +336,7 @@ def _snapshot_rank(ctx: Any) -> dict:
     """One rank of the snapshot A/B: the product path (enable) with certified snapshots on or off."""
     import scout_core
     from scout_core.config import load
-    from scout_core.launcher import init_gloo
+    from scout_core.testing.launcher import init_gloo
 
     init_gloo(ctx)
     a = ctx.args
@@ -379,7 +379,7 @@ def bench_snapshot_ab(repeats: int) -> dict:
     """Step time with certified snapshots (capture, replica exchange, durable write: background included)
     against the same job without them, both through enable() with replay at the default cadence; plus the
     host memory snapshots take per rank, as a multiple of the rank's state."""
-    from scout_core.launcher import launch
+    from scout_core.testing.launcher import launch
 
     steps = 120
     ratios, rss, shm = [], [], []

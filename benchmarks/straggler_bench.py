@@ -33,7 +33,7 @@ def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int 
     at 8; HSDP as ``world / 2`` replicas x 2 shards): how often it is named within two rounds, when it is
     named, how much slower it measured, and how spread the rounds were."""
     from integrations_tests.replay_cells import replay_cell
-    from scout_core.cells import load_cells
+    from scout_core.testing.cells import load_cells
 
     specs = load_cells(ROOT / "configs" / "cells.yaml")
     victim = 9 if world == 16 else world - 3

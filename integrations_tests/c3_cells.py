@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.consensus import C3Status, StatisticalRule, c3_exchange
-from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, Reporter, read_incidents
 from scout_core.signature import sign_many
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.inject import Injector
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 from scout_core.topology import GroupTiming, axis_groups, hosts_by_group, localize_slow_groups
 
 # Surfaces signed in one exchange: mixed dtypes, odd byte lengths included.

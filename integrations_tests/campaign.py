@@ -58,9 +58,9 @@ if str(ROOT) not in sys.path:
 import scout_core  # noqa: E402
 from integrations_tests.models import batches, start_rank  # noqa: E402
 from scout_core.config import load  # noqa: E402
-from scout_core.inject import Fault, Schedule  # noqa: E402
-from scout_core.launcher import RankContext, launch, prepare_parent  # noqa: E402
 from scout_core.report import read_incidents  # noqa: E402
+from scout_core.testing.inject import Fault, Schedule  # noqa: E402
+from scout_core.testing.launcher import RankContext, launch, prepare_parent  # noqa: E402
 
 DEPTH = 3
 INTERVAL = 1

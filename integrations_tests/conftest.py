@@ -1,5 +1,5 @@
-"""Warm the parent once: forked ranks then start in milliseconds (see scout_core.launcher)."""
+"""Warm the parent once: forked ranks then start in milliseconds (see scout_core.testing.launcher)."""
 
-from scout_core.launcher import prepare_parent
+from scout_core.testing.launcher import prepare_parent
 
 prepare_parent()

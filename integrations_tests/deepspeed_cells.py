@@ -27,11 +27,11 @@ from torch import nn
 from integrations_tests.training_jobs import bitwise_problems, cell_report, restart_problems, run_job
 from integrations_tests.zoo import HEADS, HIDDEN, VOCAB, LlamaBlock, LlamaLM, zoo_batches
 from scout_core.adapter import find_inner_optimizers
-from scout_core.cells import CellReport, CellSpec
-from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, prepare_parent
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
+from scout_core.testing.cells import CellReport, CellSpec
+from scout_core.testing.inject import Injector
+from scout_core.testing.launcher import RankContext, init_gloo, prepare_parent
 
 __all__ = ["deepspeed_cell"]
 

@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 import scout_core
 from integrations_tests.models import batches, build
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
-from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.report import JsonlSink, read_incidents
 from scout_core.runtime import HOSTNAME_ENV
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.inject import Injector
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 # Collectives the injector can hold inside the "transport" (innermost wrapper).
 _HOLDABLE = ("all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast")

@@ -87,8 +87,8 @@ def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: 
 
 def start_rank(ctx: Any, *, timeout_s: float = 300.0) -> tuple[dict[str, Any], Any, Parallel, torch.optim.Optimizer]:
     """The common start of a training cell's rank: gloo, the injector, the wrapped model, AdamW."""
-    from scout_core.inject import Injector
-    from scout_core.launcher import init_gloo
+    from scout_core.testing.inject import Injector
+    from scout_core.testing.launcher import init_gloo
 
     init_gloo(ctx, timeout_s=timeout_s)
     a = ctx.args

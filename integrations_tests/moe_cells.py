@@ -34,15 +34,15 @@ import scout_core
 from integrations_tests.expect import record_problems
 from integrations_tests.hang_cells import _RecordsSettled
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
-from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.moe.catalog import MoESpec, build_catalog
 from scout_core.moe.paths import ReferenceGroupedGemm
 from scout_core.moe.replay import MoEBinding
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.inject import Injector
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 __all__ = ["moe_cell"]
 

@@ -29,17 +29,17 @@ import scout_core
 from integrations_tests.moe_cells import start_moe_rank
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
 from integrations_tests.recovery_cells import STOP_CODE
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.checkpoint.coordinator import read_records
 from scout_core.checkpoint.memory import default_memory_root
 from scout_core.checkpoint.snapshot import local_tensor
 from scout_core.config import load
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.moe.catalog import MoESpec, build_catalog
 from scout_core.moe.replay import MoEBinding
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 __all__ = ["moe_recovery_cell"]
 

@@ -34,16 +34,16 @@ import torch.distributed as dist
 
 import scout_core
 from integrations_tests.models import batches, build, install_block_faults, start_rank
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.checkpoint.coordinator import read_records
 from scout_core.checkpoint.memory import default_memory_root
 from scout_core.checkpoint.snapshot import local_tensor
 from scout_core.config import load
-from scout_core.inject import Injector
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.inject import Injector
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 STOP_CODE = 75
 

@@ -23,13 +23,13 @@ import torch.distributed as dist
 import scout_core
 from integrations_tests.expect import record_problems
 from integrations_tests.models import batches, install_block_faults, start_rank
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
-from scout_core.inject import Injector
-from scout_core.launcher import RankContext, launch
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.inject import Injector
+from scout_core.testing.launcher import RankContext, launch
 
 
 def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, rank: int, state: dict) -> None:

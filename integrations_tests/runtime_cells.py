@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 import scout_core
 from integrations_tests.models import batches, start_rank
-from scout_core.cells import CellReport, CellSpec, fault_dicts
 from scout_core.config import load
-from scout_core.inject import InjectedFault
-from scout_core.launcher import RankContext, launch
 from scout_core.report import read_incidents
 from scout_core.signature import sign_many
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.inject import InjectedFault
+from scout_core.testing.launcher import RankContext, launch
 
 
 def _fail_scratch_allocation(injector: Any, rank: int, state: dict[str, int]) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import integrations_tests.c3_cells as c3_cells
-from scout_core.cells import load_cells, run_cells
 from scout_core.consensus import C3Result, C3Status
+from scout_core.testing.cells import load_cells, run_cells
 from scout_core.topology import Localization
 
 ROOT = Path(__file__).resolve().parents[1]

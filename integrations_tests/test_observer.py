@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 import scout_core
 from scout_core.config import load
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.progress import observer as observer_mod
 from scout_core.progress.record import pid_alive
 from scout_core.report import read_incidents
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 WORLD = 4
 
@@ -111,8 +111,8 @@ def test_observer_exits_and_cleans_up_when_its_trainer_dies(tmp_path):
     pid = os.fork()
     if pid == 0:  # a one-rank job outside the launcher, so nothing else kills the observer
         try:
-            from scout_core.launcher import RankContext as Ctx
-            from scout_core.launcher import free_port
+            from scout_core.testing.launcher import RankContext as Ctx
+            from scout_core.testing.launcher import free_port
 
             _orphan_and_die(Ctx(rank=0, world_size=1, master_port=free_port(), args={"out": str(out)}))
         finally:
@@ -145,8 +145,8 @@ def test_observer_started_from_a_thread_lives_with_the_trainer_not_the_thread(tm
     pid = os.fork()
     if pid == 0:
         try:
-            from scout_core.launcher import RankContext as Ctx
-            from scout_core.launcher import free_port
+            from scout_core.testing.launcher import RankContext as Ctx
+            from scout_core.testing.launcher import free_port
 
             _enable_in_a_thread_then_die(Ctx(rank=0, world_size=1, master_port=free_port(),
                                              args={"out": str(out)}))

@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 import scout_core
 from scout_core.config import load
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.report import read_incidents
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 def _busy_trainer(ctx: RankContext) -> float:

@@ -18,9 +18,9 @@ from typing import Any
 
 from integrations_tests.expect import record_problems
 from integrations_tests.hang_cells import _RecordsSettled
-from scout_core.cells import CellReport, CellSpec, fault_dicts
-from scout_core.launcher import LaunchResult, RankContext, launch
 from scout_core.report import read_incidents
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.launcher import LaunchResult, RankContext, launch
 
 __all__ = ["JobRun", "bitwise_problems", "cell_report", "restart_problems", "run_job"]
 

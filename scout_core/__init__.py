@@ -1,7 +1,8 @@
 """SCOUT core: localize hangs, stragglers and silent data corruption by strict-majority consensus.
 
 ``scout_core.enable(model, optimizer, config=...)`` attaches SCOUT to a running job; the
-submodules (consensus, signature, topology, config, report, inject) are usable on their own.
+submodules (consensus, signature, topology, config, report) are usable on their own; ``scout_core.testing``
+holds the test machinery (launcher, cells, fault injector).
 """
 
 from typing import Any

@@ -57,7 +57,7 @@ def _cmd_hosts_to_exclude(args: argparse.Namespace) -> int:
 
 
 def _load_specs(args: argparse.Namespace):
-    from scout_core.cells import find_cells_file, load_cells
+    from scout_core.testing.cells import find_cells_file, load_cells
 
     path = Path(args.cells) if args.cells else find_cells_file()
     return path, load_cells(path)
@@ -73,7 +73,7 @@ def _cmd_cells_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_cells_run(args: argparse.Namespace) -> int:
-    from scout_core.cells import format_cell_table, run_cells, write_json
+    from scout_core.testing.cells import format_cell_table, run_cells, write_json
 
     path, specs = _load_specs(args)
     if args.all:

@@ -13,8 +13,8 @@ from scout_core.checkpoint.coordinator import CheckpointCoordinator
 from scout_core.checkpoint.memory import MemorySlots, partners
 from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
 from scout_core.checkpoint.store import DurableStore, agree_on_generation
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.signature import sign_many
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 def test_partners_cross_machines_for_any_world_size():

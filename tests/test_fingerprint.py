@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.progress.fingerprint import CollectiveFingerprint, fingerprint_call
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 def _fp(**kw):

@@ -6,13 +6,13 @@ import torch
 import torch.distributed as dist
 
 from scout_core.adapter import discover_layers
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.progress.hooks import (
     ProgressTracker,
     install_collective_hooks,
     uninstall_collective_hooks,
 )
 from scout_core.progress.record import Phase
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 class RecordingRecord:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from scout_core.inject import Fault, FaultKind, Injector, Schedule
+from scout_core.testing.inject import Fault, FaultKind, Injector, Schedule
 
 
 def test_schedules():

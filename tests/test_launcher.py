@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core.consensus import C3Status, StatisticalRule, c3_exchange
-from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 def _allreduce(ctx: RankContext) -> float:

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
-from scout_core.launcher import init_gloo, launch
 from scout_core.signature import sign_many
+from scout_core.testing.launcher import init_gloo, launch
 
 
 def _train(ctx):

@@ -8,11 +8,11 @@ import torch.distributed as dist
 
 from scout_core.config import ReplayCadence, ReplayConfig
 from scout_core.consensus import C3Status
-from scout_core.launcher import RankContext, init_gloo, launch
 from scout_core.replay.engine import ReplayEngine
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import capture_rng, replay_rng_scope
 from scout_core.signature import sign_many
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 @pytest.mark.parametrize("make_opt", [

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core import config as config_module
-from scout_core.launcher import RankContext, launch
+from scout_core.testing.launcher import RankContext, launch
 
 
 def _leaf_keys(klass: type, prefix: str = "") -> set[str]:
@@ -170,7 +170,7 @@ def _verdict_log(ctx: RankContext):
 
 
 def test_log_action_keeps_training_and_writes_decision_and_hosts_to_exclude(tmp_path):
-    from scout_core.inject import Fault
+    from scout_core.testing.inject import Fault
 
     faults = [Fault.from_dict({"surface": "layers.1.output", "rank": 2, "kind": "bitflip", "bit": 22, "from_step": 5})]
     result = launch(_verdict_log, 4, timeout_s=120, args={"faults": faults, "seed": 0, "layout": "ddp",
@@ -198,7 +198,7 @@ def _conditional(ctx: RankContext):
     import scout_core
     from integrations_tests.models import TinyModel, batches
     from scout_core.config import load
-    from scout_core.launcher import init_gloo
+    from scout_core.testing.launcher import init_gloo
 
     init_gloo(ctx)
     torch.manual_seed(0)

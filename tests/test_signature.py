@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from scout_core import signature as sigmod
-from scout_core.inject import _flip_bit
-from scout_core.launcher import RankContext, launch
 from scout_core.signature import FOLD_WORDS, fold, sign_many, signature, signed
+from scout_core.testing.inject import _flip_bit
+from scout_core.testing.launcher import RankContext, launch
 
 PINNED_ARANGE_1000 = 918835545963788145
 PINNED_ARANGE_70000 = 568334426691217200

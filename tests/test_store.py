@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from scout_core.checkpoint.store import DurableStore, agree_on_generation
-from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 def _state(seed: int, n: int = 1000) -> dict:

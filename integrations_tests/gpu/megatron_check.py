@@ -101,7 +101,7 @@ def _rank_job(opts: argparse.Namespace, extra: list[str]) -> None:
     steps: list[float] = []
     if on_cpu:
         from integrations_tests.megatron_cells import _pretrain_on_host
-        from scout_core.inject import Fault, Injector
+        from scout_core.testing.inject import Fault, Injector
 
         injector = Injector([Fault.from_dict(f) for f in _faults(opts)], seed=0)
         training.pretrain = _pretrain_on_host({}, injector, rank, 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
 def _rank(ctx: RankContext) -> dict[str, Any]:

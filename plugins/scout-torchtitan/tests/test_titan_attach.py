@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from scout_core.launcher import RankContext, init_gloo, launch
+from scout_core.testing.launcher import RankContext, init_gloo, launch
 from scout_torchtitan.attach import peer_groups
 
 LAYOUTS = [  # (dp_replicate, dp_shard, cp, tp, pp)

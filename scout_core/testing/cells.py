@@ -14,7 +14,7 @@ A cell is declared in ``configs/cells.yaml``::
 
 ``target`` is a function ``(spec: CellSpec, world_size: int, workdir: str) ->
 CellReport`` that launches the ranks, injects the faults through
-:class:`scout_core.inject.Injector` and compares what SCOUT reported with what
+:class:`scout_core.testing.inject.Injector` and compares what SCOUT reported with what
 was injected. The runner adds the repository root (the parent of the
 ``configs`` directory) to ``sys.path`` so targets in ``integrations_tests``
 import without being installed; scout_core itself never imports them.
@@ -38,8 +38,8 @@ from typing import Any
 
 import yaml
 
-from scout_core.inject import Fault
 from scout_core.report import ranks_text
+from scout_core.testing.inject import Fault
 
 __all__ = ["CellReport", "CellSpec", "find_cells_file", "load_cells", "run_cells", "format_cell_table"]
 
@@ -134,7 +134,7 @@ def run_cells(
     With ``workdir`` each cell's files (its incident JSON lines) are kept in
     ``workdir/<cell name>``; otherwise they live in a temporary directory.
     """
-    from scout_core.launcher import prepare_parent
+    from scout_core.testing.launcher import prepare_parent
 
     prepare_parent()
     reports = []

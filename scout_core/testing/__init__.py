@@ -1,0 +1,9 @@
+"""Test machinery, never imported by SCOUT's production modules.
+
+* :mod:`scout_core.testing.launcher`: forks N gloo ranks from a parent that already imported torch;
+* :mod:`scout_core.testing.cells`: the named fault-injection cells of ``configs/cells.yaml`` and their runner
+  (``scout cells run``);
+* :mod:`scout_core.testing.inject`: the fault injector the cells drive (bit flips, delays, freezes, kills).
+
+They ship with scout-core so that a plugin's or a user's own cells can use them; a training job never needs them.
+"""
