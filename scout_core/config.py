@@ -210,8 +210,25 @@ class ActionsConfig:
 
 
 @dataclass(kw_only=True)
+class PrometheusConfig:
+    """Per-rank Prometheus metrics (needs ``prometheus-client``: ``pip install 'scout-core[prometheus]'``)."""
+
+    port: int = _range(0, ge=0, le=65535)
+    """Base TCP port of the metrics endpoint: each rank serves ``/metrics`` on ``port + LOCAL_RANK`` (ranks
+    share a machine). 0: no endpoint."""
+    address: str = "127.0.0.1"
+    """Address the endpoint binds to: loopback by default (a scraper or node agent on the same machine);
+    ``0.0.0.0`` exposes the job's state to the network."""
+    textfile_dir: str = ""
+    """A node exporter's textfile-collector directory: each rank rewrites ``scout_rank<R>.prom`` there
+    (atomically, at most every ``textfile_interval_s``). Empty: none."""
+    textfile_interval_s: float = _range(15.0, gt=0)
+    """Least seconds between two rewrites of the textfile."""
+
+
+@dataclass(kw_only=True)
 class ReportConfig:
-    """Where incident records go."""
+    """Where incident records and metrics go."""
 
     jsonl_path: str | None = None
     """JSON-lines incident file; ``None`` disables the file sink."""
@@ -221,6 +238,7 @@ class ReportConfig:
     """Identifier stamped on every record; empty = generated at start."""
     fsync: bool = True
     """fsync the JSON-lines file after every record."""
+    prometheus: PrometheusConfig = field(default_factory=PrometheusConfig)
 
 
 @dataclass(kw_only=True)

@@ -122,6 +122,7 @@ class ScoutHandle:
         self.snapshots: SnapshotEngine | None = None
         self.checkpoint: CheckpointCoordinator | None = None
         self.last_result: BoundaryResult | None = None
+        self.metrics: Any = None  # scout_core.metrics.ScoutMetrics, where report.prometheus asks for it
         self.last_decision: Any = None
         self.framework_checkpoints: FrameworkCheckpoints | None = None
         """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
@@ -384,6 +385,15 @@ class ScoutHandle:
         """The boundary after each optimizer step (called by the hook; call it yourself if you have no
         optimizer to hook). Replay, certification, actions. Never raises into training except
         :class:`~scout_core.actions.ScoutStop` when ``actions.on_verdict`` is ``stop``."""
+        if self.metrics is None:
+            return self._boundary()
+        start = time.perf_counter()
+        try:
+            return self._boundary()
+        finally:  # also when the boundary stops the job: the last figures are the ones an operator reads
+            self.metrics.boundary(self, time.perf_counter() - start)
+
+    def _boundary(self) -> BoundaryResult | None:
         self.settle()  # a previous step's snapshot is complete before this boundary (manual callers too)
         if self.observer_pid is not None:
             self.check_observer()
@@ -696,6 +706,8 @@ class ScoutHandle:
             if self.tracker is not None:
                 self._quietly(self.tracker.record.unlink, "progress record")
                 self._quietly(self.tracker.record.close, "progress record")
+            if self.metrics is not None:
+                self._quietly(self.metrics.close, "metrics endpoint")
             for g in {self.groups.world_control, self.groups.peer, self.groups.peer_control,
                       self.groups.replica_control, getattr(self.checkpoint, "repl_group", None)} - {None}:
                 with contextlib.suppress(Exception):

@@ -33,6 +33,7 @@ from scout_core.adapter import FrameworkAdapter, torch_adapter
 from scout_core.config import ScoutConfig, TopologyConfig, validate
 from scout_core.groups import build_groups
 from scout_core.handle import ScoutHandle
+from scout_core.metrics import start_metrics
 from scout_core.moe.replay import MoEBinding
 from scout_core.progress.control import ControlPlane, choose_control_plane
 from scout_core.replay.layer import device_of
@@ -128,6 +129,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scout_core.enable() needs an initialized default process group")
     ScoutHandle.claim()
+    metrics = None
     try:
         cfg = validate(config or ScoutConfig())
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -142,10 +144,16 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
                                              bind_port=cfg.observer.store_port, advertise=cfg.observer.store_addr)
             except Exception as exc:  # every rank raises it after the exchange: none is left waiting
                 plane_error = f"{type(exc).__name__}: {exc}"
+        # The metrics endpoint binds its port before the exchange, so a port taken on one rank fails every rank.
+        metrics_error = ""
+        try:
+            metrics = start_metrics(cfg.report.prometheus, rank=rank)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
+            metrics_error = str(exc)
         mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(),
                 "device": str(device_of(adapter.chunks[0])), "run_id": cfg.report.run_id or uuid.uuid4().hex[:12],
                 "control": plane.to_dict() if plane else None, "control_error": plane_error,
-                "launch": uuid.uuid4().hex[:8]}
+                "launch": uuid.uuid4().hex[:8], "metrics_error": metrics_error}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)
         hosts = {r: e["host"] for r, e in enumerate(everyone)}
@@ -153,15 +161,24 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         run_id = everyone[0]["run_id"]
         if everyone[0]["control_error"]:
             raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")
+        failed = [e["metrics_error"] for e in everyone if e["metrics_error"]]
+        if failed:
+            raise RuntimeError(f"{failed[0]}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
         sinks: list[Any] = [LoggingSink(cfg.report.log_level)]
         if cfg.report.jsonl_path:
             sinks.append(JsonlSink(cfg.report.jsonl_path, fsync=cfg.report.fsync))
+        if metrics is not None:
+            metrics.describe(run_id=run_id, host=hosts[rank])
+            sinks.append(metrics)
         reporter = Reporter(sinks, run_id=run_id, rank=rank)
     except BaseException:
+        if metrics is not None:
+            metrics.close()
         ScoutHandle.release_claim()
         raise
     handle = ScoutHandle(config=cfg, adapter=adapter, rank=rank, world_size=world, run_id=run_id, groups=groups,
                          hosts=hosts, devices=devices, reporter=reporter)
+    handle.metrics = metrics
     handle.launch_id = everyone[0]["launch"]
     try:
         if cfg.observer.enabled:

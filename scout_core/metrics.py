@@ -1,0 +1,194 @@
+"""Per-rank Prometheus metrics (``report.prometheus.*``): what an operator's dashboard and alerts read.
+
+Each rank keeps its own registry (never the process-global one: the training job may export its own metrics,
+and SCOUT's must go away with :meth:`ScoutHandle.close`) and serves it on ``port + LOCAL_RANK`` at the configured
+address, loopback by default, and/or rewrites ``scout_rank<R>.prom`` in a node exporter's textfile directory.
+
+Incidents are counted where they are recorded: every record goes through one rank's reporter, so the sum over
+ranks counts each verdict once. Hang verdicts are reached by the out-of-band observers, separate processes
+without an endpoint of their own: they appear in the incident file, and a hung trainer cannot serve metrics
+anyway (its ``scout_boundary_timestamp_seconds`` stops moving, which is what an alert on a stall reads).
+
+Everything here runs on the trainer's own thread at the step boundary, except the scrape, which only reads;
+a failure inside never reaches training (the boundary logs it once and goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from scout_core.config import PrometheusConfig
+from scout_core.report import Incident
+
+__all__ = ["ScoutMetrics", "start_metrics"]
+
+_log = logging.getLogger("scout")
+
+CERT_STATES = ("latest", "candidate", "verified")
+
+
+class ScoutMetrics:
+    """The metrics of one rank; :meth:`emit` is an incident sink, :meth:`boundary` runs after each step."""
+
+    def __init__(self, cfg: PrometheusConfig, *, rank: int) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+        except ImportError as exc:
+            raise RuntimeError("report.prometheus needs prometheus-client: pip install 'scout-core[prometheus]'"
+                               ) from exc
+        self.cfg = cfg
+        self.rank = str(rank)
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.info = Info("scout", "This rank's SCOUT run", ["rank"], registry=reg)
+        self.incidents = Counter("scout_incidents", "Incident records this rank wrote, by kind and scope",
+                                 ["rank", "kind", "scope"], registry=reg)
+        self.checks = Counter("scout_replay_checks", "Replay checks this rank took part in", ["rank"], registry=reg)
+        self.agreed = Counter("scout_replay_checks_agreed", "Replay checks in which every peer agreed",
+                              ["rank"], registry=reg)
+        self.skipped = Counter("scout_replay_checks_skipped",
+                               "Replay checks skipped on every peer (SCOUT's own failure, or nothing to replay)",
+                               ["rank"], registry=reg)
+        self.last_clean = Gauge("scout_last_clean_check_timestamp_seconds",
+                                "Unix time of the last replay check in which every peer agreed", ["rank"],
+                                registry=reg)
+        self.since_clean = Gauge("scout_seconds_since_clean_check",
+                                 "Seconds since the last replay check in which every peer agreed (since start "
+                                 "before the first)", ["rank"], registry=reg)
+        self.cert_step = Gauge("scout_certification_step",
+                               "Step of each certification generation (latest, candidate, verified); -1: none",
+                               ["rank", "state"], registry=reg)
+        self.cert_generations = Counter("scout_certified_generations",
+                                        "Generations that became verified", ["rank"], registry=reg)
+        self.observer_up = Gauge("scout_observer_up", "1 while this rank's out-of-band observer runs", ["rank"],
+                                 registry=reg)
+        self.overhead = Counter("scout_overhead_seconds",
+                                "Wall seconds SCOUT's step boundary took (replay, certification, snapshots)",
+                                ["rank"], registry=reg)
+        self.uptime = Gauge("scout_uptime_seconds", "Seconds since SCOUT was enabled on this rank", ["rank"],
+                            registry=reg)
+        self.boundary_time = Gauge("scout_boundary_timestamp_seconds",
+                                   "Unix time of this rank's last step boundary (stops moving when training stalls)",
+                                   ["rank"], registry=reg)
+        self.step = Gauge("scout_step", "The optimizer step of the last boundary", ["rank"], registry=reg)
+        self._start = time.time()
+        self._last_clean: float | None = None
+        self._verified: int | None = None
+        self._counted: Any = None
+        self._last_textfile = 0.0
+        self._failed = False
+        self.server: Any = None
+        self._thread: Any = None
+        self.since_clean.labels(self.rank).set_function(
+            lambda: time.time() - (self._last_clean if self._last_clean is not None else self._start))
+        self.uptime.labels(self.rank).set_function(lambda: time.time() - self._start)
+        # Every series exists from the start (at 0), so a dashboard or an alert reads 0, not "no data".
+        for metric in (self.checks, self.agreed, self.skipped, self.cert_generations, self.overhead,
+                       self.last_clean, self.boundary_time, self.step):
+            metric.labels(self.rank)
+        for state in CERT_STATES:
+            self.cert_step.labels(self.rank, state).set(-1)
+        self.observer_up.labels(self.rank).set(0)
+
+    def describe(self, *, run_id: str, host: str) -> None:
+        """What the start-up exchange decided: the run id and this rank's machine (``scout_info``)."""
+        from scout_core import __version__
+
+        self.info.labels(self.rank).info({"run_id": run_id, "host": host, "version": __version__})
+
+    # -- the sink and the boundary (trainer thread) ---------------------------------------------------------
+
+    def emit(self, incident: Incident) -> None:
+        self.incidents.labels(self.rank, incident.kind.value, incident.scope.value).inc()
+
+    def boundary(self, handle: Any, elapsed_s: float) -> None:
+        """After each step boundary: never raises (a metrics failure is logged once)."""
+        try:
+            self._boundary(handle, elapsed_s)
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            if not self._failed:
+                self._failed = True
+                _log.warning("rank %s: SCOUT metrics could not be updated: %s: %s", self.rank,
+                             type(exc).__name__, exc)
+
+    def _boundary(self, handle: Any, elapsed_s: float) -> None:
+        now = time.time()
+        r = self.rank
+        self.overhead.labels(r).inc(max(elapsed_s, 0.0))
+        self.boundary_time.labels(r).set(now)
+        result = handle.last_result
+        if result is not None and result is not self._counted:  # a boundary without replay leaves the last one
+            self._counted = result
+            self.step.labels(r).set(result.step)
+            if result.skipped:
+                self.skipped.labels(r).inc()
+            elif result.checked:
+                self.checks.labels(r).inc()
+                if not (result.incidents or result.incidents_global or result.sdc or result.inconclusive):
+                    self.agreed.labels(r).inc()
+                    self._last_clean = now
+                    self.last_clean.labels(r).set(now)
+        cert = handle.certifier
+        if cert is not None:
+            for state in CERT_STATES:
+                value = getattr(cert, state)
+                self.cert_step.labels(r, state).set(-1 if value is None else value)
+            if cert.verified is not None and cert.verified != self._verified:
+                self._verified = cert.verified
+                self.cert_generations.labels(r).inc()
+        if handle.observer_pid is not None:
+            self.observer_up.labels(r).set(0 if handle._observer_reported else 1)
+        if self.cfg.textfile_dir and now - self._last_textfile >= self.cfg.textfile_interval_s:
+            self.write_textfile()
+            self._last_textfile = now
+
+    # -- export ---------------------------------------------------------------------------------------------
+
+    @property
+    def textfile_path(self) -> str:
+        return os.path.join(self.cfg.textfile_dir, f"scout_rank{self.rank}.prom")
+
+    def write_textfile(self) -> None:
+        """Rewrite this rank's textfile atomically (node exporter reads whole files only)."""
+        from prometheus_client import write_to_textfile
+
+        os.makedirs(self.cfg.textfile_dir, exist_ok=True)
+        write_to_textfile(self.textfile_path, self.registry)
+
+    def serve(self, port: int) -> None:
+        from prometheus_client import start_http_server
+
+        self.server, self._thread = start_http_server(port, addr=self.cfg.address, registry=self.registry)
+
+    @property
+    def port(self) -> int | None:
+        return None if self.server is None else int(self.server.server_address[1])
+
+    def close(self) -> None:
+        """Stop the endpoint and write the textfile a last time (its final state stays for the collector)."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+        if self.cfg.textfile_dir:
+            self.write_textfile()
+
+
+def start_metrics(cfg: PrometheusConfig, *, rank: int) -> ScoutMetrics | None:
+    """The rank's metrics when ``report.prometheus`` asks for an endpoint or a textfile, else None. The endpoint
+    binds ``port + LOCAL_RANK``; a port already taken fails here, at ``enable()``, naming it."""
+    port, address, textfile_dir, _interval = cfg.port, cfg.address, cfg.textfile_dir, cfg.textfile_interval_s
+    if not port and not textfile_dir:
+        return None
+    metrics = ScoutMetrics(cfg, rank=rank)
+    if port:
+        port += int(os.environ.get("LOCAL_RANK", "0"))
+        try:
+            metrics.serve(port)
+        except OSError as exc:
+            raise RuntimeError(f"report.prometheus: rank {rank} cannot serve metrics on "
+                               f"{address}:{port} (port + LOCAL_RANK): {exc}") from exc
+    return metrics

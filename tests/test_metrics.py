@@ -1,0 +1,138 @@
+"""Prometheus metrics (``report.prometheus``) scraped over real HTTP from a 4-rank job with a real fault."""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.request
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import scout_core
+from integrations_tests.models import batches, install_block_faults, start_rank
+from scout_core.config import load
+from scout_core.testing.inject import Fault, FaultKind, Schedule
+from scout_core.testing.launcher import RankContext, free_port, launch
+
+pytest.importorskip("prometheus_client")
+
+WORLD = 4
+SDC_RANK, SDC_STEP = 2, 3
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """One scrape, as Prometheus makes it: ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def _metrics_rank(ctx: RankContext) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(ctx.rank)  # four ranks on this machine: ports base .. base + 3
+    a, injector, par, opt = start_rank(ctx)
+    state = {"step": 0}
+    install_block_faults(par, injector, ctx.rank, state)
+    cfg = load(None, ["replay.cadence.hidden=1", f"report.jsonl_path={a['dir']}/incidents.jsonl",
+                      f"report.prometheus.port={a['port']}", f"report.prometheus.textfile_dir={a['dir']}/prom",
+                      "report.prometheus.textfile_interval_s=0.001", "report.log_level=ERROR"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    port = a["port"] + ctx.rank
+    bound = handle.metrics.server.server_address[0]
+    scrapes: dict[int, Any] = {}
+    for step, (x, y) in enumerate(batches(ctx.rank, 6, seed=0), start=1):
+        state["step"] = step
+        torch.nn.functional.mse_loss(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        if ctx.rank == 0 and step in (2, 6):  # a scraper reads every rank's endpoint while the job runs
+            scrapes[step] = [_scrape(a["port"] + r) for r in range(WORLD)]
+        dist.barrier()
+    handle.close()
+    with socket.socket() as s:  # the endpoint is gone with the handle
+        closed = s.connect_ex(("127.0.0.1", port)) != 0
+    with open(f"{a['dir']}/prom/scout_rank{ctx.rank}.prom") as fh:
+        textfile = fh.read()
+    return {"scrapes": scrapes, "bound": bound, "closed": closed, "textfile": textfile}
+
+
+def test_every_rank_exports_its_checks_incidents_and_state(tmp_path):
+    faults = [Fault(surface="layers.1.output", rank=SDC_RANK, kind=FaultKind.BITFLIP, bit=12,
+                    schedule=Schedule(start=SDC_STEP))]
+    result = launch(_metrics_rank, WORLD, timeout_s=120,
+                    args={"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path), "port": free_port()})
+    assert result.ok, result.failures()
+    out = result.values()
+    scrapes = out[0]["scrapes"]
+    for r in range(WORLD):
+        early, late = scrapes[2][r], scrapes[6][r]
+        label = f'{{rank="{r}"}}'
+        assert early[f"scout_replay_checks_total{label}"] == 2
+        assert early[f"scout_replay_checks_agreed_total{label}"] == 2
+        assert late[f"scout_replay_checks_total{label}"] == 6
+        # Block 1 is replayed at steps 2 and 5; the fault from step 3 is found at 5 only: 5 clean checks.
+        assert late[f"scout_replay_checks_agreed_total{label}"] == 5
+        assert late[f"scout_seconds_since_clean_check{label}"] < early[f"scout_uptime_seconds{label}"] + 60
+        assert late[f"scout_observer_up{label}"] == 1
+        assert late[f"scout_step{label}"] == 6
+        assert late[f"scout_overhead_seconds_total{label}"] > 0
+        assert any(k.startswith("scout_info{") and f'rank="{r}"' in k and "run_id=" in k for k in late)
+        assert out[r]["bound"] == "127.0.0.1" and out[r]["closed"]
+        assert f"scout_replay_checks_total{label} 6.0" in out[r]["textfile"]
+    sdc = [late.get(f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}}', 0.0)
+           for r, late in enumerate(scrapes[6])]
+    assert sum(sdc) == 1  # one record of the one verdict, counted by the rank that wrote it
+    assert all(s.get(f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}}', 0.0) == 0
+               for r, s in enumerate(scrapes[2]))
+
+
+def _taken_rank(ctx: RankContext) -> str:
+    from scout_core.testing.launcher import init_gloo
+
+    init_gloo(ctx)
+    os.environ["LOCAL_RANK"] = "0"  # misconfigured: both ranks want the same port
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    cfg = load(None, [f"report.prometheus.port={ctx.args['port']}", "observer.enabled=false"])
+    try:
+        scout_core.enable(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    except RuntimeError as exc:
+        return str(exc)
+    return "enabled"
+
+
+def test_a_port_taken_fails_every_rank_at_enable_naming_it():
+    port = free_port()
+    result = launch(_taken_rank, 2, timeout_s=60, args={"port": port})
+    assert result.ok, result.failures()
+    assert all(f"127.0.0.1:{port}" in v and "cannot serve metrics" in v for v in result.values())
+
+
+def test_the_documented_dashboard_and_alerts_read_metrics_that_exist():
+    """docs/metrics.md and docs/grafana-dashboard.json name only series a rank exports."""
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    from scout_core.config import PrometheusConfig
+    from scout_core.metrics import ScoutMetrics
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    metrics = ScoutMetrics(PrometheusConfig(), rank=0)
+    metrics.describe(run_id="r", host="h")
+    metrics.incidents.labels("0", "sdc", "rank")  # incidents by kind appear with the first record
+    exported = set(re.findall(r"^(scout_\w+)", generate_latest(metrics.registry).decode(), re.M))
+    dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs.append((docs / "metrics.md").read_text())
+    named = {m for e in exprs for m in re.findall(r"\b(scout_[a-z_]+)", e)} - {"scout_rank"}  # the textfile
+    assert named and named <= exported, named - exported
