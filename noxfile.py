@@ -62,7 +62,8 @@ def tests(session: nox.Session) -> None:
     _install_torchtitan(session)
     _install_megatron(session)
     _install_deepspeed(session)
-    session.run("python", "-m", "pytest", "-m", "not cells", "-q", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "-m", "pytest", "-m", "not cells", "-q", "--durations=60", *session.posargs,
+                env={"OMP_NUM_THREADS": "1"})
     # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
     # must not carry a framework's imports (threads, allocators, hooks) into scout_core's own cells.
     for plugin in ("scout-torchtitan", "scout-megatron", "scout-deepspeed"):
