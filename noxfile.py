@@ -83,6 +83,17 @@ def cells(session: nox.Session) -> None:
 
 
 @nox.session
+def matrix(session: nox.Session) -> None:
+    """The fault matrix: every 16-rank cell by layout and fault class (``nox -s matrix -- NAME...``: only those),
+    with every framework installed; writes runs/matrix.json, runs/matrix.md (Table 3) and runs/matrix.png."""
+    _install(session, "dev,bench")
+    _install_torchtitan(session)
+    _install_megatron(session)
+    _install_deepspeed(session)
+    session.run("scout", "cells", "matrix", *session.posargs, "--out", "runs", env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """Inject faults into 16-rank jobs and show what SCOUT names: verdict table plus incident records."""
     _install(session)

@@ -73,7 +73,7 @@ def _cmd_cells_list(args: argparse.Namespace) -> int:
 
 
 def _cmd_cells_run(args: argparse.Namespace) -> int:
-    from scout_core.testing.cells import format_cell_table, run_cells, write_json
+    from scout_core.testing.cells import format_cell_table, write_json
 
     path, specs = _load_specs(args)
     if args.all:
@@ -93,13 +93,7 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
         print("scout cells run: --world must be >= 1", file=sys.stderr)
         return 2
 
-    def progress(report) -> None:
-        print(f"[{report.verdict}] {report.name} ({report.world_size} ranks, {report.wall_s:.1f}s)", flush=True)
-        if report.verdict != "PASS" and report.details:
-            print("    " + report.details.replace("\n", "\n    "), flush=True)
-
-    reports = run_cells([specs[n] for n in names], root=path.parent.parent, world_size=args.world,
-                        on_result=progress, workdir=args.workdir)
+    reports = _run_with_progress(path, [specs[n] for n in names], world_size=args.world, workdir=args.workdir)
     print()
     print(format_cell_table(reports))
     if args.json:
@@ -108,6 +102,51 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
     failed = [r.name for r in reports if r.verdict != "PASS"]
     print(f"\ncells: {len(reports) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
+
+
+def _run_with_progress(path: Path, specs: Sequence, **kwargs) -> list:
+    """Run cells, one line per cell as it finishes (``[i/n]``, verdict, wall time), failures with details."""
+    from scout_core.testing.cells import run_cells
+
+    done = [0]
+
+    def progress(report) -> None:
+        done[0] += 1
+        print(f"[{done[0]}/{len(specs)}] {report.verdict} {report.name} ({report.world_size} ranks, "
+              f"{report.wall_s:.1f}s)", flush=True)
+        if report.verdict != "PASS" and report.details:
+            print("    " + report.details.replace("\n", "\n    "), flush=True)
+
+    return run_cells(specs, root=path.parent.parent, on_result=progress, **kwargs)
+
+
+def _cmd_cells_matrix(args: argparse.Namespace) -> int:
+    from scout_core.testing.cells import write_json
+    from scout_core.testing.matrix import matrix_plot, matrix_summary
+
+    path, specs = _load_specs(args)
+    placed = [n for n, s in specs.items() if s.matrix is not None]
+    names = args.names or placed
+    unknown = [n for n in names if n not in specs]
+    outside = [n for n in names if n in specs and specs[n].matrix is None]
+    if unknown or outside:
+        print(f"scout cells matrix: {'unknown cells ' + str(unknown) if unknown else ''}"
+              f"{'; ' if unknown and outside else ''}{'not in the matrix ' + str(outside) if outside else ''}; "
+              "see `scout cells list`", file=sys.stderr)
+        return 2
+    reports = _run_with_progress(path, [specs[n] for n in names], workdir=args.workdir)
+    out = Path(args.out)
+    write_json(reports, out / "matrix.json")
+    summary = matrix_summary(specs, reports)
+    (out / "matrix.md").write_text(summary)
+    print()
+    print(summary)
+    try:
+        matrix_plot(specs, reports, out / "matrix.png")
+        print(f"wrote {out / 'matrix.json'}, {out / 'matrix.md'}, {out / 'matrix.png'}")
+    except RuntimeError as exc:  # no matplotlib: the JSON and the summary stand
+        print(f"wrote {out / 'matrix.json'}, {out / 'matrix.md'}; no plot: {exc}", file=sys.stderr)
+    return 0 if all(r.verdict == "PASS" for r in reports) else 1
 
 
 def _progress_bar(label: str) -> Callable[[int, int], None]:
@@ -178,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=_cmd_cells_run)
         else:
             p.set_defaults(func=_cmd_cells_list)
+    mat = cells_sub.add_parser("matrix", help="the fault matrix: every 16-rank cell by layout and fault class")
+    mat.add_argument("names", nargs="*", help="only these cells (default: every cell with a matrix place)")
+    mat.add_argument("--cells", help="path to cells.yaml (default: configs/cells.yaml at or above cwd)")
+    mat.add_argument("--out", default="runs", help="writes OUT/matrix.json, OUT/matrix.md, OUT/matrix.png")
+    mat.add_argument("--workdir", help="keep each cell's incident records in WORKDIR/<cell>")
+    mat.set_defaults(func=_cmd_cells_matrix)
     cat = sub.add_parser("catalog", help="the offline MoE shape catalog")
     cat_sub = cat.add_subparsers(dest="catalog_command", required=True)
     build = cat_sub.add_parser("build", help="enumerate, profile and compress the experts' input shapes")

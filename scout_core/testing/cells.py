@@ -41,7 +41,8 @@ import yaml
 from scout_core.report import ranks_text
 from scout_core.testing.inject import Fault
 
-__all__ = ["CellReport", "CellSpec", "find_cells_file", "load_cells", "run_cells", "format_cell_table"]
+__all__ = ["MATRIX_FAULTS", "MATRIX_LAYOUTS", "CellReport", "CellSpec", "MatrixPlace", "find_cells_file", "load_cells",
+           "run_cells", "format_cell_table"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,32 @@ class CellSpec:
     faults: tuple[Fault, ...] = ()
     params: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    matrix: MatrixPlace | None = None
+    """Where the cell sits in the fault matrix (``nox -s matrix``): every 16-rank cell has a place."""
+
+
+MATRIX_LAYOUTS = ("ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed", "protocol")
+"""Columns of the matrix: the four parallel layouts, the plugins' real frameworks, and the protocol cells (C3 and
+topology exercised without a training job)."""
+MATRIX_FAULTS = ("clean", "sdc", "compute_straggler", "comm_straggler", "hang", "input_stall", "checkpoint_stall",
+                 "recovery", "scout_failure")
+"""Rows of the matrix: the fault classes (``scout_failure``: SCOUT's own failure, isolated and skipped)."""
+
+
+@dataclass(frozen=True)
+class MatrixPlace:
+    layout: str
+    fault: str
+
+
+def _matrix_place(path: Any, name: str, raw: Any) -> MatrixPlace | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"layout", "fault"}:
+        raise ValueError(f"{path}: cell {name!r}: matrix must be {{layout: ..., fault: ...}}, got {raw!r}")
+    if raw["layout"] not in MATRIX_LAYOUTS or raw["fault"] not in MATRIX_FAULTS:
+        raise ValueError(f"{path}: cell {name!r}: matrix {raw!r}; layouts {MATRIX_LAYOUTS}, faults {MATRIX_FAULTS}")
+    return MatrixPlace(raw["layout"], raw["fault"])
 
 
 @dataclass(kw_only=True)
@@ -92,7 +119,7 @@ def load_cells(path: str | os.PathLike[str]) -> dict[str, CellSpec]:
     entries = raw.get("cells")
     if not isinstance(entries, dict):
         raise ValueError(f"{path}: expected a top-level 'cells' mapping")
-    allowed = {"target", "world_size", "timeout_s", "tags", "description", "faults", "params", "seed"}
+    allowed = {"target", "world_size", "timeout_s", "tags", "description", "faults", "params", "seed", "matrix"}
     specs = {}
     for name, entry in entries.items():
         unknown = set(entry) - allowed
@@ -110,6 +137,7 @@ def load_cells(path: str | os.PathLike[str]) -> dict[str, CellSpec]:
             faults=tuple(Fault.from_dict(f) for f in entry.get("faults", ()) or ()),
             params=dict(entry.get("params", {}) or {}),
             seed=int(entry.get("seed", 0)),
+            matrix=_matrix_place(path, name, entry.get("matrix")),
         )
     return specs
 

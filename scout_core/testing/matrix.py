@@ -1,0 +1,127 @@
+"""The fault matrix (``nox -s matrix``, ``scout cells matrix``): every 16-rank cell by layout and fault class,
+summarised in the style of the paper's Table 3 (markdown) and drawn (PNG: passed / failed per layout and fault
+class, and the time to verdict of each cell)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scout_core.report import ranks_text
+from scout_core.testing.cells import MATRIX_FAULTS, MATRIX_LAYOUTS, CellReport, CellSpec
+
+__all__ = ["false_positives", "matrix_plot", "matrix_summary", "time_to_verdict"]
+
+VERDICT_KINDS = ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall")
+"""Records that are a verdict about the job (not a recovery decision, SCOUT's own error, or a resolution)."""
+
+
+def false_positives(report: CellReport) -> list[dict[str, Any]]:
+    """Verdicts on ranks where nothing was injected: every verdict of a cell without faults, and a rank-scoped
+    verdict naming a rank no fault touched (group- and machine-scoped verdicts name their members)."""
+    verdicts = [r for r in report.reported if r.get("kind") in VERDICT_KINDS]
+    if not report.injected:
+        return verdicts
+    injected = {f["rank"] for f in report.injected}
+    return [r for r in verdicts if r.get("scope") == "rank" and not set(r.get("ranks", ())) <= injected]
+
+
+def time_to_verdict(report: CellReport) -> float | None:
+    """Seconds from the triggering observation to the first verdict, where the cell measured it."""
+    times = [r["time_to_verdict_s"] for r in report.reported
+             if r.get("kind") in VERDICT_KINDS and r.get("time_to_verdict_s") is not None]
+    if report.time_to_verdict_s is not None:
+        times.append(report.time_to_verdict_s)
+    return min(times) if times else None
+
+
+def _named(reports: Sequence[CellReport]) -> str:
+    seen: dict[str, None] = {}
+    for rep in reports:
+        for r in rep.reported:
+            if r.get("kind") in VERDICT_KINDS:
+                seen[f"{r['kind']}/{r['scope']}"] = None
+    return ", ".join(seen) or "nothing"
+
+
+def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport]) -> str:
+    """Markdown: per fault class, the cells passed / run in each layout, what was named and the false positives;
+    then every failed cell with the first line of its details."""
+    placed = [(specs[r.name].matrix, r) for r in reports if r.name in specs and specs[r.name].matrix is not None]
+    layouts = [lay for lay in MATRIX_LAYOUTS if any(p.layout == lay for p, _ in placed)]
+    lines = ["| fault class | " + " | ".join(layouts) + " | passed / run | named | false positives |",
+             "|---|" + "---|" * len(layouts) + "---|---|---|"]
+    for fault in MATRIX_FAULTS:
+        mine = [(p, r) for p, r in placed if p.fault == fault]
+        if not mine:
+            continue
+        cols = []
+        for lay in layouts:
+            cell = [r for p, r in mine if p.layout == lay]
+            passed = sum(r.verdict == "PASS" for r in cell)
+            cols.append("-" if not cell else f"{passed}/{len(cell)}" + ("" if passed == len(cell) else " **FAIL**"))
+        runs = [r for _, r in mine]
+        passed = sum(r.verdict == "PASS" for r in runs)
+        fps = sum(len(false_positives(r)) for r in runs)
+        lines.append(f"| {fault.replace('_', ' ')} | " + " | ".join(cols)
+                     + f" | {passed}/{len(runs)} | {_named(runs)} | {fps} |")
+    total = sum(r.verdict == "PASS" for _, r in placed)
+    lines += ["", f"{total} of {len(placed)} cells passed; `-`: no cell of that layout and fault class."]
+    failed = [r for _, r in placed if r.verdict != "PASS"]
+    if failed:
+        lines += ["", "Failed cells:", ""]
+        lines += [f"- `{r.name}`: {(r.details.strip().splitlines() or ['(no details)'])[0][:200]}" for r in failed]
+    fp_cells = [(r, false_positives(r)) for _, r in placed if false_positives(r)]
+    if fp_cells:
+        lines += ["", "False positives:", ""]
+        lines += [f"- `{r.name}`: " + "; ".join(f"{f['kind']}/{f['scope']} r{ranks_text(f['ranks'])}" for f in fps)
+                  for r, fps in fp_cells]
+    return "\n".join(lines) + "\n"
+
+
+def matrix_plot(specs: Mapping[str, CellSpec], reports: Sequence[CellReport], path: str | os.PathLike[str]) -> None:
+    """Two panels: passed / run per layout and fault class (green all passed, red any failed, blank none run),
+    and each cell's time to verdict by fault class. Needs matplotlib (``scout-core[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError("the matrix plot needs matplotlib: pip install 'scout-core[bench]'") from exc
+    placed = [(specs[r.name].matrix, r) for r in reports if r.name in specs and specs[r.name].matrix is not None]
+    layouts = [lay for lay in MATRIX_LAYOUTS if any(p.layout == lay for p, _ in placed)]
+    faults = [f for f in MATRIX_FAULTS if any(p.fault == f for p, _ in placed)]
+    fig, (grid, times) = plt.subplots(1, 2, figsize=(15, 0.55 * max(len(faults), 4) + 2),
+                                      gridspec_kw={"width_ratios": [max(len(layouts), 1), 6]})
+    colours = [[(1, 1, 1)] * len(layouts) for _ in faults]
+    for i, fault in enumerate(faults):
+        for j, lay in enumerate(layouts):
+            cell = [r for p, r in placed if p.fault == fault and p.layout == lay]
+            if not cell:
+                continue
+            passed = sum(r.verdict == "PASS" for r in cell)
+            colours[i][j] = (0.55, 0.85, 0.55) if passed == len(cell) else (0.95, 0.45, 0.45)
+            grid.text(j, i, f"{passed}/{len(cell)}", ha="center", va="center", fontsize=9)
+    grid.imshow(colours, aspect="auto")
+    grid.set_xticks(range(len(layouts)), layouts, rotation=30, ha="right")
+    grid.set_yticks(range(len(faults)), [f.replace("_", " ") for f in faults])
+    grid.set_title("cells passed / run")
+    for i, fault in enumerate(faults):
+        for p, r in placed:
+            ttv = time_to_verdict(r)
+            if p.fault == fault and ttv is not None:
+                times.scatter(max(ttv, 1e-3), i, color="tab:green" if r.verdict == "PASS" else "tab:red", s=18)
+    times.set_xscale("log")
+    times.set_yticks(range(len(faults)), [f.replace("_", " ") for f in faults])
+    times.set_ylim(len(faults) - 0.5, -0.5)
+    times.set_xlabel("time to verdict (s, log)")
+    times.set_title("time to verdict per cell")
+    times.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    parent = os.path.dirname(os.fspath(path))
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""The fault matrix's summary and plot (scout_core.testing.matrix), from cell reports; every 16-rank cell has a
+place in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scout_core.cli import main
+from scout_core.testing.cells import CellReport, CellSpec, MatrixPlace, load_cells
+from scout_core.testing.matrix import false_positives, matrix_plot, matrix_summary, time_to_verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spec(name: str, layout: str, fault: str) -> CellSpec:
+    return CellSpec(name=name, target="m:f", matrix=MatrixPlace(layout, fault))
+
+
+def _record(kind: str, scope: str, ranks: list[int], ttv: float | None = 0.5) -> dict:
+    return {"kind": kind, "scope": scope, "ranks": ranks, "hosts": [], "surface": "s", "time_to_verdict_s": ttv}
+
+
+def _bitflip(rank: int) -> list[dict]:
+    return [{"kind": "bitflip", "rank": rank, "surface": "layers.1.output"}]
+
+
+SPECS = {s.name: s for s in (
+    _spec("ddp-clean", "ddp", "clean"), _spec("ddp-sdc", "ddp", "sdc"), _spec("fsdp2-sdc", "fsdp2", "sdc"),
+    _spec("hsdp-clean", "hsdp", "clean"), _spec("moe-hang", "moe", "hang"))}
+REPORTS = [
+    CellReport(name="ddp-clean", verdict="PASS", world_size=16, injected=[], reported=[]),
+    CellReport(name="ddp-sdc", verdict="PASS", world_size=16, injected=_bitflip(9),
+               reported=[_record("sdc", "rank", [9], 1.5), {"kind": "decision", "scope": "verified", "ranks": []}]),
+    CellReport(name="fsdp2-sdc", verdict="FAIL", world_size=16, injected=_bitflip(3),
+               reported=[_record("sdc", "rank", [4])], details="named ranks [4], expected [3]\nmore"),
+    CellReport(name="hsdp-clean", verdict="FAIL", world_size=16, injected=[],
+               reported=[_record("straggler", "peer_group", list(range(16)))], details="kinds ['straggler']"),
+    CellReport(name="moe-hang", verdict="PASS", world_size=16, injected=[{"kind": "freeze", "rank": 5, "surface": "x"}],
+               reported=[_record("hang", "rank", [5], None)], time_to_verdict_s=2.5),
+]
+
+
+def test_the_summary_counts_passes_per_layout_and_fault_class_and_names_false_positives():
+    md = matrix_summary(SPECS, REPORTS)
+    rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
+    assert rows["fault class"].split("|")[2:7] == [" ddp ", " fsdp2 ", " hsdp ", " moe ", " passed / run "]
+    assert "| 1/1 | - | 0/1 **FAIL** | - | 1/2 | straggler/peer_group | 1 |" in rows["clean"]
+    assert "| 1/1 | 0/1 **FAIL** | - | - | 1/2 | sdc/rank | 1 |" in rows["sdc"]
+    assert "| - | - | - | 1/1 | 1/1 | hang/rank | 0 |" in rows["hang"]
+    assert "3 of 5 cells passed" in md
+    assert "- `fsdp2-sdc`: named ranks [4], expected [3]" in md and "more" not in md
+    assert "- `hsdp-clean`: straggler/peer_group r0-15" in md and "- `fsdp2-sdc`: sdc/rank r4" in md
+
+
+def test_false_positives_and_time_to_verdict():
+    assert false_positives(REPORTS[0]) == [] and false_positives(REPORTS[1]) == []  # the decision is no verdict
+    assert [f["ranks"] for f in false_positives(REPORTS[2])] == [[4]]
+    assert len(false_positives(REPORTS[3])) == 1  # anything a clean cell reports
+    assert time_to_verdict(REPORTS[1]) == 1.5 and time_to_verdict(REPORTS[4]) == 2.5
+    assert time_to_verdict(REPORTS[0]) is None
+
+
+def test_the_plot_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "m" / "matrix.png"
+    matrix_plot(SPECS, REPORTS, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_every_16_rank_cell_has_a_place_in_the_matrix():
+    specs = load_cells(ROOT / "configs" / "cells.yaml")
+    assert [n for n, s in specs.items() if s.world_size == 16 and s.matrix is None] == []
+    layouts = {s.matrix.layout for s in specs.values() if s.matrix}
+    assert {"ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed"} <= layouts
+
+
+def test_a_bad_matrix_place_is_refused(tmp_path):
+    cells = tmp_path / "cells.yaml"
+    cells.write_text("cells:\n  x:\n    target: m:f\n    matrix: {layout: tpu, fault: sdc}\n")
+    with pytest.raises(ValueError, match="cell 'x': matrix"):
+        load_cells(cells)
+
+
+def test_scout_cells_matrix_refuses_cells_outside_it(tmp_path, capsys):
+    cells = tmp_path / "configs" / "cells.yaml"
+    cells.parent.mkdir()
+    cells.write_text("cells:\n  x:\n    target: m:f\n")
+    assert main(["cells", "matrix", "x", "--cells", str(cells)]) == 2
+    assert "not in the matrix ['x']" in capsys.readouterr().err
