@@ -89,3 +89,17 @@ def test_scout_cells_matrix_refuses_cells_outside_it(tmp_path, capsys):
     cells.write_text("cells:\n  x:\n    target: m:f\n")
     assert main(["cells", "matrix", "x", "--cells", str(cells)]) == 2
     assert "not in the matrix ['x']" in capsys.readouterr().err
+
+
+def test_the_cell_table_summarises_what_was_reported():
+    from scout_core.testing.cells import format_cell_table
+
+    surfaces = ";".join(f"layers.1.x{v}.{s}" for v in ("0.1", "1", "10")
+                        for s in ("output", "grad_input", "grad_param"))
+    many = [dict(_record("sdc", "rank", [9]), surface=surfaces) for _ in range(3)]
+    slow = [dict(_record("straggler", "machine", [8, 9]), hosts=["node1", "node1"])]
+    decision = [{"kind": "decision", "scope": "verified", "ranks": [], "surface": "4"}]
+    report = CellReport(name="c", verdict="PASS", world_size=16, injected=_bitflip(9), reported=many + slow + decision)
+    table = format_cell_table([report], width=200)
+    assert "sdc/rank r9 x3 layers.1.x0.1.output; straggler/machine r8,9 node1 s; restore verified gen 4" in table
+    assert max(len(line) for line in format_cell_table([report], width=40).splitlines()) < 130

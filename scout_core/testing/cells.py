@@ -215,18 +215,43 @@ def fault_dicts(faults: Sequence[Fault]) -> list[dict[str, Any]]:
     return [_fault_dict(f) for f in faults]
 
 
-def format_cell_table(reports: Sequence[CellReport]) -> str:
+def _reported_text(reported: Sequence[dict[str, Any]]) -> str:
+    """What a cell reported, one entry per (kind, scope, ranks) with how often and its first surface."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for i in reported:
+        if i["kind"] == "decision":
+            key: tuple[Any, ...] = ("decision", i["scope"], str(i.get("surface")))
+        else:
+            key = (i["kind"], i["scope"], tuple(i["ranks"]), tuple(i.get("hosts") or ()) if i["scope"] == "machine"
+                   else ())
+        groups.setdefault(key, []).append(i)
+    parts = []
+    for key, items in groups.items():
+        first = items[0]
+        if key[0] == "decision":
+            parts.append(f"restore {first['scope']} gen {first['surface']}")
+            continue
+        text = f"{first['kind']}/{first['scope']} r{ranks_text(first['ranks'])}"
+        if key[3]:
+            text += " " + ",".join(dict.fromkeys(key[3]))
+        if len(items) > 1:
+            text += f" x{len(items)}"
+        surface = (first.get("surface") or "").split(";")[0]
+        if surface:
+            text += f" {surface[:40]}"
+        parts.append(text)
+    return "; ".join(parts) or "nothing"
+
+
+def format_cell_table(reports: Sequence[CellReport], *, width: int = 80) -> str:
+    """One row per cell; the injected and reported columns are summarised and clipped to ``width`` characters
+    each (every record is in the JSON ``--json`` writes)."""
     headers = ("cell", "verdict", "ranks", "injected", "reported", "verdict_s", "wall_s")
     rows = []
     for r in reports:
         inj = "; ".join(f"{f['kind']}@r{f['rank']}:{f['surface']}" for f in r.injected) or "nothing"
-        rep = "; ".join(
-            f"restore {i['scope']} gen {i['surface']}" if i["kind"] == "decision" else
-            f"{i['kind']}/{i['scope']} r{ranks_text(i['ranks'])}"
-            + (f" {','.join(i['hosts'])}" if i.get("hosts") and i["scope"] == "machine" else "")
-            + (f" {i['surface']}" if i.get("surface") else "")
-            for i in r.reported
-        ) or "nothing"
+        rep = _reported_text(r.reported)
+        inj, rep = (t if len(t) <= width else t[: width - 3] + "..." for t in (inj, rep))
         ttv = "-" if r.time_to_verdict_s is None else f"{r.time_to_verdict_s:.3f}"
         rows.append((r.name, r.verdict, str(r.world_size), inj, rep, ttv, f"{r.wall_s:.1f}"))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
