@@ -14,54 +14,18 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _install(session: nox.Session, extras: str = "dev") -> None:
-    session.install("-e", f".[{extras}]", env=CONSTRAINTS)
-
-
-TORCHTITAN = "torchtitan==0.3.0"
-"""The TorchTitan release scout-torchtitan is tested with."""
-
-
-def _install_torchtitan(session: nox.Session) -> None:
-    """TorchTitan (without its declared dependencies: they admit a newer torch) and the plugin."""
-    plugin = ROOT / "plugins" / "scout-torchtitan"
-    session.install("-r", str(plugin / "requirements.txt"), env=CONSTRAINTS)
-    session.install("--no-deps", TORCHTITAN, env=CONSTRAINTS)
-    session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
-
-
-MEGATRON_CORE = "megatron-core==0.19.2"
-"""The Megatron-Core release scout-megatron is tested with."""
-
-
-def _install_megatron(session: nox.Session) -> None:
-    """Megatron-Core and the plugin. megatron-core 0.19 declares Python >= 3.12 but ships 3.11 wheels: it goes in
-    alone with --no-deps --ignore-requires-python (on a shared line that flag makes pip choose numpy builds meant
-    for 3.12), after the modules it imports."""
-    plugin = ROOT / "plugins" / "scout-megatron"
-    session.install("-r", str(plugin / "requirements.txt"), env=CONSTRAINTS)
-    session.install("--no-deps", "--ignore-requires-python", MEGATRON_CORE, env=CONSTRAINTS)
-    session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
-
-
-def _install_deepspeed(session: nox.Session) -> None:
-    """DeepSpeed (the release plugins/scout-deepspeed/requirements.txt names) and the plugin. deepspeed builds from
-    its sdist: torch (already installed, pinned) must be visible to its setup.py (--no-build-isolation), and none
-    of its kernels is compiled (DS_BUILD_OPS=0: on a GPU they are built on first use)."""
-    plugin = ROOT / "plugins" / "scout-deepspeed"
-    session.install("setuptools>=69", "wheel", env=CONSTRAINTS)  # its build, without isolation, runs here
-    session.install("--no-build-isolation", "-r", str(plugin / "requirements.txt"),
-                    env={**CONSTRAINTS, "DS_BUILD_OPS": "0"})
-    session.install("--no-deps", "-e", str(plugin), env=CONSTRAINTS)
+def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = False) -> None:
+    """docker/install.sh into the session's virtual environment: scout-core with ``extras`` and, with
+    ``frameworks``, the three plugins and the framework releases they are tested with (the install the Docker
+    images run, so CI tests it on every submission)."""
+    args = ["--extras", extras] + ([] if frameworks else ["--core-only"])
+    session.run("bash", str(ROOT / "docker" / "install.sh"), *args, env=CONSTRAINTS, external=True)
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and property tests plus the fast 16-rank cells, and the plugins' tests."""
-    _install(session)
-    _install_torchtitan(session)
-    _install_megatron(session)
-    _install_deepspeed(session)
+    _install(session, frameworks=True)
     session.run("python", "-m", "pytest", "-m", "not cells", "-q", "--durations=60", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
     # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
@@ -74,10 +38,7 @@ def tests(session: nox.Session) -> None:
 def cells(session: nox.Session) -> None:
     """Every cell of configs/cells.yaml at its configured world size (the plugins' cells need their frameworks);
     JSON in runs/cells.json."""
-    _install(session)
-    _install_torchtitan(session)
-    _install_megatron(session)
-    _install_deepspeed(session)
+    _install(session, frameworks=True)
     session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", *session.posargs,
                 env={"OMP_NUM_THREADS": "1"})
 
@@ -86,10 +47,7 @@ def cells(session: nox.Session) -> None:
 def matrix(session: nox.Session) -> None:
     """The fault matrix: every 16-rank cell by layout and fault class (``nox -s matrix -- NAME...``: only those),
     with every framework installed; writes runs/matrix.json, runs/matrix.md (Table 3) and runs/matrix.png."""
-    _install(session, "dev,bench")
-    _install_torchtitan(session)
-    _install_megatron(session)
-    _install_deepspeed(session)
+    _install(session, "dev,bench", frameworks=True)
     session.run("scout", "cells", "matrix", *session.posargs, "--out", "runs", env={"OMP_NUM_THREADS": "1"})
 
 

@@ -1,0 +1,42 @@
+"""The Docker images and CI share one install script (docker/install.sh): no image can be built on this machine
+(no daemon, no registry), so what is checked here is that both images and every nox session that installs the
+frameworks run that script, and that the script refuses what it does not know."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
+            for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_both_images_install_through_the_script():
+    for name, base in (("Dockerfile.cpu", "python:3.11"), ("Dockerfile.cuda", "pytorch/pytorch:")):
+        steps = _instructions(ROOT / "docker" / name)
+        known = {"FROM", "ARG", "RUN", "WORKDIR", "COPY", "ENV", "CMD"}
+        assert {s for s, _ in steps} <= known, f"{name}: unexpected instructions"
+        assert any(s == "FROM" for s, _ in steps)
+        assert base in " ".join(a for s, a in steps if s in ("FROM", "ARG")), name
+        assert any(s == "RUN" and "bash docker/install.sh" in a for s, a in steps), name
+        assert not any("pip install" in a and "torch" in a and "constraints" not in a and "install.sh" not in a
+                       for s, a in steps if s == "RUN"), f"{name}: torch installed without the pin"
+
+
+def test_ci_runs_the_install_script_in_a_fresh_environment():
+    noxfile = (ROOT / "noxfile.py").read_text()
+    assert 'ROOT / "docker" / "install.sh"' in noxfile and "frameworks=True" in noxfile
+    assert "session.install(" not in noxfile.split("def lint")[0], "every install outside lint goes through it"
+    assert "nox -s" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_script_refuses_unknown_arguments():
+    run = subprocess.run(["bash", str(ROOT / "docker" / "install.sh"), "--fast"], capture_output=True, text=True)
+    assert run.returncode == 2 and "unknown argument --fast" in run.stderr
