@@ -23,7 +23,7 @@ import torch.distributed as dist
 import scout_core
 from integrations_tests.expect import record_problems
 from integrations_tests.models import batches, install_block_faults, start_rank
-from scout_core.config import load
+from scout_core.config import ConsensusConfig, load
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
@@ -186,7 +186,10 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         metrics.update({f"floor.step{step}": f for step, f in result.values()[watched[0]]["floors"].items()})
         if problems:
             problems.append(_timing_summary(rounds, watched, watched[0]))
-    if result.ok and problems and any(i.scope == "peer_group" for i in incidents):
+    if result.ok and "group_slow_from" in expect:
+        problems += _group_slowdown_problems(incidents, result.values()[0]["comm_s"], expect["group_slow_from"])
+    if result.ok and problems and (expect.get("scope") == "peer_group" or
+                                   any(i.scope == "peer_group" for i in incidents)):
         problems.append(_comm_summary(result.values()[0]["comm_s"]))
     return CellReport(name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
                       injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents],
@@ -205,6 +208,23 @@ def _timing_metrics(rounds: list, watched: int) -> dict[str, float]:
         out[f"ratio.step{step}"] = round(times[watched] / med, 4)
         out[f"spread.step{step}"] = round(statistics.median(abs(v - med) for v in values) / med, 4)
     return out
+
+
+def _group_slowdown_problems(incidents: list, rounds: list, first_slow: int) -> list[str]:
+    """A group slowed from step ``first_slow`` is confirmed at its third slow round, once: step ``first_slow + 2``,
+    or one earlier only where the round just before the fault could have read slow by itself (its group time
+    beyond ``consensus.comm_min_ratio`` times the median of the rounds before it, the least the temporal check
+    asks), which the streak then counts."""
+    steps = sorted(i.step for i in incidents if i.scope == "peer_group")
+    allowed = [first_slow + 2]
+    before = [med for step, _, med, _ in rounds if step < first_slow - 1 and med is not None]
+    previous = next((med for step, _, med, _ in rounds if step == first_slow - 1), None)
+    if before and previous is not None and previous > ConsensusConfig().comm_min_ratio * statistics.median(before):
+        allowed.insert(0, first_slow + 1)
+    if len(steps) != 1 or steps[0] not in allowed:
+        return [f"group slowdown recorded at steps {steps}, expected once at "
+                f"{' or '.join(map(str, allowed))} (slow from step {first_slow})"]
+    return []
 
 
 def _comm_summary(rounds: list) -> str:

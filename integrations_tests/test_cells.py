@@ -689,3 +689,13 @@ def test_deepspeed_zero3_sdc_cell_fails_without_the_gather(monkeypatch):
     (report,) = run_cells([SPECS["deepspeed-zero3-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected [3]" in report.details, report.details
 
+
+
+def test_comm_straggler_cell_fails_when_a_group_is_called_slow_a_round_early(monkeypatch):
+    """The guard of the comm-straggler cells: a temporal check confirmed at two slow rounds (as spatial consensus
+    is) records the slowdown before its third slow round, which the cell refuses."""
+    import scout_core.replay.timing as timing_module
+
+    monkeypatch.setattr(timing_module, "TEMPORAL_EXTRA_ROUNDS", 0)
+    (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details

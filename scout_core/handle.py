@@ -123,6 +123,7 @@ class ScoutHandle:
         self.checkpoint: CheckpointCoordinator | None = None
         self.last_result: BoundaryResult | None = None
         self.metrics: Any = None  # scout_core.metrics.ScoutMetrics, where report.prometheus asks for it
+        self.last_expert: Any = None  # the expert check of the last boundary (scout_core.moe.replay.ExpertCheck)
         self.last_decision: Any = None
         self.framework_checkpoints: FrameworkCheckpoints | None = None
         """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
@@ -405,7 +406,7 @@ class ScoutHandle:
         # and a collective that fails means the job's communication failed: that propagates, as the
         # training job's own next collective would.
         result = self.last_result = self.replay.boundary()
-        expert = self.experts.boundary(result.step) if self.experts is not None else None
+        expert = self.last_expert = self.experts.boundary(result.step) if self.experts is not None else None
         if expert is not None:
             result.incidents_global += expert.incidents  # each expert-peer group's own verdicts
         if not result.checked and expert is None:

@@ -15,19 +15,35 @@ a failure inside never reaches training (the boundary logs it once and goes on).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import tempfile
 import time
 from typing import Any
 
 from scout_core.config import PrometheusConfig
-from scout_core.report import Incident
+from scout_core.report import Incident, IncidentKind, IncidentScope
 
-__all__ = ["ScoutMetrics", "start_metrics"]
+__all__ = ["LOCAL_RANK_ENV", "ScoutMetrics", "local_rank", "start_metrics"]
 
 _log = logging.getLogger("scout")
 
 CERT_STATES = ("latest", "candidate", "verified")
+
+LOCAL_RANK_ENV = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID")
+"""Where a rank's index on its machine is found: torchrun, then Slurm's srun, Open MPI and MPICH / Intel MPI."""
+
+_VERDICTS = {IncidentKind.SDC, IncidentKind.STRAGGLER, IncidentKind.HANG, IncidentKind.DATA_STALL,
+             IncidentKind.CHECKPOINT_STALL}
+
+
+def local_rank() -> int:
+    for name in LOCAL_RANK_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 class ScoutMetrics:
@@ -78,6 +94,7 @@ class ScoutMetrics:
         self._last_clean: float | None = None
         self._verified: int | None = None
         self._counted: Any = None
+        self._run_id = ""
         self._last_textfile = 0.0
         self._failed = False
         self.server: Any = None
@@ -85,24 +102,35 @@ class ScoutMetrics:
         self.since_clean.labels(self.rank).set_function(
             lambda: time.time() - (self._last_clean if self._last_clean is not None else self._start))
         self.uptime.labels(self.rank).set_function(lambda: time.time() - self._start)
-        # Every series exists from the start (at 0), so a dashboard or an alert reads 0, not "no data".
+        # Every series exists from the start (at 0), so a dashboard or an alert reads 0, not "no data", and the
+        # first incident of a kind is an increase (a series born at 1 reads as no increase). Observer health
+        # appears only where an observer runs.
         for metric in (self.checks, self.agreed, self.skipped, self.cert_generations, self.overhead,
                        self.last_clean, self.boundary_time, self.step):
             metric.labels(self.rank)
+        for kind in IncidentKind:
+            for scope in IncidentScope:
+                self.incidents.labels(self.rank, kind.value, scope.value)
         for state in CERT_STATES:
             self.cert_step.labels(self.rank, state).set(-1)
-        self.observer_up.labels(self.rank).set(0)
 
     def describe(self, *, run_id: str, host: str) -> None:
         """What the start-up exchange decided: the run id and this rank's machine (``scout_info``)."""
         from scout_core import __version__
 
+        self._run_id = run_id
         self.info.labels(self.rank).info({"run_id": run_id, "host": host, "version": __version__})
 
     # -- the sink and the boundary (trainer thread) ---------------------------------------------------------
 
     def emit(self, incident: Incident) -> None:
         self.incidents.labels(self.rank, incident.kind.value, incident.scope.value).inc()
+        if self.cfg.textfile_dir and incident.kind in _VERDICTS:
+            # At once, not at the next interval: a job stopped by the verdict may never reach another boundary.
+            try:
+                self.write_textfile()
+            except OSError as exc:
+                _log.warning("rank %s: SCOUT metrics textfile not written: %s", self.rank, exc)
 
     def boundary(self, handle: Any, elapsed_s: float) -> None:
         """After each step boundary: never raises (a metrics failure is logged once)."""
@@ -119,15 +147,19 @@ class ScoutMetrics:
         r = self.rank
         self.overhead.labels(r).inc(max(elapsed_s, 0.0))
         self.boundary_time.labels(r).set(now)
-        result = handle.last_result
+        result, expert = handle.last_result, getattr(handle, "last_expert", None)
         if result is not None and result is not self._counted:  # a boundary without replay leaves the last one
             self._counted = result
             self.step.labels(r).set(result.step)
-            if result.skipped:
+            expert = expert if expert is not None and expert.step == result.step else None
+            if result.skipped or (expert is not None and expert.skipped and not result.checked):
                 self.skipped.labels(r).inc()
-            elif result.checked:
+            elif result.checked or expert is not None:
                 self.checks.labels(r).inc()
-                if not (result.incidents or result.incidents_global or result.sdc or result.inconclusive):
+                found = (result.incidents or result.incidents_global or result.sdc or result.inconclusive
+                         or (expert is not None and (expert.incidents or expert.sdc or expert.inconclusive
+                                                     or expert.skipped)))
+                if not found and not result.missing:  # a check without evidence vouches for nothing
                     self.agreed.labels(r).inc()
                     self._last_clean = now
                     self.last_clean.labels(r).set(now)
@@ -139,7 +171,7 @@ class ScoutMetrics:
             if cert.verified is not None and cert.verified != self._verified:
                 self._verified = cert.verified
                 self.cert_generations.labels(r).inc()
-        if handle.observer_pid is not None:
+        if handle.observer_pid is not None:  # no series where no observer runs (observer.enabled: false)
             self.observer_up.labels(r).set(0 if handle._observer_reported else 1)
         if self.cfg.textfile_dir and now - self._last_textfile >= self.cfg.textfile_interval_s:
             self.write_textfile()
@@ -149,7 +181,9 @@ class ScoutMetrics:
 
     @property
     def textfile_path(self) -> str:
-        return os.path.join(self.cfg.textfile_dir, f"scout_rank{self.rank}.prom")
+        """One file per job and rank (two jobs on one machine never share one)."""
+        run = f"{self._run_id}_" if self._run_id else ""
+        return os.path.join(self.cfg.textfile_dir, f"scout_{run}rank{self.rank}.prom")
 
     def write_textfile(self) -> None:
         """Rewrite this rank's textfile atomically (node exporter reads whole files only)."""
@@ -168,13 +202,15 @@ class ScoutMetrics:
         return None if self.server is None else int(self.server.server_address[1])
 
     def close(self) -> None:
-        """Stop the endpoint and write the textfile a last time (its final state stays for the collector)."""
+        """Stop the endpoint and remove the textfile: a finished job's series must not linger in the node
+        exporter (its frozen boundary time would read as a stalled job)."""
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
         if self.cfg.textfile_dir:
-            self.write_textfile()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.textfile_path)
 
 
 def start_metrics(cfg: PrometheusConfig, *, rank: int) -> ScoutMetrics | None:
@@ -184,11 +220,19 @@ def start_metrics(cfg: PrometheusConfig, *, rank: int) -> ScoutMetrics | None:
     if not port and not textfile_dir:
         return None
     metrics = ScoutMetrics(cfg, rank=rank)
+    if textfile_dir:
+        try:  # an unwritable directory fails here, at enable(), not silently at every boundary
+            os.makedirs(textfile_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=textfile_dir, prefix=".scout-probe-"):
+                pass
+        except OSError as exc:
+            raise RuntimeError(f"report.prometheus.textfile_dir: rank {rank} cannot write {textfile_dir}: {exc}"
+                               ) from exc
     if port:
-        port += int(os.environ.get("LOCAL_RANK", "0"))
+        port += local_rank()
         try:
             metrics.serve(port)
         except OSError as exc:
             raise RuntimeError(f"report.prometheus: rank {rank} cannot serve metrics on "
-                               f"{address}:{port} (port + LOCAL_RANK): {exc}") from exc
+                               f"{address}:{port} (port + the rank's index on its machine): {exc}") from exc
     return metrics

@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import operator
 import os
 import socket
@@ -211,6 +212,33 @@ class RecordError(ValueError):
 _REQUIRED = ("kind", "scope", "ranks")
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _list_of(kind: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in v)
+
+
+_FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "ranks": (_list_of(int), "a list of rank numbers"),
+    "hosts": (_list_of(str), "a list of machine names"),
+    "devices": (_list_of(str), "a list of device names"),
+    "step": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "a step number or null"),
+    "surface": (lambda v: isinstance(v, str), "a string"),
+    "evidence": (lambda v: isinstance(v, dict), "an object"),
+    "time_to_verdict_s": (lambda v: v is None or (_is_number(v) and v >= 0), "seconds or null"),
+    "reason": (lambda v: isinstance(v, str), "a string"),
+    "run_id": (lambda v: isinstance(v, str), "a string"),
+    "reporter_rank": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "a rank or null"),
+    "time_unix": (lambda v: _is_number(v) and 0 <= v < 1e11, "a Unix time"),
+    "version": (lambda v: isinstance(v, str), "a string"),
+    "schema": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a schema number"),
+}
+"""What each field of a record read back must be: a record is data from a file, and a wrong type would reach the
+table, the HTML page or the hosts list (a string of hosts read as a list drains one host per letter)."""
+
+
 def parse_incident(line: str, where: str = "record") -> Incident:
     """One JSON-lines record, or :class:`RecordError` saying what is wrong with it (``where``: file and line)."""
     try:
@@ -222,6 +250,9 @@ def parse_incident(line: str, where: str = "record") -> Incident:
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise RecordError(f"{where}: missing field(s) {', '.join(missing)}")
+    for key, (ok, what) in _FIELD_TYPES.items():
+        if key in data and not ok(data[key]):
+            raise RecordError(f"{where}: {key} must be {what}, got {json.dumps(data[key])[:80]}")
     try:
         return Incident.from_dict(data)
     except (TypeError, ValueError) as exc:
@@ -262,7 +293,8 @@ def ranks_text(ranks: Sequence[int]) -> str:
 
 @dataclass(frozen=True)
 class IncidentGroup:
-    """Repeated records of one fault: the same kind and scope naming the same ranks."""
+    """Repeated records of one fault: one run's records of the same kind and scope naming the same ranks on the
+    same machines."""
 
     first: Incident
     count: int
@@ -272,11 +304,12 @@ class IncidentGroup:
 
 
 def group_repeats(incidents: Iterable[Incident]) -> list[IncidentGroup]:
-    """One group per (kind, scope, ranks), in order of first appearance: a faulty rank found again at every
-    check is one row, with how often and at which steps."""
+    """One group per (run, kind, scope, ranks, machines), in order of first appearance: a faulty rank found again
+    at every check is one row, with how often and at which steps."""
     order: dict[tuple[Any, ...], list[Incident]] = {}
-    for inc in incidents:
-        order.setdefault((inc.kind, inc.scope, tuple(sorted(inc.ranks))), []).append(inc)
+    for inc in incidents:  # one fault: one job, the same verdict, the same ranks on the same machines
+        key = (inc.run_id, inc.kind, inc.scope, tuple(sorted(inc.ranks)), tuple(sorted(set(inc.hosts))))
+        order.setdefault(key, []).append(inc)
     return [IncidentGroup(first=g[0], count=len(g), steps=tuple(sorted({i.step for i in g if i.step is not None})),
                           surfaces=tuple(dict.fromkeys(i.surface for i in g if i.surface)),
                           last_time_unix=max(i.time_unix for i in g))
@@ -285,6 +318,16 @@ def group_repeats(incidents: Iterable[Incident]) -> list[IncidentGroup]:
 
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 3, 1)] + "..."
+
+
+def _hosts_text(hosts: Sequence[str], width: int = 16) -> str:
+    """As many machines as fit in ``width``, then how many more: 'node0,node1 (+6)'."""
+    for shown in range(len(hosts), 0, -1):
+        more = f" (+{len(hosts) - shown})" if shown < len(hosts) else ""
+        text = ",".join(hosts[:shown]) + more
+        if len(text) <= width:
+            return text
+    return _clip(hosts[0], width - 6) + f" (+{len(hosts) - 1})" if len(hosts) > 1 else _clip(hosts[0], width)
 
 
 def _steps_text(steps: Sequence[int]) -> str:
@@ -312,27 +355,27 @@ def format_table(incidents: Sequence[Incident], *, width: int | None = 160, grou
             time.strftime("%H:%M:%S", time.localtime(inc.time_unix)),
             inc.kind.value,
             inc.scope.value,
-            ranks_text(inc.ranks) or "-",
-            (",".join(hosts[:3]) + (f" (+{len(hosts) - 3})" if len(hosts) > 3 else "")) or "-",
+            _clip(ranks_text(inc.ranks), 16) or "-",
+            _hosts_text(hosts) or "-",
             str(g.count),
             _steps_text(g.steps),
             surface,
             "-" if inc.time_to_verdict_s is None else f"{inc.time_to_verdict_s:.3f}",
-            inc.reason,
+            " ".join(inc.reason.split()),  # one line, whatever the record holds
         ])
     if not rows:
         return "no incidents"
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    if width is not None:  # surface and reason share what the other columns leave (each at least 12)
+    if width is not None:  # surface and reason share what the other columns leave (each at least 10)
         surface_col = headers.index("surface")
         fixed = sum(w for i, w in enumerate(widths) if i not in (surface_col, len(headers) - 1))
         room = width - fixed - 2 * (len(headers) - 1)
-        surface_room = max(min(widths[surface_col], room // 2), 12)
+        surface_room = max(min(widths[surface_col], room // 2), 10)
         for r in rows:
             r[surface_col] = _clip(r[surface_col], surface_room)
         widths[surface_col] = max(len("surface"), *(len(r[surface_col]) for r in rows))
         for r in rows:
-            r[-1] = _clip(r[-1], max(room - widths[surface_col], 12))
+            r[-1] = _clip(r[-1], max(room - widths[surface_col], 10))
         widths[-1] = max(len(headers[-1]), *(len(r[-1]) for r in rows))
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]

@@ -20,6 +20,7 @@ boundary becomes certification evidence. Frameworks enter through
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -173,7 +174,8 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         reporter = Reporter(sinks, run_id=run_id, rank=rank)
     except BaseException:
         if metrics is not None:
-            metrics.close()
+            with contextlib.suppress(Exception):  # the error that got us here is the one to raise
+                metrics.close()
         ScoutHandle.release_claim()
         raise
     handle = ScoutHandle(config=cfg, adapter=adapter, rank=rank, world_size=world, run_id=run_id, groups=groups,

@@ -20,6 +20,7 @@ from scout_core.testing.launcher import RankContext, free_port, launch
 pytest.importorskip("prometheus_client")
 
 WORLD = 4
+STEPS = 8
 SDC_RANK, SDC_STEP = 2, 3
 
 
@@ -40,28 +41,32 @@ def _metrics_rank(ctx: RankContext) -> dict[str, Any]:
     a, injector, par, opt = start_rank(ctx)
     state = {"step": 0}
     install_block_faults(par, injector, ctx.rank, state)
-    cfg = load(None, ["replay.cadence.hidden=1", f"report.jsonl_path={a['dir']}/incidents.jsonl",
+    # Checks at every second step: the boundaries between them must count nothing.
+    cfg = load(None, ["replay.cadence.hidden=2", f"report.jsonl_path={a['dir']}/incidents.jsonl",
                       f"report.prometheus.port={a['port']}", f"report.prometheus.textfile_dir={a['dir']}/prom",
                       "report.prometheus.textfile_interval_s=0.001", "report.log_level=ERROR"])
     handle = scout_core.enable(par.model, opt, config=cfg)
     port = a["port"] + ctx.rank
     bound = handle.metrics.server.server_address[0]
     scrapes: dict[int, Any] = {}
-    for step, (x, y) in enumerate(batches(ctx.rank, 6, seed=0), start=1):
+    for step, (x, y) in enumerate(batches(ctx.rank, STEPS, seed=0), start=1):
         state["step"] = step
         torch.nn.functional.mse_loss(par.model(x), y).backward()
         opt.step()
         opt.zero_grad()
         dist.barrier()
-        if ctx.rank == 0 and step in (2, 6):  # a scraper reads every rank's endpoint while the job runs
+        if ctx.rank == 0 and step in (3, STEPS):  # a scraper reads every rank's endpoint while the job runs
             scrapes[step] = [_scrape(a["port"] + r) for r in range(WORLD)]
         dist.barrier()
+    textfile = handle.metrics.textfile_path
+    with open(textfile) as fh:
+        text = fh.read()
+    checks = [(r.step, bool(r.incidents or r.incidents_global)) for r in handle.replay.history]
     handle.close()
-    with socket.socket() as s:  # the endpoint is gone with the handle
-        closed = s.connect_ex(("127.0.0.1", port)) != 0
-    with open(f"{a['dir']}/prom/scout_rank{ctx.rank}.prom") as fh:
-        textfile = fh.read()
-    return {"scrapes": scrapes, "bound": bound, "closed": closed, "textfile": textfile}
+    with socket.socket() as s:  # the endpoint is gone with the handle, and so is the textfile
+        closed = s.connect_ex(("127.0.0.1", port)) != 0 and not os.path.exists(textfile)
+    return {"scrapes": scrapes, "bound": bound, "closed": closed, "textfile": text, "checks": checks,
+            "textfile_name": os.path.basename(textfile)}
 
 
 def test_every_rank_exports_its_checks_incidents_and_state(tmp_path):
@@ -71,27 +76,35 @@ def test_every_rank_exports_its_checks_incidents_and_state(tmp_path):
                     args={"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path), "port": free_port()})
     assert result.ok, result.failures()
     out = result.values()
+    checks = out[0]["checks"]
+    assert [s for s, _ in checks] == [2, 4, 6, 8]
+    found = [s for s, f in checks if f]
+    assert len(found) == 1 and found[0] > SDC_STEP  # the sampled block rotates: block 1 is checked once
     scrapes = out[0]["scrapes"]
     for r in range(WORLD):
-        early, late = scrapes[2][r], scrapes[6][r]
+        early, late = scrapes[3][r], scrapes[STEPS][r]
         label = f'{{rank="{r}"}}'
-        assert early[f"scout_replay_checks_total{label}"] == 2
-        assert early[f"scout_replay_checks_agreed_total{label}"] == 2
-        assert late[f"scout_replay_checks_total{label}"] == 6
-        # Block 1 is replayed at steps 2 and 5; the fault from step 3 is found at 5 only: 5 clean checks.
-        assert late[f"scout_replay_checks_agreed_total{label}"] == 5
-        assert late[f"scout_seconds_since_clean_check{label}"] < early[f"scout_uptime_seconds{label}"] + 60
+        assert early[f"scout_replay_checks_total{label}"] == 1  # step 2 only; step 3's boundary checks nothing
+        assert early[f"scout_replay_checks_agreed_total{label}"] == 1
+        assert late[f"scout_replay_checks_total{label}"] == 4
+        assert late[f"scout_replay_checks_agreed_total{label}"] == 3
+        assert late[f"scout_replay_checks_skipped_total{label}"] == 0
+        assert 0 < late[f"scout_seconds_since_clean_check{label}"] < late[f"scout_uptime_seconds{label}"]
+        assert late[f"scout_last_clean_check_timestamp_seconds{label}"] > early[
+            f"scout_last_clean_check_timestamp_seconds{label}"] > 0
         assert late[f"scout_observer_up{label}"] == 1
-        assert late[f"scout_step{label}"] == 6
+        assert late[f"scout_step{label}"] == STEPS
+        assert late[f'scout_certification_step{{rank="{r}",state="verified"}}'] == -1  # checkpoints are off
         assert late[f"scout_overhead_seconds_total{label}"] > 0
         assert any(k.startswith("scout_info{") and f'rank="{r}"' in k and "run_id=" in k for k in late)
         assert out[r]["bound"] == "127.0.0.1" and out[r]["closed"]
-        assert f"scout_replay_checks_total{label} 6.0" in out[r]["textfile"]
-    sdc = [late.get(f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}}', 0.0)
-           for r, late in enumerate(scrapes[6])]
+        assert f"scout_replay_checks_total{label} 4.0" in out[r]["textfile"]
+        assert out[r]["textfile_name"].endswith(f"_rank{r}.prom") and out[r]["textfile_name"] != f"scout_rank{r}.prom"
+    sdc = [late[f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}}']
+           for r, late in enumerate(scrapes[STEPS])]
     assert sum(sdc) == 1  # one record of the one verdict, counted by the rank that wrote it
-    assert all(s.get(f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}}', 0.0) == 0
-               for r, s in enumerate(scrapes[2]))
+    assert all(s[f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}}'] == 0  # present at 0 before
+               for r, s in enumerate(scrapes[3]))
 
 
 def _taken_rank(ctx: RankContext) -> str:
@@ -129,7 +142,7 @@ def test_the_documented_dashboard_and_alerts_read_metrics_that_exist():
     docs = Path(__file__).resolve().parents[1] / "docs"
     metrics = ScoutMetrics(PrometheusConfig(), rank=0)
     metrics.describe(run_id="r", host="h")
-    metrics.incidents.labels("0", "sdc", "rank")  # incidents by kind appear with the first record
+    assert "scout_observer_up" not in generate_latest(metrics.registry).decode()  # only where an observer runs
     exported = set(re.findall(r"^(scout_\w+)", generate_latest(metrics.registry).decode(), re.M))
     dashboard = json.loads((docs / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]

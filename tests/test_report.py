@@ -135,6 +135,15 @@ def test_empty_table():
     ('[1, 2]', "a record is a JSON object, got list"),
     ('{"kind": "sdc", "scope": "rank", "ranks": 7}', "ranks"),
     ('not json', "not JSON"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "hosts": "node-a"}', "hosts must be a list of machine names"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "hosts": null}', "hosts must be"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "step": "7"}', "step must be a step number or null"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "surface": ["a"]}', "surface must be a string"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "reason": null}', "reason must be a string"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "time_unix": NaN}', "time_unix must be a Unix time"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "time_unix": 1e300}', "time_unix must be a Unix time"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [1], "time_to_verdict_s": "1"}', "time_to_verdict_s must be"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [true]}', "ranks must be a list of rank numbers"),
 ])
 def test_scout_report_names_the_bad_line_without_a_traceback(tmp_path, capsys, line, message):
     path = tmp_path / "i.jsonl"
@@ -169,8 +178,11 @@ def test_rows_fit_the_terminal_and_the_json_keeps_the_detail():
                      ranks=list(range(64)), hosts=[f"node{i // 8}" for i in range(64)])
     table = format_table([long], width=120)
     assert max(len(line) for line in table.splitlines()) <= 120
-    assert "node0,node1,node2 (+5)" in table and "0-63" in table
+    assert "node0,node1 (+6)" in table and "0-63" in table
     assert len(format_table([long], width=None).splitlines()[2]) > 1000
+    scattered = _incident(kind="checkpoint_stall", scope="machine", ranks=list(range(0, 128, 2)),
+                          hosts=[f"a-very-long-hostname-{i}.cluster.example" for i in range(64)], reason="x" * 300)
+    assert max(len(line) for line in format_table([scattered], width=120).splitlines()) <= 120
 
 
 def test_hosts_to_exclude_lists_sdc_and_slow_machines_once(tmp_path, capsys):
@@ -188,3 +200,12 @@ def test_hosts_to_exclude_lists_sdc_and_slow_machines_once(tmp_path, capsys):
     empty.write_text("")
     assert main(["hosts-to-exclude", str(empty)]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_one_rank_on_different_machines_or_runs_is_not_one_fault():
+    records = [_incident(hosts=["node-a"], run_id="run1"), _incident(hosts=["node-b"], run_id="run2"),
+               _incident(hosts=["node-a"], run_id="run1", step=20, reason="again\nand again")]
+    rows = format_table(records).splitlines()[2:]
+    assert len(rows) == 2 and "node-a" in rows[0] and "node-b" in rows[1] and " 2  " in rows[0]
+    assert "again and again" not in format_table(records)  # the group shows its first record's reason
+    assert all("\n" not in r for r in format_table(records, group=False).splitlines())
