@@ -1,5 +1,6 @@
-"""The package's layout rules: the core never imports a plugin or a framework, and production modules never import
-the test machinery (``scout_core.testing``); only the ``scout cells`` command reaches it, lazily."""
+"""The package's layout rules: the core never imports a plugin or a framework, and production modules (the core's
+and the plugins') never reach the test machinery (``scout_core.testing``); only the ``scout cells`` command does,
+inside its functions, when it runs."""
 
 from __future__ import annotations
 
@@ -9,45 +10,78 @@ from pathlib import Path
 import scout_core
 
 PACKAGE = Path(scout_core.__file__).parent
-FORBIDDEN_EVERYWHERE = ("scout_torchtitan", "scout_megatron", "scout_deepspeed", "torchtitan", "megatron",
-                        "deepspeed")
+ROOT = PACKAGE.parent
+FRAMEWORKS = ("scout_torchtitan", "scout_megatron", "scout_deepspeed", "torchtitan", "megatron", "deepspeed")
+TESTING = "scout_core.testing"
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
+def _module_of(path: Path) -> str:
+    """The dotted name relative imports resolve against (scout_core's modules; the plugins' resolve among
+    themselves, which never reaches scout_core)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, tree: ast.Module) -> list[tuple[str, int, bool]]:
+    """(absolute module, line, at module level) of every import, relative ones resolved, plus every string
+    constant naming the test machinery (importlib, lazy-import tables)."""
+    package = _module_of(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    top = {id(n) for n in tree.body}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.module, node.lineno))
-            found += [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+            found += [(alias.name, node.lineno, id(node) in top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((module, node.lineno, id(node) in top))
+            found += [(f"{module}.{alias.name}", node.lineno, id(node) in top) for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and TESTING in node.value:
+            found.append((node.value, node.lineno, False))
     return found
 
 
-def _violations(path: Path) -> list[str]:
-    rel = path.relative_to(PACKAGE.parent)
-    production = "testing" not in rel.parts and rel.name != "cli.py"
+def _violations(path: Path, source: str | None = None) -> list[str]:
+    rel = path.relative_to(ROOT)
+    tree = ast.parse(source if source is not None else path.read_text(), filename=str(path))
+    in_core = rel.parts[0] == "scout_core"
+    machinery = in_core and len(rel.parts) > 1 and rel.parts[1] == "testing"
+    command = rel.as_posix() == "scout_core/cli.py"
     bad = []
-    for name, line in _imports(path):
-        if name.split(".")[0] in FORBIDDEN_EVERYWHERE:
+    for name, line, top_level in _imports(path, tree):
+        if in_core and name.split(".")[0] in FRAMEWORKS:
             bad.append(f"{rel}:{line} imports {name}")
-        if production and (name == "scout_core.testing" or name.startswith("scout_core.testing.")):
-            bad.append(f"{rel}:{line} imports the test machinery ({name})")
+        testing = name == TESTING or name.startswith(TESTING + ".")
+        if testing and not machinery and not (command and not top_level):
+            bad.append(f"{rel}:{line} reaches the test machinery ({name})")
     return bad
 
 
-def test_production_modules_never_import_the_test_machinery_or_a_plugin():
-    bad = [v for path in sorted(PACKAGE.rglob("*.py")) for v in _violations(path)]
-    assert bad == []
+def _production_files() -> list[Path]:
+    plugins = [p for p in (ROOT / "plugins").glob("*/scout_*/**/*.py")]
+    return sorted(PACKAGE.rglob("*.py")) + sorted(plugins)
 
 
-def test_the_rule_finds_a_violation(tmp_path, monkeypatch):
-    """The check above can fail: a production module importing the injector is named."""
-    fake = PACKAGE / "replay" / "engine.py"
-    source = fake.read_text() + "\nfrom scout_core.testing.inject import Injector\nimport deepspeed\n"
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: source if self == fake else _read(self))
-    found = _violations(fake)
-    assert any("test machinery" in v for v in found) and any("imports deepspeed" in v for v in found)
+def test_production_modules_never_reach_the_test_machinery_or_a_plugin():
+    files = _production_files()
+    assert any("plugins" in p.parts for p in files), "the plugins' packages are scanned too"
+    assert [v for path in files for v in _violations(path)] == []
 
 
-_read = Path.read_text
+def test_the_rule_finds_each_way_in():
+    """The check above can fail: absolute, relative and dynamic imports of the machinery, a framework import,
+    and a module-level import in the command are all named."""
+    engine = PACKAGE / "replay" / "engine.py"
+    for extra, expect in (("from scout_core.testing.inject import Injector", "test machinery"),
+                          ("from ..testing.inject import Injector", "test machinery"),
+                          ("import importlib\nimportlib.import_module('scout_core.testing.launcher')",
+                           "test machinery"),
+                          ("import deepspeed", "imports deepspeed")):
+        found = _violations(engine, engine.read_text() + "\n" + extra + "\n")
+        assert any(expect in v for v in found), extra
+    cli = PACKAGE / "cli.py"
+    assert _violations(cli, cli.read_text() + "\nfrom scout_core.testing.cells import load_cells\n")
+    plugin = next(p for p in _production_files() if "plugins" in p.parts)
+    assert _violations(plugin, plugin.read_text() + "\nfrom scout_core.testing import launcher\n")
