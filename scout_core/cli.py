@@ -40,8 +40,40 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 2
     if args.kind:
         incidents = [i for i in incidents if i.kind.value in args.kind]
+    if args.html:
+        return _write_html(args, incidents)
     width = None if args.wide else shutil.get_terminal_size((160, 24)).columns
     print(format_table(incidents, width=width, group=not args.every))
+    return 0
+
+
+def _write_html(args: argparse.Namespace, incidents: list) -> int:
+    import json
+    import os
+
+    from scout_core.report_html import render_html
+
+    path = args.decisions or os.path.join(os.path.dirname(os.path.abspath(args.path)), "decisions.jsonl")
+    decisions = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, start=1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    print(f"scout report: warning: {path}:{number}: not a decision record, skipped", file=sys.stderr)
+                    continue
+                if isinstance(record, dict):
+                    decisions.append(record)
+    elif args.decisions:
+        print(f"scout report: {path}: no such file", file=sys.stderr)
+        return 2
+    page = render_html(incidents, decisions=decisions, source=os.path.abspath(args.path))
+    tmp = f"{args.html}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(page)
+    os.replace(tmp, args.html)
+    print(f"wrote {args.html} ({len(incidents)} records, {len(decisions)} decisions)")
     return 0
 
 
@@ -194,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--every", action="store_true",
                      help="one row per record (default: repeated records of one fault on one rank are one row)")
     rep.add_argument("--wide", action="store_true", help="never clip long surfaces and reasons")
+    rep.add_argument("--html", metavar="OUT",
+                     help="write one self-contained page instead: timeline, per-rank timings, certification")
+    rep.add_argument("--decisions", metavar="FILE",
+                     help="retrieval decisions for the page (default: decisions.jsonl beside PATH, if any)")
     rep.set_defaults(func=_cmd_report)
 
     hosts = sub.add_parser(
