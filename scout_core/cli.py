@@ -138,18 +138,34 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
 
 def _run_with_progress(path: Path, specs: Sequence, **kwargs) -> list:
     """Run cells, one line per cell as it finishes (``[i/n]``, verdict, wall time), failures with details."""
+    import time
+
+    from scout_core.testing import launcher
     from scout_core.testing.cells import run_cells
 
     done = [0]
+    running: list = [None, 0.0]  # the cell in progress and when it started
+
+    def start(spec) -> None:
+        running[:] = [spec.name, time.monotonic()]
 
     def progress(report) -> None:
+        running[0] = None
         done[0] += 1
         print(f"[{done[0]}/{len(specs)}] {report.verdict} {report.name} ({report.world_size} ranks, "
               f"{report.wall_s:.1f}s)", flush=True)
         if report.verdict != "PASS" and report.details:
             print("    " + report.details.replace("\n", "\n    "), flush=True)
 
-    return run_cells(specs, root=path.parent.parent, on_result=progress, **kwargs)
+    def still_running() -> None:  # a cell may run for minutes: say it is still going
+        if running[0] is not None:
+            print(f"    ... {running[0]} running for {time.monotonic() - running[1]:.0f}s", flush=True)
+
+    launcher.heartbeat = still_running
+    try:
+        return run_cells(specs, root=path.parent.parent, on_result=progress, on_start=start, **kwargs)
+    finally:
+        launcher.heartbeat = None
 
 
 def _cmd_cells_matrix(args: argparse.Namespace) -> int:

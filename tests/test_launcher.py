@@ -127,3 +127,23 @@ def test_c3_exchange_k_surfaces_identical_everywhere():
     assert values[0]["sub"]["peer_ranks"] == [0, 2, 4] and values[0]["sub"]["bitmap"] == [0, 0, 1]
     assert values[1]["sub"]["peer_ranks"] == [1, 3, 5] and values[1]["sub"]["status"] == C3Status.AGREE.value
     assert all("mismatch" in (v["mismatch"] or "") for v in values)
+
+
+def _nap(ctx):
+    import time as _time
+
+    _time.sleep(1.0)
+    return ctx.rank
+
+
+def test_the_heartbeat_runs_on_the_launching_thread_while_ranks_run(monkeypatch):
+    import threading
+
+    from scout_core.testing import launcher as launcher_module
+
+    beats = []
+    monkeypatch.setattr(launcher_module, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(launcher_module, "heartbeat", lambda: beats.append(threading.current_thread().name))
+    result = launcher_module.launch(_nap, 2, timeout_s=30)
+    assert result.ok and sorted(result.values()) == [0, 1]
+    assert len(beats) >= 3 and set(beats) == {threading.current_thread().name}

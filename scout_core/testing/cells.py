@@ -156,6 +156,7 @@ def run_cells(
     world_size: int | None = None,
     on_result: Callable[[CellReport], None] | None = None,
     workdir: str | os.PathLike[str] | None = None,
+    on_start: Callable[[CellSpec], None] | None = None,
 ) -> list[CellReport]:
     """Run cells one after another; a crashing cell is a FAIL, not an abort.
 
@@ -168,6 +169,8 @@ def run_cells(
     reports = []
     for spec in specs:
         n = world_size or spec.world_size
+        if on_start:
+            on_start(spec)
         start = time.monotonic()
         with _cell_dir(spec.name, workdir) as cell_dir:
             out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})

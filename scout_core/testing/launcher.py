@@ -150,6 +150,12 @@ def _kill_group(pid: int) -> None:
             pass
 
 
+heartbeat: Callable[[], None] | None = None
+"""Called every ``HEARTBEAT_S`` seconds while :func:`launch` waits for its ranks (a long cell says it is still
+running), on the launching thread itself: a thread of its own in the parent could hold a lock at a fork."""
+HEARTBEAT_S = 30.0
+
+
 def launch(
     fn: Callable[[RankContext], Any],
     world_size: int,
@@ -199,6 +205,7 @@ def launch(
                 os.setpgid(pid, pid)  # also done in the child; whichever runs first wins
             except (ProcessLookupError, PermissionError):
                 pass
+        next_beat = time.monotonic() + HEARTBEAT_S
         while readers or (keep_groups and stop_when is not None):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -208,6 +215,12 @@ def launch(
                 stopped = True
                 break
             wait_s = remaining if stop_when is None else min(remaining, poll_s)
+            if heartbeat is not None:  # on this thread: the ranks are forked from it, so no other thread runs
+                now = time.monotonic()
+                if now >= next_beat:
+                    heartbeat()
+                    next_beat = now + HEARTBEAT_S
+                wait_s = max(min(wait_s, next_beat - now), 0.0)
             if not readers:
                 time.sleep(wait_s)
                 continue
