@@ -88,6 +88,35 @@ def _cmd_hosts_to_exclude(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ctl(args: argparse.Namespace) -> int:
+    from scout_core.control import ControlError, send_command, wait_applied
+
+    key = value = ""
+    if args.op == "set":
+        if len(args.assignment) != 1 or "=" not in args.assignment[0]:
+            print("scout ctl: set takes one KEY=VALUE", file=sys.stderr)
+            return 2
+        key, value = args.assignment[0].split("=", 1)
+    elif args.assignment:
+        print(f"scout ctl: {args.op} takes no KEY=VALUE", file=sys.stderr)
+        return 2
+    try:
+        command = send_command(args.run, args.op, key, value, directory=args.dir or "")
+    except (ControlError, OSError) as exc:
+        print(f"scout ctl: {exc}", file=sys.stderr)
+        return 2
+    print(f"sent {command['op']} {key}{'=' + value if key else ''} (id {command['id']}); every rank applies it at "
+          "the next control boundary")
+    if args.wait:
+        answer = wait_applied(args.run, command["id"], timeout_s=args.wait, directory=args.dir or "")
+        if answer is None:
+            print(f"scout ctl: no answer within {args.wait:g}s (is the job running and stepping?)", file=sys.stderr)
+            return 1
+        print(f"{answer['status']} at step {answer['step']}" + (f": {answer['reason']}" if answer["reason"] else ""))
+        return 0 if answer["status"] == "applied" else 1
+    return 0
+
+
 def _load_specs(args: argparse.Namespace):
     from scout_core.testing.cells import find_cells_file, load_cells
 
@@ -253,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the machines a scheduler should drain (SDC, machine-scoped stragglers), one per line")
     hosts.add_argument("paths", nargs="+", help="incident JSON-lines files (report.jsonl_path)")
     hosts.set_defaults(func=_cmd_hosts_to_exclude)
+
+    ctl = sub.add_parser("ctl", help="steer a running job: pause, resume, or set a live key (docs/control.md)")
+    ctl.add_argument("run", help="the run id (report.run_id), or the path of its control folder")
+    ctl.add_argument("op", choices=["pause", "resume", "set"])
+    ctl.add_argument("assignment", nargs="*", help="KEY=VALUE for set")
+    ctl.add_argument("--dir", help="control.directory of the job (default: $XDG_RUNTIME_DIR/scout or ~/.scout/runs)")
+    ctl.add_argument("--wait", type=float, default=0.0, metavar="S",
+                     help="wait up to S seconds for the job's answer (applied at step N, or refused and why)")
+    ctl.set_defaults(func=_cmd_ctl)
 
     cells = sub.add_parser("cells", help="multi-rank fault-injection cells")
     cells_sub = cells.add_subparsers(dest="cells_command", required=True)

@@ -26,7 +26,9 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "ConsensusConfig",
+    "ControlConfig",
     "ObserverConfig",
+    "PrometheusConfig",
     "ReplayCadence",
     "ReplayConfig",
     "ReportConfig",
@@ -210,6 +212,21 @@ class ActionsConfig:
 
 
 @dataclass(kw_only=True)
+class ControlConfig:
+    """Runtime control by the job's owner (``scout ctl RUN pause|resume|set KEY=VALUE``, docs/control.md)."""
+
+    enabled: bool = True
+    """Rank 0 keeps an owner-only control folder with a per-run secret, and commands are read at step
+    boundaries."""
+    directory: str = ""
+    """Where runs' control folders are made (``<directory>/<run_id>``, mode 0700); empty =
+    ``$XDG_RUNTIME_DIR/scout``, else ``~/.scout/runs``. ``scout ctl`` runs where it can read rank 0's folder."""
+    every_steps: int = _range(10, ge=1)
+    """Steps between two looks for commands: rank 0 reads the folder and one world broadcast of one number tells
+    every rank, which then applies the commands at that same step."""
+
+
+@dataclass(kw_only=True)
 class PrometheusConfig:
     """Per-rank Prometheus metrics (needs ``prometheus-client``: ``pip install 'scout-core[prometheus]'``)."""
 
@@ -252,6 +269,7 @@ class ScoutConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
 
 _ACTIONS = ("log", "stop")

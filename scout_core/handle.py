@@ -61,7 +61,7 @@ from scout_core.replay.engine import BoundaryResult, ReplayEngine
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
 from scout_core.replay.scratch import fsdp_owners
-from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
+from scout_core.report import Incident, IncidentKind, IncidentScope, LoggingSink, Reporter
 
 __all__ = ["ScoutHandle"]
 
@@ -124,6 +124,7 @@ class ScoutHandle:
         self.last_result: BoundaryResult | None = None
         self.metrics: Any = None  # scout_core.metrics.ScoutMetrics, where report.prometheus asks for it
         self.last_expert: Any = None  # the expert check of the last boundary (scout_core.moe.replay.ExpertCheck)
+        self.control: Any = None  # scout_core.control.RunControl, unless control.enabled is false
         self.last_decision: Any = None
         self.framework_checkpoints: FrameworkCheckpoints | None = None
         """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
@@ -386,13 +387,70 @@ class ScoutHandle:
         """The boundary after each optimizer step (called by the hook; call it yourself if you have no
         optimizer to hook). Replay, certification, actions. Never raises into training except
         :class:`~scout_core.actions.ScoutStop` when ``actions.on_verdict`` is ``stop``."""
-        if self.metrics is None:
-            return self._boundary()
         start = time.perf_counter()
         try:
-            return self._boundary()
+            result = self._boundary()
+            if self.control is not None and self.control.due(self._step()):
+                self._steer(self._step())
+            return result
         finally:  # also when the boundary stops the job: the last figures are the ones an operator reads
-            self.metrics.boundary(self, time.perf_counter() - start)
+            if self.metrics is not None:
+                self.metrics.boundary(self, time.perf_counter() - start)
+
+    # -- runtime control (scout ctl) ------------------------------------------------------------------
+
+    def _steer(self, step: int) -> None:
+        """Every rank applies rank 0's pending commands at this same step (``scout_core.control``)."""
+        for command in self.control.exchange():
+            status, reason = self._apply_command(command)
+            self.control.answer(command, step, status, reason)
+            if status == "applied":
+                _log.warning("rank %d: SCOUT control at step %d: %s %s%s", self.rank, step, command.get("op"),
+                             command.get("key", ""), f"={command.get('value')}" if command.get("key") else "")
+
+    def _apply_command(self, command: dict[str, Any]) -> tuple[str, str]:
+        """Apply one command alike on every rank: the same command and configuration give the same outcome."""
+        from scout_core.control import ControlError, check_live
+
+        op = command.get("op")
+        if command.get("bad"):
+            return "refused", str(command["bad"])
+        if op in ("pause", "resume"):
+            self.control.paused = op == "pause"
+            if self.replay is not None:
+                self.replay.paused = self.control.paused
+                self.replay.reschedule()
+            return "applied", ""
+        if op != "set":
+            return "refused", f"unknown command {op!r}"
+        key = str(command.get("key", ""))
+        try:
+            value = check_live(key, str(command.get("value", "")), self.config)
+        except ControlError as exc:
+            return "refused", str(exc)
+        section, _, leaf = key.rpartition(".")
+        target: Any = self.config
+        for part in section.split("."):
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+        if section == "replay.cadence":
+            if self.replay is not None:
+                self.replay.reschedule()
+            if leaf == "expert" and self.experts is not None:
+                self.experts.every = value
+        elif section == "consensus" and self.replay is not None:
+            self.replay.rule = StatisticalRule.from_config(self.config.consensus)
+            self.replay.timing.rule = StatisticalRule.for_communication(self.config.consensus)
+            self.replay.timing.compute_rule = self.replay.rule
+            if self.experts is not None and self.experts.alltoall is not None:
+                self.experts.alltoall.rule = StatisticalRule.for_communication(self.config.consensus)
+        elif key == "actions.on_verdict":
+            self.stop_on_verdict = value == "stop"
+        elif key == "report.log_level":
+            for sink in self.reporter.sinks:
+                if isinstance(sink, LoggingSink):
+                    sink.level = logging.getLevelName(str(value).upper())
+        return "applied", ""
 
     def _boundary(self) -> BoundaryResult | None:
         self.settle()  # a previous step's snapshot is complete before this boundary (manual callers too)
@@ -406,7 +464,9 @@ class ScoutHandle:
         # and a collective that fails means the job's communication failed: that propagates, as the
         # training job's own next collective would.
         result = self.last_result = self.replay.boundary()
-        expert = self.last_expert = self.experts.boundary(result.step) if self.experts is not None else None
+        paused = self.control is not None and self.control.paused
+        expert = self.last_expert = (self.experts.boundary(result.step) if self.experts is not None and not paused
+                                     else None)
         if expert is not None:
             result.incidents_global += expert.incidents  # each expert-peer group's own verdicts
         if not result.checked and expert is None:
@@ -709,6 +769,8 @@ class ScoutHandle:
                 self._quietly(self.tracker.record.close, "progress record")
             if self.metrics is not None:
                 self._quietly(self.metrics.close, "metrics endpoint")
+            if self.control is not None:
+                self._quietly(self.control.close, "control folder")
             for g in {self.groups.world_control, self.groups.peer, self.groups.peer_control,
                       self.groups.replica_control, getattr(self.checkpoint, "repl_group", None)} - {None}:
                 with contextlib.suppress(Exception):

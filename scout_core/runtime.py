@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from scout_core.adapter import FrameworkAdapter, torch_adapter
 from scout_core.config import ScoutConfig, TopologyConfig, validate
+from scout_core.control import RunControl
 from scout_core.groups import build_groups
 from scout_core.handle import ScoutHandle
 from scout_core.metrics import start_metrics
@@ -130,7 +131,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scout_core.enable() needs an initialized default process group")
     ScoutHandle.claim()
-    metrics = None
+    metrics = control = None
     try:
         cfg = validate(config or ScoutConfig())
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -146,15 +147,18 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
             except Exception as exc:  # every rank raises it after the exchange: none is left waiting
                 plane_error = f"{type(exc).__name__}: {exc}"
         # The metrics endpoint binds its port before the exchange, so a port taken on one rank fails every rank.
-        metrics_error = ""
+        start_error = ""
+        run_id_mine = cfg.report.run_id or uuid.uuid4().hex[:12]  # rank 0's is the job's
         try:
             metrics = start_metrics(cfg.report.prometheus, rank=rank)
+            if cfg.control.enabled:  # rank 0 makes the control folder: a failure fails every rank together
+                control = RunControl(cfg, run_id=run_id_mine, rank=rank, world_control=groups.world_control)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
-            metrics_error = str(exc)
+            start_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
         mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(),
-                "device": str(device_of(adapter.chunks[0])), "run_id": cfg.report.run_id or uuid.uuid4().hex[:12],
+                "device": str(device_of(adapter.chunks[0])), "run_id": run_id_mine,
                 "control": plane.to_dict() if plane else None, "control_error": plane_error,
-                "launch": uuid.uuid4().hex[:8], "metrics_error": metrics_error}
+                "launch": uuid.uuid4().hex[:8], "start_error": start_error}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)
         hosts = {r: e["host"] for r, e in enumerate(everyone)}
@@ -162,7 +166,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         run_id = everyone[0]["run_id"]
         if everyone[0]["control_error"]:
             raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")
-        failed = [e["metrics_error"] for e in everyone if e["metrics_error"]]
+        failed = [e["start_error"] for e in everyone if e["start_error"]]
         if failed:
             raise RuntimeError(f"{failed[0]}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
         sinks: list[Any] = [LoggingSink(cfg.report.log_level)]
@@ -173,14 +177,16 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
             sinks.append(metrics)
         reporter = Reporter(sinks, run_id=run_id, rank=rank)
     except BaseException:
-        if metrics is not None:
-            with contextlib.suppress(Exception):  # the error that got us here is the one to raise
-                metrics.close()
+        for part in (metrics, control):
+            if part is not None:
+                with contextlib.suppress(Exception):  # the error that got us here is the one to raise
+                    part.close()
         ScoutHandle.release_claim()
         raise
     handle = ScoutHandle(config=cfg, adapter=adapter, rank=rank, world_size=world, run_id=run_id, groups=groups,
                          hosts=hosts, devices=devices, reporter=reporter)
     handle.metrics = metrics
+    handle.control = control
     handle.launch_id = everyone[0]["launch"]
     try:
         if cfg.observer.enabled:

@@ -198,6 +198,7 @@ class ReplayEngine:
         self.peers = self.groups.peer_ranks
         self.rank = dist.get_rank()
         self.rule = rule or StatisticalRule()
+        self.paused = False  # scout ctl pause: nothing is due until resume
         self.confirm = Confirmation(rounds=confirm_rounds)
         # A compute straggler must also stray further than healthy ranks lately did (a host clock's heavy
         # tail would otherwise confirm healthy ranks now and then): one noise floor per kind of work.
@@ -278,7 +279,11 @@ class ReplayEngine:
         return 0 if recipe in self.health.disabled else getattr(self.cfg.cadence, recipe)
 
     def _due(self, step: int, cadence: int) -> bool:
-        return self.cfg.enabled and cadence > 0 and step % cadence == 0
+        return self.cfg.enabled and not self.paused and cadence > 0 and step % cadence == 0
+
+    def reschedule(self) -> None:
+        """After a live change of cadence or a pause or resume (``scout ctl``): arm the next step as now due."""
+        self._arm(self.step + 1)
 
     def _layer_index(self) -> int:
         return rotation(self.checks, self.n_hidden, len(self.peers))[0]
