@@ -31,23 +31,23 @@ pip() { python -m pip install --disable-pip-version-check "$@"; }
 
 core="$ROOT"
 [ -n "$EXTRAS" ] && core="$ROOT[$EXTRAS]"
-pip "${EDITABLE[@]}" "$core"
+pip ${EDITABLE[@]+"${EDITABLE[@]}"} "$core"
 [ "$FRAMEWORKS" = 1 ] || exit 0
 
 # TorchTitan, without its declared dependencies (they admit a newer torch), after the modules it imports.
 pip -r "$ROOT/plugins/scout-torchtitan/requirements.txt"
 pip --no-deps "$TORCHTITAN"
-pip --no-deps "${EDITABLE[@]}" "$ROOT/plugins/scout-torchtitan"
+pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-torchtitan"
 
 # megatron-core 0.19 declares Python >= 3.12 but ships 3.11 wheels: it goes in alone with --no-deps
 # --ignore-requires-python (on a shared line that flag makes pip choose numpy builds meant for 3.12), after the
 # modules it imports.
 pip -r "$ROOT/plugins/scout-megatron/requirements.txt"
 pip --no-deps --ignore-requires-python "$MEGATRON_CORE"
-pip --no-deps "${EDITABLE[@]}" "$ROOT/plugins/scout-megatron"
+pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-megatron"
 
 # DeepSpeed builds from its sdist: torch (installed, pinned) must be visible to its setup.py
 # (--no-build-isolation), and none of its kernels is compiled here (DS_BUILD_OPS=0: on a GPU, on first use).
 pip "setuptools>=69" wheel
 DS_BUILD_OPS=0 pip --no-build-isolation -r "$ROOT/plugins/scout-deepspeed/requirements.txt"
-pip --no-deps "${EDITABLE[@]}" "$ROOT/plugins/scout-deepspeed"
+pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-deepspeed"

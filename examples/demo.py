@@ -71,7 +71,7 @@ def main() -> int:
     if not sdc or {r for i in sdc for r in i.ranks} != {args.fault_rank}:
         problems.append(f"expected SDC verdicts on rank {args.fault_rank} only, got {[i.ranks for i in sdc]}")
     if done.get("attempt") != 1 or done.get("source") != "verified" or done.get("resumed_from") is None \
-            or done["resumed_from"] >= args.fault_step:
+            or done["resumed_from"] > args.fault_step:  # step N's state holds steps 0..N-1 of the loop
         problems.append(f"expected a restart from a verified checkpoint before step {args.fault_step}, got {done}")
     if problems:
         print("\nDEMO FAILED: " + "; ".join(problems))

@@ -42,14 +42,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def install_fault(model: nn.Module, state: dict[str, int], from_step: int) -> None:
-    block = model.layers[1]
+    """A defective unit: from ``from_step`` every attention output projection this rank computes has one
+    mantissa bit flipped (in training and in replay alike), whichever block SCOUT samples."""
 
     def flip(_m: nn.Module, _a: Any, out: torch.Tensor) -> None:
         if state["step"] >= from_step:
             with torch.no_grad():
                 out.view(torch.int32).view(-1)[0] ^= 1 << 22
 
-    block.o_proj.register_forward_hook(flip)
+    for block in model.layers:
+        block.o_proj.register_forward_hook(flip)
 
 
 def progress(step: int, total: int, started: float, note: str) -> None:

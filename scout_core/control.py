@@ -20,7 +20,9 @@ import contextlib
 import copy
 import hmac
 import json
+import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -29,7 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LIVE_KEYS", "ControlError", "RunControl", "control_root", "send_command"]
+__all__ = ["LIVE_KEYS", "ControlError", "RunControl", "check_live", "control_root", "safe_run_id", "send_command",
+           "wait_applied"]
 
 LIVE_KEYS = (
     "replay.cadence.embedding", "replay.cadence.hidden", "replay.cadence.output", "replay.cadence.optimizer",
@@ -41,10 +44,25 @@ LIVE_KEYS = (
 ``enable()`` (groups, hooks, buffers, files) and needs a restart."""
 
 OPS = ("pause", "resume", "set")
+MAX_COMMANDS = 64
+"""Commands read at one boundary (more wait for the next)."""
+MAX_COMMAND_BYTES = 4096
+
+_log = logging.getLogger("scout")
 
 
 class ControlError(ValueError):
     """A command that cannot be sent: no such run, not the owner, a key that cannot change live, a bad value."""
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def safe_run_id(run_id: str) -> str:
+    """``run_id`` if it can name a folder under the control root (no separator, no ``..``), else ControlError."""
+    if not _RUN_ID.fullmatch(run_id) or ".." in run_id:
+        raise ControlError(f"run id {run_id!r} cannot name a control folder: letters, digits, '.', '_' and '-' only")
+    return run_id
 
 
 def control_root(directory: str = "") -> Path:
@@ -58,7 +76,7 @@ def control_root(directory: str = "") -> Path:
 
 def _run_folder(run: str, directory: str = "") -> Path:
     """``run`` is a run id (under the control root) or the path of a run's control folder."""
-    return Path(run) if os.sep in run or run.startswith(".") else control_root(directory) / run
+    return Path(run) if os.sep in run or run.startswith(".") else control_root(directory) / safe_run_id(run)
 
 
 def check_live(key: str, value: str, config: Any | None = None) -> Any:
@@ -66,6 +84,8 @@ def check_live(key: str, value: str, config: Any | None = None) -> Any:
     ``config`` when given: a running job's own, with its cross-field rules), else :class:`ControlError`."""
     from scout_core.config import ConfigError, ScoutConfig, load, validate
 
+    if "${" in value:  # an interpolation would resolve differently on each rank (${oc.env:LOCAL_RANK})
+        raise ControlError(f"{key}={value}: a live value is a literal, not an interpolation")
     if key not in LIVE_KEYS:
         raise ControlError(f"{key} cannot change in a running job (it shapes what enable() built); live keys: "
                            f"{', '.join(LIVE_KEYS)}")
@@ -139,31 +159,48 @@ class RunControl:
         self.every = cfg.control.every_steps
         self.rank = rank
         self.world_control = world_control
-        self.folder = control_root(cfg.control.directory) / run_id
+        self.folder = control_root(cfg.control.directory) / safe_run_id(run_id)
         self.paused = False
+        self.steps = 0  # boundaries seen: the same on every rank, whatever else SCOUT runs
         self._secret = ""
         if rank == 0:
-            # A restart under the same run id starts clean: commands left for the previous job are not this one's.
-            shutil.rmtree(self.folder, ignore_errors=True)
-            (self.folder / "commands").mkdir(parents=True, exist_ok=True)
-            os.chmod(self.folder, 0o700)
-            os.chmod(self.folder / "commands", 0o700)
-            self._secret = secrets.token_hex(16)
-            fd = os.open(self.folder / "secret", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self._secret + "\n")
-            (self.folder / "run.json").write_text(json.dumps(
-                {"run_id": run_id, "pid": os.getpid(), "every_steps": self.every, "live_keys": list(LIVE_KEYS)}))
+            self._make_folder(run_id)
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+    def _make_folder(self, run_id: str) -> None:
+        """The folder, owner-only, made fresh (a restart under the same run id starts clean: commands left for
+        the previous job are not this one's); nothing in it is followed through a link."""
+        root = self.folder.parent
+        root.mkdir(parents=True, exist_ok=True)
+        if self.folder.is_symlink():
+            raise ControlError(f"{self.folder} is a symbolic link: refusing to use it as a control folder")
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(mode=0o700)
+        (self.folder / "commands").mkdir(mode=0o700)
+        if os.lstat(self.folder).st_uid != os.getuid():
+            raise ControlError(f"{self.folder} is not this user's")
+        self._secret = secrets.token_hex(16)
+        fd = os.open(self.folder / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self._secret + "\n")
+        (self.folder / "run.json").write_text(json.dumps(
+            {"run_id": run_id, "pid": os.getpid(), "every_steps": self.every, "live_keys": list(LIVE_KEYS)}))
+
+    def tick(self) -> bool:
+        """Count a step boundary; True where this one looks for commands (the same boundary on every rank)."""
+        self.steps += 1
+        return self.every > 0 and self.steps % self.every == 0
 
     def exchange(self) -> list[dict[str, Any]]:
         """Rank 0's pending commands, on every rank (one broadcast of a count, then the commands if any)."""
         import torch
         import torch.distributed as dist
 
-        pending: list[dict[str, Any]] = self._read() if self.rank == 0 else []
+        pending: list[dict[str, Any]] = []
+        if self.rank == 0:
+            try:  # rank 0 alone reads the folder: nothing it finds there may keep it from the broadcast
+                pending = self._read()
+            except Exception as exc:  # noqa: BLE001
+                pending = [{"id": "?", "op": "?", "bad": f"the control folder could not be read: {exc}"}]
         count = torch.tensor([len(pending)], dtype=torch.int64)
         dist.broadcast(count, src=0, group=self.world_control)
         if int(count.item()) == 0:
@@ -175,17 +212,20 @@ class RunControl:
     def _read(self) -> list[dict[str, Any]]:
         out = []
         folder = self.folder / "commands"
-        for entry in sorted(folder.glob("*.json")):
+        for entry in sorted(folder.glob("*.json"))[:MAX_COMMANDS]:
             try:
-                command = json.loads(entry.read_text())
-            except (OSError, json.JSONDecodeError):
-                command = {"id": entry.stem, "op": "?", "bad": "not a command file"}
-            with contextlib.suppress(FileNotFoundError):
-                entry.unlink()
-            if not isinstance(command, dict):
-                command = {"id": entry.stem, "op": "?", "bad": "not a command file"}
-            if not hmac.compare_digest(str(command.pop("secret", "")), self._secret):
-                command["bad"] = command.get("bad") or "wrong secret: only the job's owner can steer it"
+                if entry.is_symlink() or not entry.is_file() or entry.stat().st_size > MAX_COMMAND_BYTES:
+                    raise ValueError("not a command file")
+                command = json.loads(entry.read_text(encoding="utf-8"))
+                if not isinstance(command, dict):
+                    raise ValueError("not a command file")
+                command = {k: str(command.get(k, ""))[:256] for k in ("id", "op", "key", "value", "secret")}
+                if not hmac.compare_digest(command.pop("secret").encode(), self._secret.encode()):
+                    command["bad"] = "wrong secret: only the job's owner can steer it"
+            except Exception:  # noqa: BLE001 - any file at all is answered, never raised on rank 0 alone
+                command = {"id": entry.stem[:64], "op": "?", "bad": "not a command file"}
+            with contextlib.suppress(OSError):
+                entry.unlink() if not entry.is_dir() else shutil.rmtree(entry)
             out.append(command)
         return out
 
@@ -196,8 +236,11 @@ class RunControl:
         line = {"id": command.get("id"), "op": command.get("op"), "key": command.get("key", ""),
                 "value": command.get("value", ""), "step": step, "status": status, "reason": reason,
                 "time_unix": time.time()}
-        with open(self.folder / "applied.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(line) + "\n")
+        try:
+            with open(self.folder / "applied.jsonl", "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+        except OSError as exc:  # the command was applied all the same; the answer is best effort
+            _log.warning("SCOUT control: answer to %s not written: %s", command.get("id"), exc)
 
     def close(self) -> None:
         """The job is over: its folder (and secret) go with it."""

@@ -390,8 +390,8 @@ class ScoutHandle:
         start = time.perf_counter()
         try:
             result = self._boundary()
-            if self.control is not None and self.control.due(self._step()):
-                self._steer(self._step())
+            if self.control is not None and self.control.tick():
+                self._steer(self._step() or self.control.steps)
             return result
         finally:  # also when the boundary stops the job: the last figures are the ones an operator reads
             if self.metrics is not None:
@@ -416,10 +416,11 @@ class ScoutHandle:
         if command.get("bad"):
             return "refused", str(command["bad"])
         if op in ("pause", "resume"):
+            if self.replay is None:
+                return "refused", "replay is off in this job: there is nothing to pause"
             self.control.paused = op == "pause"
-            if self.replay is not None:
-                self.replay.paused = self.control.paused
-                self.replay.reschedule()
+            self.replay.paused = self.control.paused
+            self.replay.reschedule()
             return "applied", ""
         if op != "set":
             return "refused", f"unknown command {op!r}"
@@ -428,6 +429,10 @@ class ScoutHandle:
             value = check_live(key, str(command.get("value", "")), self.config)
         except ControlError as exc:
             return "refused", str(exc)
+        if key.startswith(("replay.", "consensus.")) and self.replay is None:
+            return "refused", "replay is off in this job: nothing reads that key"
+        if key == "replay.cadence.expert" and self.experts is None:
+            return "refused", "this job has no expert replay (replay.cadence.expert was 0 at start, or no MoE)"
         section, _, leaf = key.rpartition(".")
         target: Any = self.config
         for part in section.split("."):

@@ -51,8 +51,8 @@ def timing_rounds(incidents: Iterable[Incident]) -> list[dict[str, Any]]:
         if not isinstance(surfaces, dict):
             continue
         for name, res in surfaces.items():
-            if not isinstance(res, dict):
-                continue
+            if not isinstance(res, dict) or not str(name).endswith("_s"):  # timings (replay.compute_s ...), never
+                continue  # signatures, which are numbers too
             values, peers, bitmap = res.get("evidence"), res.get("peer_ranks"), res.get("bitmap")
             if not (isinstance(values, list) and isinstance(peers, list) and len(values) == len(peers) and values
                     and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -106,7 +106,15 @@ def _heat_colour(ratio: float) -> str:
     return f"rgb({int(255 - 120 * a)},{int(255 - 60 * a)},255)"
 
 
+MAX_HEAT_ROUNDS = 200
+"""Rows of the heatmap (the latest rounds); the page stays readable and small for long runs."""
+
+
 def _heatmap(rounds: Sequence[dict[str, Any]]) -> str:
+    note = ""
+    if len(rounds) > MAX_HEAT_ROUNDS:
+        note = f'<p class="muted">the latest {MAX_HEAT_ROUNDS} of {len(rounds)} rounds</p>'
+        rounds = rounds[-MAX_HEAT_ROUNDS:]
     if not rounds:
         return ('<p class="muted">no record carries per-rank timings (they come with straggler verdicts: each '
                 'keeps the round\'s time of every peer)</p>')
@@ -135,7 +143,7 @@ def _heatmap(rounds: Sequence[dict[str, Any]]) -> str:
             parts.append(f'<rect x="{left + j * cell}" y="{y}" width="{cell}" height="{cell}" '
                          f'fill="{_heat_colour(ratio)}"{stroke}><title>{_e(tip)}</title></rect>')
     parts.append("</svg>")
-    return "".join(parts)
+    return note + "".join(parts)
 
 
 def _certification(decisions: Sequence[dict[str, Any]]) -> str:

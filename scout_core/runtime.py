@@ -21,6 +21,7 @@ boundary becomes certification evidence. Frameworks enter through
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import uuid
@@ -45,6 +46,8 @@ from scout_core.topology import peer_groups as peer_groups_of_shape
 from scout_core.topology import peer_groups_from_mesh
 
 __all__ = ["ScoutHandle", "enable", "enable_with", "HOSTNAME_ENV"]
+
+_log = logging.getLogger("scout")
 
 HOSTNAME_ENV = "SCOUT_HOSTNAME"
 """Overrides this rank's machine name (e.g. set it from ``$SLURMD_NODENAME``); default: the hostname."""
@@ -151,14 +154,18 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         run_id_mine = cfg.report.run_id or uuid.uuid4().hex[:12]  # rank 0's is the job's
         try:
             metrics = start_metrics(cfg.report.prometheus, rank=rank)
-            if cfg.control.enabled:  # rank 0 makes the control folder: a failure fails every rank together
-                control = RunControl(cfg, run_id=run_id_mine, rank=rank, world_control=groups.world_control)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the exchange
             start_error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
+        control_error = ""
+        if cfg.control.enabled:  # rank 0 makes the control folder; where it cannot, no rank takes commands
+            try:
+                control = RunControl(cfg, run_id=run_id_mine, rank=rank, world_control=groups.world_control)
+            except Exception as exc:  # noqa: BLE001 - diagnosis goes on without runtime control
+                control_error = f"{type(exc).__name__}: {exc}"
         mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(),
                 "device": str(device_of(adapter.chunks[0])), "run_id": run_id_mine,
                 "control": plane.to_dict() if plane else None, "control_error": plane_error,
-                "launch": uuid.uuid4().hex[:8], "start_error": start_error}
+                "launch": uuid.uuid4().hex[:8], "start_error": start_error, "control_folder_error": control_error}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)
         hosts = {r: e["host"] for r, e in enumerate(everyone)}
@@ -166,6 +173,11 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         run_id = everyone[0]["run_id"]
         if everyone[0]["control_error"]:
             raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")
+        if everyone[0]["control_folder_error"]:
+            if rank == 0:
+                _log.warning("SCOUT runtime control is off for this run: %s (control.directory)",
+                             everyone[0]["control_folder_error"])
+            control = None
         failed = [e["start_error"] for e in everyone if e["start_error"]]
         if failed:
             raise RuntimeError(f"{failed[0]}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))

@@ -103,3 +103,13 @@ def test_the_cell_table_summarises_what_was_reported():
     table = format_cell_table([report], width=200)
     assert "sdc/rank r9 x3 layers.1.x0.1.output; straggler/machine r8,9 node1 s; restore verified gen 4" in table
     assert max(len(line) for line in format_cell_table([report], width=40).splitlines()) < 130
+
+
+def test_faults_a_cell_injects_through_its_parameters_are_no_false_positive():
+    busy = CellSpec(name="busy", target="m:f", params={"expect": [{"kind": "hang", "ranks": [0]}]},
+                    matrix=MatrixPlace("ddp", "hang"))
+    named = CellReport(name="busy", verdict="PASS", world_size=16, injected=[], reported=[_record("hang", "rank", [0])])
+    assert false_positives(named, busy) == [] and len(false_positives(named)) == 1
+    machine = CellReport(name="m", verdict="FAIL", world_size=16, injected=_bitflip(9),
+                         reported=[_record("straggler", "machine", [0, 1, 2, 3])])
+    assert len(false_positives(machine)) == 1  # the wrong machine counts

@@ -29,8 +29,9 @@ def _records(t0: float = 1_764_000_000.0) -> list[Incident]:
     slow[9] = 0.031
     return [
         Incident(kind="sdc", scope="rank", ranks=[9], hosts=["node1"], step=5, surface=f"layers.1.x1.output{HOSTILE}",
-                 evidence={"surfaces": {"layers.1.x1.output": {"status": "attributed", "bitmap": [0, 1],
-                                                               "evidence": ["ab", "cd"], "peer_ranks": [8, 9]}}},
+                 evidence={"surfaces": {"layers.1.x1.output": {  # signatures are numbers, never timings
+                     "status": "attributed", "bitmap": [0, 1], "evidence": [11400714819323199225, 42],
+                     "peer_ranks": [8, 9]}}},
                  reason=f"signature differs {HOSTILE}", run_id="job-7", time_unix=t0),
         Incident(kind="sdc", scope="rank", ranks=[9], hosts=["node1"], step=8, surface="layers.1.x1.output",
                  reason="signature differs", run_id="job-7", time_unix=t0 + 30),

@@ -282,7 +282,10 @@ class ReplayEngine:
         return self.cfg.enabled and not self.paused and cadence > 0 and step % cadence == 0
 
     def reschedule(self) -> None:
-        """After a live change of cadence or a pause or resume (``scout ctl``): arm the next step as now due."""
+        """After a live change of cadence or a pause or resume (``scout ctl``): the next step's captures as now
+        due, armed or dropped (a capture left armed through a pause would hold a layer's inputs all along)."""
+        for capture in self.captures:
+            capture.take()
         self._arm(self.step + 1)
 
     def _layer_index(self) -> int:

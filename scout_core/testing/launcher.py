@@ -218,7 +218,10 @@ def launch(
             if heartbeat is not None:  # on this thread: the ranks are forked from it, so no other thread runs
                 now = time.monotonic()
                 if now >= next_beat:
-                    heartbeat()
+                    try:
+                        heartbeat()
+                    except Exception:  # noqa: BLE001 - a progress line never fails the ranks it reports on
+                        pass
                     next_beat = now + HEARTBEAT_S
                 wait_s = max(min(wait_s, next_beat - now), 0.0)
             if not readers:

@@ -13,18 +13,27 @@ from scout_core.testing.cells import MATRIX_FAULTS, MATRIX_LAYOUTS, CellReport, 
 
 __all__ = ["false_positives", "matrix_plot", "matrix_summary", "time_to_verdict"]
 
-VERDICT_KINDS = ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall")
-"""Records that are a verdict about the job (not a recovery decision, SCOUT's own error, or a resolution)."""
+VERDICT_KINDS = ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "inconclusive")
+"""Records about the job (not a recovery decision, SCOUT's own error, or a resolution); ``inconclusive`` blocks
+certification, so one in a clean cell counts too."""
 
 
-def false_positives(report: CellReport) -> list[dict[str, Any]]:
-    """Verdicts on ranks where nothing was injected: every verdict of a cell without faults, and a rank-scoped
-    verdict naming a rank no fault touched (group- and machine-scoped verdicts name their members)."""
+def _expected_ranks(spec: CellSpec | None) -> set[int]:
+    """Ranks a cell expects named (``params.expect``): faults some cells inject through their own parameters."""
+    expect = spec.params.get("expect") if spec is not None else None
+    entries = expect if isinstance(expect, list) else [expect] if isinstance(expect, dict) else []
+    return {int(r) for e in entries if isinstance(e, dict) for r in e.get("ranks", ())}
+
+
+def false_positives(report: CellReport, spec: CellSpec | None = None) -> list[dict[str, Any]]:
+    """Verdicts naming ranks no fault touched: in a cell that injects nothing and expects nothing, every verdict;
+    otherwise a verdict naming a rank outside the injected and expected ones (a group's or machine's members
+    included: a wrong machine is a false positive too)."""
     verdicts = [r for r in report.reported if r.get("kind") in VERDICT_KINDS]
-    if not report.injected:
+    allowed = {f["rank"] for f in report.injected} | _expected_ranks(spec)
+    if not allowed:
         return verdicts
-    injected = {f["rank"] for f in report.injected}
-    return [r for r in verdicts if r.get("scope") == "rank" and not set(r.get("ranks", ())) <= injected]
+    return [r for r in verdicts if not set(r.get("ranks", ())) <= allowed]
 
 
 def time_to_verdict(report: CellReport) -> float | None:
@@ -63,7 +72,7 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
             cols.append("-" if not cell else f"{passed}/{len(cell)}" + ("" if passed == len(cell) else " **FAIL**"))
         runs = [r for _, r in mine]
         passed = sum(r.verdict == "PASS" for r in runs)
-        fps = sum(len(false_positives(r)) for r in runs)
+        fps = sum(len(false_positives(r, specs.get(r.name))) for r in runs)
         lines.append(f"| {fault.replace('_', ' ')} | " + " | ".join(cols)
                      + f" | {passed}/{len(runs)} | {_named(runs)} | {fps} |")
     total = sum(r.verdict == "PASS" for _, r in placed)
@@ -72,7 +81,7 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
     if failed:
         lines += ["", "Failed cells:", ""]
         lines += [f"- `{r.name}`: {(r.details.strip().splitlines() or ['(no details)'])[0][:200]}" for r in failed]
-    fp_cells = [(r, false_positives(r)) for _, r in placed if false_positives(r)]
+    fp_cells = [(r, fp) for _, r in placed if (fp := false_positives(r, specs.get(r.name)))]
     if fp_cells:
         lines += ["", "False positives:", ""]
         lines += [f"- `{r.name}`: " + "; ".join(f"{f['kind']}/{f['scope']} r{ranks_text(f['ranks'])}" for f in fps)
