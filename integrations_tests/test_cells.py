@@ -23,6 +23,8 @@ SPECS = load_cells(ROOT / "configs" / "cells.yaml")
 def _params():
     for name, spec in SPECS.items():
         marks = [] if "fast" in spec.tags else [pytest.mark.cells]
+        if spec.matrix is not None:  # nox -s tests runs these through scout cells matrix (its summary and plot)
+            marks.append(pytest.mark.matrix)
         yield pytest.param(name, marks=marks, id=name)
 
 
