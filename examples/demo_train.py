@@ -54,6 +54,22 @@ def install_fault(model: nn.Module, state: dict[str, int], from_step: int) -> No
         block.o_proj.register_forward_hook(flip)
 
 
+def init_for_restarts() -> None:
+    """The default process group on the elastic agent's store under a prefix of its own per restart attempt.
+
+    With torch 2.13's ``torchrun --max-restarts``, a restarted gloo group found the previous attempt's addresses
+    in the agent's store and failed to connect ("Gloo connectFullMesh failed ... Connection refused"), with or
+    without SCOUT; a prefix per attempt keeps each attempt's rendezvous apart."""
+    import datetime
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                          is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
+                            world_size=world)
+
+
 def progress(step: int, total: int, started: float, note: str) -> None:
     done = int(30 * step / total)
     rate = step / max(time.monotonic() - started, 1e-6)
@@ -63,7 +79,7 @@ def progress(step: int, total: int, started: float, note: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group("gloo")
+    init_for_restarts()
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["SCOUT_HOSTNAME"] = f"node{rank // args.ranks_per_host}"  # simulated machines
     torch.set_num_threads(1)
@@ -79,6 +95,7 @@ def main() -> None:
         "replay.cadence.hidden=10", "replay.cadence.embedding=20", "replay.cadence.output=20",
         "replay.cadence.optimizer=20",
         "checkpoint.enabled=true", f"checkpoint.directory={args.out}/checkpoints",
+        f"checkpoint.memory_dir={args.out}/memory",  # a fresh demo never meets an earlier one's snapshots
         "actions.on_verdict=stop",
         f"report.jsonl_path={args.out}/incidents.jsonl", "report.run_id=scout-demo", "report.log_level=ERROR",
         f"report.prometheus.textfile_dir={args.out}/metrics",
