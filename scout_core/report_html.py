@@ -137,7 +137,7 @@ def _heatmap(rounds: Sequence[dict[str, Any]]) -> str:
                 continue
             ratio = rnd["ratio"][rank]
             flagged = rank in rnd["flagged"]
-            stroke = ' stroke="#000" stroke-width="2"' if flagged else ' stroke="#fff" stroke-width="0.5"'
+            stroke = ' stroke="#000" stroke-width="2"' if flagged else ' stroke="#ccc" stroke-width="0.5"'
             tip = (f"rank {rank}, step {rnd['step']}, {rnd['surface']}: {rnd['seconds'][rank] * 1e3:.3f} ms, "
                    f"{ratio:.2f}x the median" + (" (flagged)" if flagged else ""))
             parts.append(f'<rect x="{left + j * cell}" y="{y}" width="{cell}" height="{cell}" '
