@@ -45,13 +45,13 @@ def main() -> int:
     wall = time.monotonic() - start
     print(f"\n  torchrun finished with status {run.returncode} after {wall:.0f}s (its log: {log})")
 
+    from scout_core.checkpoint.coordinator import read_records
     from scout_core.report import format_table, hosts_to_exclude, read_incidents
     from scout_core.report_html import render_html
 
     incidents = list(read_incidents(out / "incidents.jsonl")) if (out / "incidents.jsonl").exists() else []
     decisions_path = out / "checkpoints" / "decisions.jsonl"
-    decisions = [json.loads(line) for line in decisions_path.read_text().splitlines()] if decisions_path.exists() \
-        else []
+    decisions = read_records(str(decisions_path))  # the coordinator's own reader (a torn last line is skipped)
     print("\nIncidents:\n")
     print(format_table(incidents, width=shutil.get_terminal_size((150, 24)).columns))
     print("\nRetrieval decisions:")

@@ -94,11 +94,11 @@ def check_live(key: str, value: str, config: Any | None = None) -> Any:
     except ConfigError as exc:
         raise ControlError(str(exc)) from None
     section, _, leaf = key.rpartition(".")
-    new = _resolve(typed, section)
+    new = resolve(typed, section)
     value_typed = getattr(new, leaf)
     if config is not None:
         trial = copy.deepcopy(config)
-        setattr(_resolve(trial, section), leaf, value_typed)
+        setattr(resolve(trial, section), leaf, value_typed)
         try:
             validate(trial)
         except ConfigError as exc:
@@ -107,7 +107,8 @@ def check_live(key: str, value: str, config: Any | None = None) -> Any:
     return value_typed
 
 
-def _resolve(obj: Any, dotted: str) -> Any:
+def resolve(obj: Any, dotted: str) -> Any:
+    """The section ``dotted`` (``replay.cadence``) of a configuration object."""
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj

@@ -410,7 +410,7 @@ class ScoutHandle:
 
     def _apply_command(self, command: dict[str, Any]) -> tuple[str, str]:
         """Apply one command alike on every rank: the same command and configuration give the same outcome."""
-        from scout_core.control import ControlError, check_live
+        from scout_core.control import ControlError, check_live, resolve
 
         op = command.get("op")
         if command.get("bad"):
@@ -434,10 +434,7 @@ class ScoutHandle:
         if key == "replay.cadence.expert" and self.experts is None:
             return "refused", "this job has no expert replay (replay.cadence.expert was 0 at start, or no MoE)"
         section, _, leaf = key.rpartition(".")
-        target: Any = self.config
-        for part in section.split("."):
-            target = getattr(target, part)
-        setattr(target, leaf, value)
+        setattr(resolve(self.config, section), leaf, value)
         if section == "replay.cadence":
             if self.replay is not None:
                 self.replay.reschedule()
