@@ -24,14 +24,27 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and property tests plus the fast 16-rank cells, and the plugins' tests."""
-    _install(session, frameworks=True)
-    session.run("python", "-m", "pytest", "-m", "not cells", "-q", "--durations=60", *session.posargs,
-                env={"OMP_NUM_THREADS": "1"})
+    """Unit and property tests, the small cells and the guards that prove cells can fail; then the whole fault
+    matrix (every 16-rank cell, runs/matrix.{json,md,png}); then the plugins' tests. ``nox -s tests -- ARGS``
+    passes ARGS to the first pytest run only and skips the matrix."""
+    _install(session, "dev,bench", frameworks=True)
+    session.run("python", "-m", "pytest", "-m", "not cells and not matrix and not guards", "-q", "--durations=40",
+                *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    if not session.posargs:
+        session.run("scout", "cells", "matrix", "--out", "runs", env={"OMP_NUM_THREADS": "1"})
     # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
     # must not carry a framework's imports (threads, allocators, hooks) into scout_core's own cells.
     for plugin in ("scout-torchtitan", "scout-megatron", "scout-deepspeed"):
         session.run("python", "-m", "pytest", "-q", f"plugins/{plugin}/tests", env={"OMP_NUM_THREADS": "1"})
+
+
+@nox.session
+def guards(session: nox.Session) -> None:
+    """The guards of the TorchTitan, Megatron and DeepSpeed cells: each re-runs a plugin cell with one plugin
+    mechanism removed and must see it turn red (minutes each; not in CI, see the README)."""
+    _install(session, frameworks=True)
+    session.run("python", "-m", "pytest", "-m", "guards", "-q", "--durations=40", "integrations_tests/test_cells.py",
+                *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

@@ -15,6 +15,7 @@ Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says othe
   computes experts with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only row counts of 15 mod 16
   show it;
 * ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would;
+* ``dataloader`` (``delay``): this rank's next batch arrives late (a stalled input pipeline);
 * ``alltoall.send`` / ``alltoall.recv``: one value of every AllToAll transfer this rank sends / receives.
 
 Each expert check also replays the AllToAll with one communication plan (scout_core.moe.alltoall).
@@ -128,7 +129,7 @@ def start_moe_rank(ctx: RankContext, cfg: MoEConfig) -> tuple[Any, Any, dict[str
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
     model, _, dp_group = build_model(cfg, seed=a["seed"], dense=a.get("dense", "replicated"))
-    state: dict[str, Any] = {"step": 0}
+    state: dict[str, Any] = {"step": 0, "injector": injector}
     _install(model, injector, ctx.rank, state)
     return model, dp_group, state, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -153,10 +154,14 @@ def _moe_rank(ctx: RankContext) -> dict[str, Any]:
                       *a["overrides"]])
     handle = scout_core.enable(model, opt, config=cfg, layers=dense, moe=binding)
     gen = torch.Generator().manual_seed(1000 * a["seed"] + ctx.rank)
-    for step in range(1, a["steps"] + 1):
+
+    def data():  # the input pipeline SCOUT marks: a ``dataloader`` delay fault stalls this rank's fetch
+        for step in range(1, a["steps"] + 1):
+            state["injector"].delay("dataloader", rank=ctx.rank, step=step)
+            yield torch.randn(2, 12, MODEL.dim_in, generator=gen), torch.randn(2, 12, MODEL.dim_out, generator=gen)
+
+    for step, (x, y) in enumerate(handle.wrap_dataloader(data()), start=1):
         state["step"] = step
-        x = torch.randn(2, 12, MODEL.dim_in, generator=gen)
-        y = torch.randn(2, 12, MODEL.dim_out, generator=gen)
         torch.nn.functional.mse_loss(model(x), y).backward()
         sync_grads(model, dp_group)
         opt.step()
