@@ -1,7 +1,7 @@
 """Run the cells of configs/cells.yaml under pytest, and prove their checks can fail.
 
-Fast cells run in `nox -s tests`; the rest are marked `cells` and run in full by
-`nox -s cells` (which calls `scout cells run --all`).
+Cells without a matrix place run here in `nox -s tests`; the matrix cells (marked `matrix`) run in the same session
+through `scout cells matrix`; the guards of the framework plugins' cells (marked `guards`) run in `nox -s guards`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,8 @@ def _params():
 
 @pytest.mark.parametrize("name", list(_params()))
 def test_cell_passes(name):
-    (report,) = run_cells([SPECS[name]], root=ROOT)
+    (report,) = run_cells([SPECS[name]], root=ROOT)  # also holds run_cells' reporting_problem rule
     assert report.verdict == "PASS", report.details
-    expect = SPECS[name].params.get("expect")
-    if SPECS[name].faults or (isinstance(expect, list) and expect):  # hang cells list expected records
-        assert report.reported, "a faulty cell must report something"
-    else:
-        assert report.reported == [], "a clean cell must report nothing"
 
 
 def _shift_blame(real):

@@ -150,6 +150,12 @@ class ScoutHandle:
             cls._open = _CLAIMED
 
     @classmethod
+    def is_open(cls) -> bool:
+        """Whether SCOUT is enabled (or being enabled) on this rank."""
+        with cls._claim_lock:
+            return cls._open is not None and (cls._open is _CLAIMED or not cls._open._closed)
+
+    @classmethod
     def release_claim(cls) -> None:
         with cls._claim_lock:
             if cls._open is _CLAIMED:

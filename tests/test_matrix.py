@@ -113,3 +113,45 @@ def test_faults_a_cell_injects_through_its_parameters_are_no_false_positive():
     machine = CellReport(name="m", verdict="FAIL", world_size=16, injected=_bitflip(9),
                          reported=[_record("straggler", "machine", [0, 1, 2, 3])])
     assert len(false_positives(machine)) == 1  # the wrong machine counts
+
+
+_FAKE_TARGETS = '''
+from scout_core.testing.cells import CellReport, fault_dicts
+
+
+def cell(spec, world_size, workdir):
+    reported = [{"kind": "sdc", "scope": "rank", "ranks": [9], "hosts": [], "surface": "s"}] * spec.params["records"]
+    return CellReport(name=spec.name, verdict="PASS", world_size=world_size, injected=fault_dicts(spec.faults),
+                      reported=reported)
+'''
+
+
+def _matrix_of(tmp_path, cells: str) -> Path:
+    (tmp_path / "fake_matrix_cells.py").write_text(_FAKE_TARGETS)
+    path = tmp_path / "configs" / "cells.yaml"
+    path.parent.mkdir()
+    path.write_text("cells:\n" + cells)
+    return path
+
+
+_SDC = "    faults: [{surface: layers.1.output, rank: 9, kind: bitflip}]\n"
+
+
+@pytest.mark.parametrize(("clean_records", "sdc_records", "code"), [(0, 1, 0), (1, 1, 1), (0, 0, 1)])
+def test_scout_cells_matrix_fails_a_clean_cell_that_reports_and_a_faulty_one_that_does_not(
+        tmp_path, capsys, clean_records, sdc_records, code):
+    """Beside its own expectations every cell is held to run_cells' rule (a verdict of PASS from a clean cell that
+    reported something, or a faulty one that reported nothing, is a FAIL), and any FAIL fails the command (CI)."""
+    cells = _matrix_of(tmp_path, (
+        f"  a-clean:\n    target: fake_matrix_cells:cell\n    matrix: {{layout: ddp, fault: clean}}\n"
+        f"    params: {{records: {clean_records}}}\n"
+        f"  a-sdc:\n    target: fake_matrix_cells:cell\n    matrix: {{layout: ddp, fault: sdc}}\n{_SDC}"
+        f"    params: {{records: {sdc_records}}}\n"))
+    out = tmp_path / "runs"
+    assert main(["cells", "matrix", "--cells", str(cells), "--out", str(out)]) == code
+    text = capsys.readouterr().out
+    if clean_records:
+        assert "FAIL a-clean" in text and "a clean cell must report nothing" in text
+    if not sdc_records:
+        assert "FAIL a-sdc" in text and "a faulty cell must report something" in text
+    assert (out / "matrix.json").exists() and (out / "matrix.md").exists()

@@ -189,10 +189,22 @@ def run_cells(
                     details=traceback.format_exc(),
                 )
         report.wall_s = round(time.monotonic() - start, 3)
+        problem = reporting_problem(spec, report)
+        if report.verdict == "PASS" and problem:
+            report.verdict, report.details = "FAIL", problem
         reports.append(report)
         if on_result:
             on_result(report)
     return reports
+
+
+def reporting_problem(spec: CellSpec, report: CellReport) -> str | None:
+    """The rule every cell is held to beside its own expectations: a cell that injects a fault (or lists the
+    records it expects) must report something, and a clean cell nothing at all."""
+    expect = spec.params.get("expect")
+    if spec.faults or (isinstance(expect, list) and expect):
+        return None if report.reported else "a faulty cell must report something; it reported nothing"
+    return None if not report.reported else f"a clean cell must report nothing; it reported {report.reported[:3]}"
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import inspect
+import logging
 import sys
 import weakref
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from scout_core.runtime import ScoutHandle
 from scout_deepspeed.section import config_from_deepspeed, user_config
 
 __all__ = ["attach", "handle_of", "initialize"]
+
+log = logging.getLogger("scout_deepspeed")
 
 _HANDLE_ATTR = "_scout_handle"
 
@@ -48,11 +51,13 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     return out
 
 
-def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle:
+def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle | None:
     """Attach SCOUT to an engine ``deepspeed.initialize`` built (every rank calls it), for scripts that keep calling
     ``deepspeed.initialize``: the adapter (:func:`scout_deepspeed.adapter.attach`), the checkpoint labels, and SCOUT's
-    life tied to the engine's. ``config``: default, the engine config's ``"scout"`` section, or SCOUT's defaults
-    where it has none. Idempotent."""
+    life tied to the engine's. ``config``: default, the engine config's ``"scout"`` section; where that section is
+    absent or disabled nothing is installed and None is returned (as ``initialize`` does). Also None, with a
+    warning, for an engine without an optimizer (a reference or inference model) and for a second engine in the
+    process (SCOUT diagnoses one training engine per process: the actor of an RLHF job, say). Idempotent."""
     from scout_deepspeed.adapter import attach as attach_adapter
     from scout_deepspeed.checkpoints import install as label_checkpoints
 
@@ -60,7 +65,17 @@ def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle:
     if handle is not None:
         return handle
     if config is None:
-        config = config_from_deepspeed(getattr(engine, "config", None)) or ScoutConfig()
+        config = config_from_deepspeed(getattr(engine, "config", None))
+        if config is None:
+            return None
+    if getattr(engine, "optimizer", None) is None:
+        log.warning("scout_deepspeed: this engine has no optimizer (a reference or inference model): SCOUT is not "
+                    "attached to it (its boundary is the optimizer step)")
+        return None
+    if ScoutHandle.is_open():
+        log.warning("scout_deepspeed: SCOUT already diagnoses another engine in this process; this one is not "
+                    "attached (one training engine per process)")
+        return None
     handle = attach_adapter(engine, config=config)
     restore_checkpoints = label_checkpoints(handle, engine)
     setattr(engine, _HANDLE_ATTR, handle)

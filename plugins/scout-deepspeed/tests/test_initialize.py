@@ -13,8 +13,9 @@ from scout_deepspeed import entry
 
 
 class _Engine:
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, optimizer: object | None = "adam") -> None:
         self.config = config
+        self.optimizer = optimizer
         self.destroyed = 0
 
     def destroy(self) -> None:
@@ -105,3 +106,29 @@ def test_only_the_scripts_own_destroy_is_a_normal_end(monkeypatch):
     entry.attach(collected, ScoutConfig())
     collected.__del__()
     assert closed == [None, True]
+
+
+@pytest.mark.parametrize("section", [None, {"enabled": False}, {"enabled": False, "replay": {"enabled": True}}])
+def test_attach_installs_nothing_where_the_engines_section_is_absent_or_disabled(monkeypatch, section):
+    """The one call on the engine honours the toggle as initialize does: no section, or "enabled": false, nothing
+    installed (it used to fall back to SCOUT's defaults)."""
+    from scout_deepspeed import adapter
+
+    monkeypatch.setattr(adapter, "attach", lambda *a, **k: pytest.fail("SCOUT was installed"))
+    engine = _Engine({} if section is None else {"scout": section})
+    assert entry.attach(engine) is None and entry.handle_of(engine) is None
+
+
+@pytest.mark.parametrize("why", ["no_optimizer", "second_engine"])
+def test_attach_skips_an_engine_it_cannot_diagnose_with_a_warning(monkeypatch, caplog, why):
+    """An RLHF job's reference model (no optimizer) or a second training engine in the process: a warning and
+    nothing attached, never an exception that stops the job."""
+    from scout_core.runtime import ScoutHandle
+    from scout_deepspeed import adapter
+
+    monkeypatch.setattr(adapter, "attach", lambda *a, **k: pytest.fail("SCOUT was installed"))
+    monkeypatch.setattr(ScoutHandle, "is_open", classmethod(lambda cls: why == "second_engine"))
+    engine = _Engine({"scout": {"enabled": True}}, optimizer=None if why == "no_optimizer" else "adam")
+    with caplog.at_level("WARNING", logger="scout_deepspeed"):
+        assert entry.attach(engine) is None
+    assert ("no optimizer" if why == "no_optimizer" else "another engine") in caplog.text
