@@ -32,8 +32,9 @@ def tests(session: nox.Session) -> None:
                 *session.posargs, env={"OMP_NUM_THREADS": "1"})
     if not session.posargs:
         session.run("scout", "cells", "matrix", "--out", "runs", env={"OMP_NUM_THREADS": "1"})
-    # The plugins' tests in a process of their own: the cells fork their ranks from the test process, which
-    # must not carry a framework's imports (threads, allocators, hooks) into scout_core's own cells.
+    # The plugins' tests in processes of their own (their tests import the frameworks at module level). The
+    # first pytest run above imports them into its parent too, once its plugin cells have run: the core cells
+    # before them fork from a parent without them; the matrix runs the core cells first for the same reason.
     for plugin in ("scout-torchtitan", "scout-megatron", "scout-deepspeed"):
         session.run("python", "-m", "pytest", "-q", f"plugins/{plugin}/tests", env={"OMP_NUM_THREADS": "1"})
 

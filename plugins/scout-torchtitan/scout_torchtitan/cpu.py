@@ -119,7 +119,7 @@ def _use_host_grouped_mm() -> None:
         for group, end in enumerate(offs.tolist()):
             parts.append((mat_a[start:end].float() @ mat_b[group].float()).to(dtype))
             start = end
-        if start < mat_a.shape[0]:  # rows past the last offset belong to no group: zeros, as torch's fallback
+        if start < mat_a.shape[0]:  # rows past the last offset belong to no group: torch leaves them unset; zeros
             parts.append(mat_a.new_zeros(mat_a.shape[0] - start, mat_b.shape[-1], dtype=dtype))
         return torch.cat(parts)
 
