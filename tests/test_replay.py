@@ -35,6 +35,31 @@ def test_optimizer_slice_replay_matches_the_live_update(make_opt):
         assert surfaces["optimizer.replayed"] == surfaces["optimizer.live"]
 
 
+class _ModeOnTheObject(torch.optim.Optimizer):
+    """As DeepSpeed's FusedAdam keeps ``adam_w_mode``: a constructor argument stored on the object, not in the
+    parameter group."""
+
+    def __init__(self, params, lr=1e-2, decoupled=True):
+        super().__init__(params, {"lr": lr})
+        self.decoupled = decoupled
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.9 if self.decoupled else 1.0).sub_(group["lr"] * p.grad)
+
+
+def test_optimizer_slice_replays_a_mode_the_optimizer_keeps_on_itself():
+    net = torch.nn.Linear(10, 10)
+    opt = _ModeOnTheObject(net.parameters(), decoupled=False)  # the default would replay another rule
+    sl = OptimizerSlice(opt, slice_elems=100)
+    net(torch.randn(3, 10)).sum().backward()
+    sl.before_step()
+    opt.step()
+    assert dict(sl.after_step())["optimizer.self_check"] is True
+
+
 def test_optimizer_slice_self_check_catches_a_corrupted_update():
     torch.manual_seed(0)
     net = torch.nn.Linear(10, 10)

@@ -93,7 +93,12 @@ class OptimizerSlice:
         # Build with what the constructor accepts, then copy the group verbatim: optimizers keep
         # derived keys (AdamW's decoupled_weight_decay) that their constructor does not take.
         accepted = inspect.signature(type(self.optimizer).__init__).parameters
-        replay_opt = type(self.optimizer)([clone], **{k: v for k, v in pending["hyper"].items() if k in accepted})
+        kwargs = {k: v for k, v in pending["hyper"].items() if k in accepted}
+        # Some optimizers keep a constructor argument on the object, not in the group (DeepSpeed's FusedAdam:
+        # adam_w_mode): a plain value of that name is passed on, or the replay would run another update rule.
+        kwargs.update({k: getattr(self.optimizer, k) for k in accepted if k not in kwargs and k != "self"
+                       and isinstance(getattr(self.optimizer, k, None), (bool, int, float, str))})
+        replay_opt = type(self.optimizer)([clone], **kwargs)
         replay_opt.param_groups[0].update(pending["hyper"])
         if pending["state"]:
             replay_opt.state[clone] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
