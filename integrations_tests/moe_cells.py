@@ -15,6 +15,8 @@ Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says othe
   computes experts with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only row counts of 15 mod 16
   show it;
 * ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would;
+* ``compute`` (``delay``): every dense part (attention, router) burns CPU first, as a slow device would;
+* ``dataloader`` (``delay``): this rank's next batch arrives late (a stalled input pipeline);
 * ``dataloader`` (``delay``): this rank's next batch arrives late (a stalled input pipeline);
 * ``alltoall.send`` / ``alltoall.recv``: one value of every AllToAll transfer this rank sends / receives.
 
@@ -115,6 +117,13 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
     for expert in model.layers[0].moe.experts:  # stop inside the expert: EP peers wait in the combine AllToAll
         expert.register_forward_pre_hook(lambda *_: injector.freeze("experts.forward", rank=rank, step=state["step"]))
     moe0.router.tap.register_forward_hook(router_fault)
+
+    def slow_compute(*_: Any) -> None:  # a slow device: burned CPU in every dense part, in training and replay
+        injector.delay("compute", rank=rank, step=state["step"])
+
+    for block in model.layers:
+        for dense in (block.attn.proj, block.moe.router.proj):
+            dense.register_forward_hook(slow_compute)
     for layer in model.layers:
         for expert in layer.moe.experts:
             expert.path_kernel = ReferenceGroupedGemm(fault=path_fault if layer is model.layers[0] else None)
