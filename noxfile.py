@@ -41,8 +41,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def guards(session: nox.Session) -> None:
-    """The guards of the TorchTitan, Megatron and DeepSpeed cells: each re-runs a plugin cell with one plugin
-    mechanism removed and must see it turn red (minutes each; not in CI, see the README)."""
+    """The guards: each re-runs a cell with one mechanism removed and must see it turn red (about 50, up to
+    minutes each; not in CI, whose time they would exceed: see the README)."""
     _install(session, frameworks=True)
     session.run("python", "-m", "pytest", "-m", "guards", "-q", "--durations=40", "integrations_tests/test_cells.py",
                 *session.posargs, env={"OMP_NUM_THREADS": "1"})

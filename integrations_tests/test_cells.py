@@ -1,7 +1,8 @@
 """Run the cells of configs/cells.yaml under pytest, and prove their checks can fail.
 
 Cells without a matrix place run here in `nox -s tests`; the matrix cells (marked `matrix`) run in the same session
-through `scout cells matrix`; the guards of the framework plugins' cells (marked `guards`) run in `nox -s guards`.
+through `scout cells matrix`. Every other test here is a guard (marked `guards` by conftest.py): it re-runs a cell
+with one mechanism removed and must see it turn red; they run in `nox -s guards`, not in CI (its time limit).
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ from scout_core.topology import Localization
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = load_cells(ROOT / "configs" / "cells.yaml")
-FRAMEWORK_GUARD = pytest.mark.guards
-"""A guard that re-runs a TorchTitan, Megatron or DeepSpeed cell with one plugin mechanism removed: minutes each
-on two cores, so they run in ``nox -s guards``, not in CI's ``nox -s tests`` (README, "What CI runs")."""
 
 
 def _params():
@@ -419,7 +417,6 @@ def test_moe_clean_cell_fails_when_the_optimizer_slice_compares_experts(monkeypa
     assert report.verdict == "FAIL" and "scopes ['peer_group']" in report.details  # 4 groups of 4: no majority
 
 
-@FRAMEWORK_GUARD
 def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(monkeypatch):
     """The guard of titan-recovery-sdc: without the plugin's choice TorchTitan loads its newest checkpoint, the
     step-5 one saved after the SDC verdict, and the cell must say so."""
@@ -433,7 +430,6 @@ def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(m
     assert report.verdict == "FAIL" and "the restart loaded step 5" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_titan_recovery_cell_fails_when_scout_restarts_its_count_from_zero(monkeypatch):
     """The guard of the restarted run's labels: if SCOUT's step count and certification started over at 0 after
     TorchTitan loaded step 4, the restarted run's checkpoints would never be verified."""
@@ -444,7 +440,6 @@ def test_titan_recovery_cell_fails_when_scout_restarts_its_count_from_zero(monke
     assert report.verdict == "FAIL" and "labels after the restarted run" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_titan_moe_clean_cell_fails_when_expert_parallel_blocks_replay_whole(monkeypatch):
     """The guard of titan-moe-ep-clean: replaying whole MoE blocks under expert parallelism (each EP position
     holds other experts) makes the peers disagree with nothing injected, and the clean cell must turn red."""
@@ -464,7 +459,6 @@ def test_titan_moe_clean_cell_fails_when_expert_parallel_blocks_replay_whole(mon
         report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_titan_snapshots_cell_fails_when_the_plugin_drops_scout_snapshots(monkeypatch):
     """The guard of titan-snapshots-clean: if ``--scout.checkpoint.enabled`` did not reach SCOUT, no rank would
     hold an in-memory snapshot, and the cell must say so."""
@@ -487,7 +481,6 @@ def test_titan_snapshots_cell_fails_when_the_plugin_drops_scout_snapshots(monkey
     assert report.verdict == "FAIL" and "in-memory snapshots held by ranks []" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_titan_expert_cell_fails_without_the_expert_binding(monkeypatch):
     """The guard of titan-moe-expert-sdc: without the plugin's binding of TorchTitan's grouped experts nothing
     replays the experts, and the corrupted expert goes unnamed."""
@@ -501,7 +494,6 @@ def test_titan_expert_cell_fails_without_the_expert_binding(monkeypatch):
     assert report.verdict == "FAIL" and "named ranks [], expected [1]" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_titan_snapshot_recovery_cell_fails_when_scout_does_not_restore_its_snapshot(monkeypatch):
     """The guard of titan-recovery-snapshots: if the restart ignored SCOUT's snapshots (TorchTitan's own verified
     checkpoint loaded instead), SCOUT's resume record is missing and the cell must say so."""
@@ -513,7 +505,6 @@ def test_titan_snapshot_recovery_cell_fails_when_scout_does_not_restore_its_snap
     assert report.verdict == "FAIL" and "SCOUT's resume records []" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_sdc_cell_fails_without_the_replica_groups(monkeypatch):
     """The guard of megatron-tp2-dp2-sdc: rank 1's peer group is two data-parallel replicas; without the
     tensor-parallel partners' comparison the two cannot outvote each other and only the group is named."""
@@ -528,7 +519,6 @@ def test_megatron_sdc_cell_fails_without_the_replica_groups(monkeypatch):
     assert report.verdict == "FAIL" and "named ranks [1, 3], expected [1]" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
     """The guard of megatron-tp2-dp2-clean's bitwise check: a replay that nudged a live parameter (identically
     on every rank, so no peer disagrees) must leave training in another state, and the cell must say so."""
@@ -549,7 +539,6 @@ def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
     assert report.verdict == "FAIL" and "ended in another state than without it" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration(monkeypatch):
     """The guard of megatron-recovery-sdc: without the plugin's restart plan Megatron loads the iteration its
     tracker names (the rejected one), and the cell must say so."""
@@ -564,7 +553,6 @@ def test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration(m
     assert report.verdict == "FAIL" and "loaded iteration [5]" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 @pytest.mark.parametrize(("cell", "undo"), [("megatron-distopt-clean", "boundary"),
                                              ("megatron-distopt-overlap-clean", "param_sync")])
 def test_megatron_distopt_cells_fail_without_the_plugins_boundary_or_param_sync(monkeypatch, cell, undo):
@@ -590,7 +578,6 @@ def test_megatron_distopt_cells_fail_without_the_plugins_boundary_or_param_sync(
     assert report.verdict == "FAIL" and "kinds ['sdc'], expected []" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_moe_cell_fails_without_the_expert_binding(monkeypatch):
     """The guard of megatron-moe-sdc: without the plugin's binding of Megatron's experts the expert recipe does
     not run, and the corrupted expert is not named as such."""
@@ -606,7 +593,6 @@ def test_megatron_moe_cell_fails_without_the_expert_binding(monkeypatch):
         report.details, report.details
 
 
-@FRAMEWORK_GUARD
 @pytest.mark.parametrize("broken", ["no_alltoall", "peers_across_positions"])
 def test_megatron_ep_cell_fails_without_the_ep_binding(monkeypatch, broken):
     """The guard of megatron-moe-ep2-clean: the plugin binds experts per EP position with the AllToAll replay.
@@ -633,7 +619,6 @@ def test_megatron_ep_cell_fails_without_the_ep_binding(monkeypatch, broken):
     assert report.verdict == "FAIL" and expected in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_bucket_hang_cell_fails_when_coalesced_buckets_are_not_observed(monkeypatch):
     """The guard of megatron-tp2-dp2-bucket-hang: with Megatron's coalescing manager left as bound at its import,
     a bucket's queued collectives show done at once: rank 2's one data-parallel peer, waiting in a bucket, looks
@@ -649,7 +634,6 @@ def test_megatron_bucket_hang_cell_fails_when_coalesced_buckets_are_not_observed
     assert report.verdict == "FAIL" and "expected [2]" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged_losses(monkeypatch):
     """The guard of megatron-moe-ep2-clean's router checks: a replayed router records its auxiliary loss in
     Megatron's MoE metrics tracker; without the plugin putting the tracker back, the losses Megatron logs are no
@@ -667,7 +651,6 @@ def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged
     assert report.verdict == "FAIL" and "another state than without it" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
     """The guard of megatron-dp4-data-stall: without the plugin marking Megatron's data fetches, rank 2 waiting for
     its data looks like a rank stopped in compute: a hang, not a data stall."""
@@ -682,7 +665,6 @@ def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
     assert report.verdict == "FAIL" and "expected ['data_stall']" in report.details, report.details
 
 
-@FRAMEWORK_GUARD
 def test_deepspeed_zero3_clean_cell_fails_when_replay_runs_deepspeeds_hooks(monkeypatch):
     """The guard of deepspeed-zero3-clean: with DeepSpeed's module hooks left on while a gathered ZeRO-3 layer
     replays, its fetch and release run inside SCOUT's gather, outside training's order: the checks fail (seen:
@@ -696,7 +678,6 @@ def test_deepspeed_zero3_clean_cell_fails_when_replay_runs_deepspeeds_hooks(monk
     assert report.verdict == "FAIL", report.details
 
 
-@FRAMEWORK_GUARD
 def test_deepspeed_zero3_sdc_cell_fails_without_the_gather(monkeypatch):
     """The guard of deepspeed-zero3-sdc: with DeepSpeed's hooks set aside (as they must be) but nothing gathered, a
     ZeRO-3 layer replays on its empty partitions; every check fails and nothing is named."""
