@@ -24,8 +24,9 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and property tests, the small cells and the guards that prove cells can fail; then the whole fault
-    matrix (every 16-rank cell, runs/matrix.{json,md,png}); then the plugins' tests. ``nox -s tests -- ARGS``
+    """Unit and property tests, the torchrun tests and the cells of fewer than 16 ranks (the guards run in
+    ``nox -s guards``); then the whole fault matrix (every 16-rank cell, runs/matrix.{json,md,png}); then the
+    plugins' tests. ``nox -s tests -- ARGS``
     passes ARGS to the first pytest run only and skips the matrix."""
     _install(session, "dev,bench", frameworks=True)
     session.run("python", "-m", "pytest", "-m", "not cells and not matrix and not guards", "-q", "--durations=40",
