@@ -196,3 +196,33 @@ def test_ranks_settling_in_another_collective_do_not_postpone_a_stall():
     evidence |= {r: dataclasses.replace(_ev(r, step=4, op=7, fp=fp_other), silent=False) for r in groups[1]}
     v = _one(classify(evidence, groups))
     assert v.hang_class is HangClass.EQUAL_PROGRESS_STALL and v.ranks == (0, 4, 8, 12)
+
+
+def test_ranks_waiting_behind_a_fetch_still_within_its_tolerance_are_not_named():
+    """The clean-clone failure of hsdp-data-stall (episode 1's evidence): rank 9's data fetch stalls at step 3;
+    its shard-group mates 8, 10, 11 wait in the forward's all-gather, behind their replicate peers (which wait
+    in the gradient all-reduce), and rank 10 crosses its threshold before rank 9's fetch tolerance ends. Rank
+    10 waits for rank 9, which is judged once its own observer opens the next episode: a data stall, alone."""
+    groups = [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    ag = ("all_gather_single|group=4@8..11|shapes=808;202|dtypes=float32,float32", 7)
+    ar = ("all_reduce|group=4@0..12/4|shapes=280|dtypes=float32|op=AVG", 9)
+
+    def ev(rank, silent):
+        if rank == 9:
+            e = _ev(9, step=3, op=0, phase=Phase.DATALOADER, pending=False)
+        elif rank in (8, 10, 11):
+            e = _ev(rank, step=3, op=2, fp=ag)
+        else:
+            e = _ev(rank, step=3, op=9, fp=ar)
+        return dataclasses.replace(e, silent=silent)
+
+    first = {r: ev(r, r in (4, 8, 10)) for r in range(16)}
+    assert classify(first, groups) == []
+    later = {r: ev(r, r in (4, 8, 9, 10)) for r in range(16)}
+    v = _one(classify(later, groups))
+    assert (v.hang_class, v.ranks, v.kind, v.scope) == (HangClass.DATA_STALL, (9,), "data_stall", "rank")
+    # A rank stopped on its own is still named while another fetches within its tolerance.
+    frozen = {r: dataclasses.replace(_ev(r, step=3, op=9, fp=ar), silent=True) for r in range(16)}
+    frozen[9] = ev(9, False)
+    frozen[6] = dataclasses.replace(_ev(6, step=3, op=4, phase=Phase.FORWARD, pending=False), silent=True)
+    assert [(v.hang_class, v.ranks) for v in classify(frozen, groups)] == [(HangClass.LAGGING, (6,))]

@@ -76,10 +76,8 @@ def test_every_16_rank_cell_has_a_place_in_the_matrix():
     assert {"ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed"} <= layouts
 
 
-KNOWN_GAPS = [("hsdp", "input_stall")]
-"""Places of the grid without a passing cell, each with its reason in the README ("Known gaps"): an HSDP input
-stall names rank 9's shard-group mates as protocol mismatches besides rank 9's data stall (seen in a clean-clone
-run; the observers compare them with their replicate peers, which went on to the next step)."""
+KNOWN_GAPS: list[tuple[str, str]] = []
+"""Places of the grid without a passing cell, each with its reason in the README ("Known gaps")."""
 
 
 def test_the_grid_the_paper_asks_for_is_complete():

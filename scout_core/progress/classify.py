@@ -33,7 +33,10 @@ peer groups in which every member agrees while another group names a culprit
 are victims and produce no verdict of their own. So are ranks that are behind
 their peers only because they wait inside a collective (on another group, e.g.
 an HSDP shard group) while a rank elsewhere is named for not reaching one: they
-wait for that rank.
+wait for that rank. While some rank is still inside a data fetch or checkpoint
+I/O within its tolerance, only ranks stopped on their own are named: waiting
+behind and "every peer waits" are left to the episode its observer opens when
+the tolerance ends.
 """
 
 from __future__ import annotations
@@ -150,6 +153,11 @@ def _stopped_class(e: Evidence) -> HangClass:
     return HangClass.LAGGING
 
 
+def _in_tolerated_io(e: Evidence) -> bool:
+    """A live rank inside a data-loader fetch or checkpoint I/O, within the silence tolerated there."""
+    return e.alive and not e.silent and not e.pending and Phase(e.phase) in _IO_PHASES
+
+
 def _minority_class(e: Evidence, majority: tuple[int, int, int]) -> HangClass:
     phase = Phase(e.phase)
     if phase in (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE):
@@ -202,7 +210,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
                                {"exited": gone, "waiting": [e.rank for e in waiting]}))
     if not waiting:
         return out  # everyone here is working (or gone): nobody in this group waits
-    if any(not e.silent and not e.pending and Phase(e.phase) in _IO_PHASES for e in live):
+    if any(_in_tolerated_io(e) for e in live):
         # A member is still in a data-loader fetch or a checkpoint read/write, within the silence tolerated
         # there: a rank-0-only save with its peers at a barrier, or a rank that finished its shard first.
         return out
@@ -284,8 +292,9 @@ def classify_group(group: Sequence[int], evidence: Mapping[int, Evidence]) -> di
     # size): another group's stall in one of them is not settled while these members may still be named.
     unsettled = sorted({e.fingerprint for r in group if (e := evidence.get(r)) is not None
                         and e.alive and e.pending and not e.silent})[:8]
+    in_io = any(_in_tolerated_io(e) for r in group if (e := evidence.get(r)) is not None)
     return {"group": list(group), "lost": [r for r in group if r not in evidence],
-            "verdicts": [v.to_dict() for v in verdicts], "named": named, "unsettled": unsettled}
+            "verdicts": [v.to_dict() for v in verdicts], "named": named, "unsettled": unsettled, "in_io": in_io}
 
 
 def _lost_verdicts(lost: Sequence[int], hosts: Mapping[int, str], answered: int) -> list[HangVerdict]:
@@ -320,12 +329,21 @@ def merge(summaries: Sequence[Mapping[str, Any]], hosts: Mapping[int, str] | Non
         per_group = [[v for v in vs if v.hang_class is not HangClass.EXITED] for vs in per_group]
     culprits = [v for vs in per_group for v in vs
                 if v.hang_class not in (HangClass.EQUAL_PROGRESS_STALL, HangClass.INCONCLUSIVE)]
+    # A rank still inside a data fetch or checkpoint I/O, within its tolerance, may be what everyone else waits
+    # for: its observer opens the next episode once the tolerance ends, and it is judged there (HSDP: rank 9's
+    # fetch stalls, its shard-group mates wait in an all-gather behind their replicate peers and cross their
+    # threshold first). Until then, waiting behind names nobody, and neither does "every peer waits".
+    io_open = any(s.get("in_io") for s in summaries)
     if culprits:
         roots = [v for v in culprits if not v.waits_behind]
         # groups that merely wait are victims of the named ranks, and so are ranks that wait behind
-        return verdicts + (roots or culprits)
+        if roots or lost or not io_open:
+            return verdicts + (roots or culprits)
+        return verdicts
     if lost:
         return verdicts  # survivors waiting on a lost peer are victims too
+    if io_open:
+        return []
     inconclusive = [v for vs in per_group for v in vs if v.hang_class is HangClass.INCONCLUSIVE]
     if inconclusive:
         return inconclusive
