@@ -10,7 +10,9 @@ stage, gradient accumulation and ``"scout"`` section, then DeepSpeed's own ``eng
 Faults (``faults`` in configs/cells.yaml) act inside a block's ``forward``, in training and in SCOUT's replay
 alike: ``layers.<i>.output`` corrupts block i's output (``layers.any.output``: every block's);
 ``layers.<i>.experts.<e>.output`` one local expert's; ``layers.<i>.forward`` (``freeze``) stops the rank in block
-i's forward. Steps are optimizer steps, counted from 1.
+i's forward; ``optimizer.update`` corrupts this rank's live update of the first optimizer partition (under ZeRO-3
+with several sub-groups, ``sub_group_size``, the first sub-group's: DeepSpeed steps the torch optimizer once per
+sub-group). Steps are optimizer steps, counted from 1.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def _ds_config(a: dict[str, Any]) -> dict[str, Any]:
         # ZeRO-3 keeps parameters below this size whole on every rank (default 1e5 elements: every parameter of
         # this small model); 0 partitions every one of them, as a large model's are.
         config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_model_persistence_threshold=0)
+        if a["sub_group_size"]:
+            config["zero_optimization"]["sub_group_size"] = a["sub_group_size"]
     if a["scout"] is not None:
         config["scout"] = a["scout"]
     return config
@@ -126,9 +130,31 @@ def _signature(engine: Any) -> list[int]:
     and state, and the model's parameters where it holds them whole (below ZeRO-3)."""
     tensors = [p for p in engine.module.parameters() if p.numel() and not hasattr(p, "ds_id")]
     for opt in find_inner_optimizers(engine.optimizer):
-        for p in (p for g in opt.param_groups for p in g["params"]):
-            tensors += [p, *(v for _k, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor))]
+        for p in _partitions(engine, opt):
+            tensors += [p, *(v for _k, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor))]
+    if not tensors:
+        raise AssertionError("the bitwise signature found no training state to sign")
     return [s.signature for s in sign_many([t.detach() for t in tensors])]
+
+
+def _partitions(engine: Any, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The master partitions ``opt`` steps. ZeRO-3 empties the torch optimizer's parameter groups between its
+    steps (it puts one sub-group's flat partition there for each inner step): its flats are on the wrapper."""
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    return list(flats) if flats else [p for g in opt.param_groups for p in g["params"]]
+
+
+def _install_update_fault(engine: Any, injector: Injector, rank: int, step: Any) -> None:
+    """``optimizer.update``: after the torch optimizer stepped the first partition, corrupt its live update."""
+    inner = find_inner_optimizers(engine.optimizer)[0]
+    first = _partitions(engine, inner)[0]
+
+    def update_fault(opt: torch.optim.Optimizer, *_: Any) -> None:
+        if any(p is first for g in opt.param_groups for p in g["params"]):
+            with torch.no_grad():
+                injector.corrupt("optimizer.update", first, rank=rank, step=step())
+
+    inner.register_step_post_hook(update_fault)  # registered after SCOUT's pre-step hook took its slice
 
 
 def _install_faults(model: nn.Module, injector: Injector, rank: int, step: Any) -> None:
@@ -181,6 +207,7 @@ def _deepspeed_rank(ctx: RankContext) -> dict[str, Any]:
         loaded = [int(engine.global_steps), *_signature(engine)] if path is not None else []
     injector = Injector(a["faults"], seed=a["seed"])
     _install_faults(engine.module, injector, ctx.rank, lambda: int(engine.global_steps) + 1)
+    _install_update_fault(engine, injector, ctx.rank, lambda: int(engine.global_steps) + 1)
     data = zoo_batches(ctx.rank, a["steps"] * a["gas"], batch=MICRO_BATCH, seed=a["seed"])
     sigs: dict[int, list[int]] = {}
     for _ in range(int(engine.global_steps) * a["gas"]):  # the batches the loaded steps consumed
@@ -230,7 +257,7 @@ def deepspeed_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "stage": int(p.get("stage", 1)), "gas": int(p.get("gas", 1)), "moe": bool(p.get("moe", False)),
             "ep_size": int(p.get("ep_size", 1)), "experts": int(p.get("experts", 4)),
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir,
-            "save": bool(p.get("save", recovery)), "phase": "a"}
+            "save": bool(p.get("save", recovery)), "phase": "a", "sub_group_size": int(p.get("sub_group_size", 0))}
     run = run_job(_deepspeed_rank, spec, world_size, workdir, args, hang=hang, stop=stop)
     if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
         run.problems.append(f"DeepSpeed trained {[v['steps'] for v in run.result.values()]} steps, expected "

@@ -73,6 +73,44 @@ def test_optimizer_slice_self_check_catches_a_corrupted_update():
     assert dict(sl.after_step())["optimizer.self_check"] is False
 
 
+class _SubGroupWrapper:
+    """DeepSpeed ZeRO-3's step with several sub-groups (``sub_group_size``): the inner optimizer steps once per
+    sub-group, each time with only that sub-group's flat partition in its parameter group."""
+
+    def __init__(self, flats, faulty=None):
+        self.flats, self.faulty = flats, faulty
+        self.inner = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-2)
+        self.inner.param_groups[0]["params"] = []
+
+    def step(self, grads):
+        for i, (flat, grad) in enumerate(zip(self.flats, grads, strict=True)):
+            flat.grad = grad
+            self.inner.param_groups[0]["params"] = [flat]
+            self.inner.step()
+            self.inner.param_groups[0]["params"] = []
+            if i == self.faulty:
+                with torch.no_grad():
+                    flat.mul_(1.000001)  # this sub-group's live update goes wrong on this rank, every step
+
+
+def test_optimizer_slice_rotates_over_the_sub_groups_of_one_step():
+    torch.manual_seed(0)
+    for faulty in (None, 0):
+        flats = [torch.nn.Parameter(torch.randn(256)) for _ in range(3)]
+        wrapper = _SubGroupWrapper(flats, faulty)
+        sl = OptimizerSlice(wrapper.inner, slice_elems=64)
+        wrapper.inner.register_step_pre_hook(lambda *_, sl=sl: sl.before_step() if sl.inner_step() else None)
+        checked, verdicts = [], []
+        for _ in range(7):
+            sl.end_step()  # the boundary of the previous step
+            wrapper.step([torch.randn(256) for _ in flats])
+            checked.append(next(i for i, f in enumerate(flats) if f is sl.pending["param"]))
+            verdicts.append(dict(sl.after_step())["optimizer.self_check"])
+        # the first step counts the inner steps (a slice in the first); then one sub-group per check, in turn
+        assert checked == [0, 1, 2, 0, 1, 2, 0]
+        assert verdicts == ([True] * 7 if faulty is None else [c != faulty for c in checked])
+
+
 def test_rng_scope_installs_source_state_and_restores_local():
     torch.manual_seed(1)
     source = capture_rng()

@@ -306,8 +306,10 @@ class ReplayEngine:
         return due + (("optimizer",) if self._opt_due else ())
 
     def _pre_step(self, *_: Any) -> None:
-        self._opt_due = self.opt_slice is not None and self._due(self.step + 1, self._cadence("optimizer"))
-        if not self._opt_due:
+        if self.opt_slice is None:
+            return
+        self._opt_due = self._due(self.step + 1, self._cadence("optimizer"))
+        if not self.opt_slice.inner_step() or not self._opt_due:
             return
         try:
             self.opt_slice.before_step()
@@ -328,6 +330,8 @@ class ReplayEngine:
         """
         self.step += 1
         step = self.step
+        if self.opt_slice is not None:
+            self.opt_slice.end_step()  # the step's inner optimizer steps are all done
         result = BoundaryResult(step)
         recipes = [r for r in ("embedding", "output") if self._due(step, self._cadence(r))]
         due = [(r, self.extra[r]) for r in recipes if r in self.extra]

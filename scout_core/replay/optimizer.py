@@ -44,6 +44,13 @@ class OptimizerSlice:
         self.local_only = {id(p) for p in local_only}
         self.turn = 0
         self.pending: dict[str, Any] | None = None
+        # ZeRO-3 with several sub-groups (DeepSpeed's sub_group_size) steps the inner optimizer once per sub-group
+        # in one training step, each time with only that sub-group's flat partition in its param_groups. The
+        # slice is taken in one of those inner steps, rotating over them from check to check; a slice taken in
+        # every one of them would always end up in the last sub-group, and the others would never be checked.
+        self._inner_calls = 0
+        self._inner_per_step = 1
+        self._take_at = 0
 
     def _choose(self) -> tuple[int, int, torch.Tensor, dict[str, Any]] | None:
         params = [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]
@@ -57,6 +64,20 @@ class OptimizerSlice:
         offset = ((self.turn // len(params)) % slots) * _ALIGN
         offset = min(offset, n - span)
         return gi, offset, p, self.optimizer.param_groups[gi]
+
+    def inner_step(self) -> bool:
+        """Count one inner optimizer step of the training step; whether the slice is taken in this one."""
+        call, self._inner_calls = self._inner_calls, self._inner_calls + 1
+        if call == 0:
+            self._take_at = self.turn % self._inner_per_step  # fixed for the step: taking the slice turns it
+        return call == self._take_at
+
+    def end_step(self) -> None:
+        """The training step ended: how many inner steps it had (none: a skipped step, e.g. an fp16 overflow,
+        which says nothing about the next)."""
+        if self._inner_calls:
+            self._inner_per_step = self._inner_calls
+        self._inner_calls = 0
 
     @torch.no_grad()
     def before_step(self) -> None:
