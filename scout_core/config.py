@@ -193,6 +193,10 @@ class CheckpointConfig:
     """Copy each rank's snapshot to a partner on another machine."""
     keep_generations: int = _range(3, ge=2)
     """Durable generations kept on disk (verified and candidate need two)."""
+    load_rejected: bool = False
+    """Load a framework checkpoint that SCOUT labelled rejected when the restart names it (a DeepSpeed tag,
+    Megatron's ``--ckpt-step``): for forensics. False: such a restart stops at once, naming the checkpoint and the
+    newest verified one (a restart that names none loads what SCOUT chose)."""
 
 
 @dataclass(kw_only=True)

@@ -211,3 +211,24 @@ def test_a_folder_saved_to_again_no_longer_vouches_for_the_step_it_held(tmp_path
     labels.saved(4, "/ckpt/last", cert)
     assert _labels(labels) == {4: "rejected"}
     assert labels.choose().step is None
+
+
+def test_a_restart_that_names_a_rejected_checkpoint_is_refused_unless_allowed(tmp_path, caplog):
+    from scout_core.checkpoint.durable import RejectedCheckpointError, refuse_rejected
+
+    fc = FrameworkCheckpoints(str(tmp_path), writer=True)
+    fc.entries = {s: {"label": lab, "path": str(tmp_path / f"step{s}"), "saved_unix": 0.0}
+                  for s, lab in {2: "verified", 4: "rejected"}.items()}
+    fc._write()
+
+    def named(step):
+        return lambda s, _entry: s == step
+
+    with pytest.raises(RejectedCheckpointError, match=r"step4 is labelled rejected.*newest verified.* step 2"):
+        refuse_rejected(str(tmp_path), named(4), "step4", who="test", allowed=False)
+    refuse_rejected(str(tmp_path), named(2), "step2", who="test", allowed=False)  # verified: loaded
+    refuse_rejected(str(tmp_path), named(9), "step9", who="test", allowed=False)  # not labelled: loaded
+    refuse_rejected(str(tmp_path / "elsewhere"), named(4), "step4", who="test", allowed=False)  # no labels
+    with caplog.at_level("WARNING", logger="scout"):
+        refuse_rejected(str(tmp_path), named(4), "step4", who="test", allowed=True)
+    assert "loading it as asked" in caplog.text

@@ -29,15 +29,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from scout_core.checkpoint.certify import Action, Certifier, FailureKind
 from scout_core.checkpoint.store import fsync_dir
 
-__all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "agreed_restart_plan", "point_tracker",
-           "set_aside"]
+__all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "RejectedCheckpointError",
+           "agreed_restart_plan", "point_tracker", "refuse_rejected", "set_aside"]
 
 _log = logging.getLogger("scout")
 
@@ -89,6 +89,42 @@ def agreed_restart_plan(folder: str, plan: Callable[[], dict[str, Any] | None], 
                    "unchecked by SCOUT", who, what, made["error"])
         return None
     return made
+
+
+class RejectedCheckpointError(RuntimeError):
+    """A restart named a checkpoint that SCOUT labelled rejected (and ``checkpoint.load_rejected`` is false)."""
+
+
+def refuse_rejected(folder: str, named: Callable[[int, Mapping[str, Any]], bool], what: str, *, who: str,
+                    allowed: bool) -> None:
+    """Before a load that names its checkpoint (every rank calls it): raise :class:`RejectedCheckpointError` on
+    every rank when SCOUT labelled that checkpoint rejected (``named(step, entry)`` picks it out of the labels;
+    ``what`` names it in the message). ``allowed`` (``checkpoint.load_rejected``): a warning instead. Rank 0 reads
+    the labels and broadcasts its finding, so a rank whose read fails cannot load while the others stop."""
+    import torch.distributed as dist
+
+    found: str | None = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        labels = FrameworkCheckpoints(folder, writer=False)
+        steps = sorted(s for s, e in labels.entries.items() if e["label"] == "rejected" and named(s, e))
+        if steps:
+            verified = max((s for s, e in labels.entries.items() if e["label"] == "verified"), default=None)
+            found = (f"{who}: {what} is labelled rejected in {labels.path}: it was saved after the last verified "
+                     f"state when an SDC verdict came (step {steps[0]}), so it may hold the corruption. "
+                     + (f"The newest verified checkpoint is step {verified}. " if verified is not None else
+                        "No checkpoint there is verified. ")
+                     + "Restart without naming a checkpoint and SCOUT loads the one it chose, or set "
+                       "checkpoint.load_rejected to load this one anyway.")
+    if dist.is_initialized():
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+    if found is None:
+        return
+    if allowed:
+        _log.warning("%s (checkpoint.load_rejected: loading it as asked)", found)
+        return
+    raise RejectedCheckpointError(found)
 
 
 def point_tracker(folder: str, tracker: str, value: str | None) -> None:

@@ -10,7 +10,9 @@ SCOUT's certification, and the restart that loads the tag SCOUT's retrieval poli
   ``scout-set-aside/`` (kept for forensics, out of DeepSpeed's reach) and points ``latest`` at the chosen tag, or
   sets ``latest`` aside where nothing is safe (DeepSpeed then loads nothing and training starts from the model's
   initialization). DeepSpeed's own ``load_checkpoint`` then loads it, the way it always does. An explicit ``tag``
-  (the user's choice), universal checkpoints and node-local storage are left to DeepSpeed (:func:`_no_plan`).
+  (the user's choice), universal checkpoints and node-local storage are left to DeepSpeed (:func:`_no_plan`), but
+  a tag SCOUT labelled rejected is refused (``RejectedCheckpointError`` on every rank) unless
+  ``checkpoint.load_rejected`` is set.
 * After the load, SCOUT's step count, replay schedule and certification go on from the engine's global step.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -29,6 +31,7 @@ from scout_core.checkpoint.durable import (
     FrameworkCheckpoints,
     agreed_restart_plan,
     point_tracker,
+    refuse_rejected,
     set_aside,
 )
 from scout_core.runtime import ScoutHandle
@@ -41,12 +44,17 @@ LATEST = "latest"
 """DeepSpeed's tracker file: the tag ``load_checkpoint`` reads when it is given none."""
 
 
+def _tag_of(entry: Mapping[str, Any]) -> str:
+    """The DeepSpeed tag a label entry is about (its folder's name)."""
+    return os.path.basename(os.path.normpath(entry["path"]))
+
+
 def _plan(folder: str) -> dict[str, Any] | None:
     """Rank 0's restart plan for ``folder`` (None: nothing SCOUT labelled there, DeepSpeed's own choice)."""
     labels = FrameworkCheckpoints(folder, writer=True)
     if not labels.entries:
         return None
-    tag_of = {step: os.path.basename(os.path.normpath(e["path"])) for step, e in labels.entries.items()}
+    tag_of = {step: _tag_of(e) for step, e in labels.entries.items()}
     choice = labels.choose(exists=lambda step: os.path.isdir(os.path.join(folder, tag_of[step])))
     # Newest first: the rejected tag leaves DeepSpeed's reach before anything else can fail. The labels change only
     # once everything moved: a plan that fails half-way still knows why the job stopped.
@@ -105,6 +113,9 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
 
     @functools.wraps(load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if tag is not None:  # the user's choice is loaded, unless SCOUT labelled it rejected
+            refuse_rejected(load_dir, lambda _step, entry: _tag_of(entry) == str(tag), f"tag {tag}",
+                            who="scout_deepspeed", allowed=handle.config.checkpoint.load_rejected)
         why_not = _no_plan(engine, tag)
         if why_not is None:
             plan_restart(load_dir)  # points `latest` at SCOUT's choice

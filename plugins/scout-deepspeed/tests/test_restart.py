@@ -53,3 +53,30 @@ def test_loads_that_are_not_this_jobs_restart_are_left_to_deepspeed():
     assert "universal" in checkpoints._no_plan(universal, None)
     local = SimpleNamespace(load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: True)
     assert "node-local" in checkpoints._no_plan(local, None)
+
+
+def test_an_explicit_tag_labelled_rejected_is_refused_unless_the_config_allows_it(tmp_path):
+    """A script that always passes a tag (`--resume-tag`) must not restore the state an SDC verdict rejected."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import pytest
+
+    from scout_core.checkpoint.durable import RejectedCheckpointError
+    from scout_core.config import load
+
+    folder = job(tmp_path, {1: "verified", 2: "verified", 3: "rejected"}, stopped_for="sdc")
+    loaded = []
+    for allowed in (False, True):
+        config = load(values={"checkpoint.load_rejected": allowed})
+        handle = SimpleNamespace(config=config, rank=0, checkpoint_io=lambda _what: contextlib.nullcontext())
+        engine = SimpleNamespace(save_checkpoint=None, load_checkpoint=lambda d, tag=None, **_k: loaded.append(tag),
+                                 load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: False)
+        checkpoints.install(handle, engine)
+        engine.load_checkpoint(folder, "global_step2")  # verified: loaded as asked
+        if allowed:
+            engine.load_checkpoint(folder, "global_step3")
+        else:
+            with pytest.raises(RejectedCheckpointError, match="tag global_step3 is labelled rejected"):
+                engine.load_checkpoint(folder, "global_step3")
+    assert loaded == ["global_step2", "global_step2", "global_step3"]

@@ -9,7 +9,8 @@ labelled by SCOUT's certification, and the restart that loads the iteration SCOU
   (after an SDC stop: the newest verified one), moves every newer ``iter_*`` folder into ``scout-set-aside/``
   (kept for forensics, out of Megatron's reach, so a later save of the same iteration never lands on an abandoned
   one) and points Megatron's tracker file at the chosen iteration. Megatron's own ``load_checkpoint`` then loads
-  it, the way it always does. ``--ckpt-step`` (the user's explicit choice) is loaded as asked.
+  it, the way it always does. ``--ckpt-step`` (the user's explicit choice) is loaded as
+  asked, unless SCOUT labelled that iteration rejected (refused, unless ``checkpoint.load_rejected``).
 * After the load, SCOUT's step count, replay schedule and certification go on from the loaded iteration.
 """
 
@@ -29,6 +30,7 @@ from scout_core.checkpoint.durable import (
     FrameworkCheckpoints,
     agreed_restart_plan,
     point_tracker,
+    refuse_rejected,
     set_aside,
 )
 from scout_core.runtime import ScoutHandle
@@ -111,13 +113,18 @@ def _plan(folder: str, ckpt_step: int | None) -> dict[str, Any] | None:
     return {"load": choice.step, "reason": choice.reason, "stopped_for": choice.failure}
 
 
-def plan_restart(load_dir: str | None, ckpt_step: int | None = None) -> dict[str, Any] | None:
+def plan_restart(load_dir: str | None, ckpt_step: int | None = None, *,
+                 load_rejected: bool = False) -> dict[str, Any] | None:
     """Before Megatron's ``load_checkpoint``: choose the iteration to load from SCOUT's labels and make Megatron
     load it (every rank calls it; rank 0 moves files and broadcasts the plan). None: no labels, Megatron's own
     choice. After an SDC stop a plan that cannot be made stops the launch: loading the newest iteration then
-    would restore the state the verdict rejected."""
+    would restore the state the verdict rejected. ``--ckpt-step`` of an iteration SCOUT labelled rejected raises
+    ``RejectedCheckpointError`` on every rank, unless ``load_rejected`` (``checkpoint.load_rejected``)."""
     if not load_dir or not dist.is_initialized():
         return None
+    if ckpt_step:
+        refuse_rejected(load_dir, lambda step, _entry: step == int(ckpt_step), f"--ckpt-step {ckpt_step}",
+                        who="scout_megatron", allowed=load_rejected)
     return agreed_restart_plan(load_dir, lambda: _plan(load_dir, ckpt_step), who="scout_megatron",
                                what="Megatron's iteration")
 

@@ -113,7 +113,7 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
         if load and own and os.path.realpath(load) == os.path.realpath(own):
             # Before Megatron's own load: its tracker is pointed at the iteration SCOUT's labels chose. Only in the
             # job's own folder: a --load of another run's checkpoints (a base model to finetune) is left as it is.
-            plan_restart(load, getattr(margs, "ckpt_step", None))
+            plan_restart(load, getattr(margs, "ckpt_step", None), load_rejected=config.checkpoint.load_rejected)
         model, optimizer, scheduler = setup(*a, **k)
         if attached.handle is None and optimizer is not None:  # --skip-train builds no optimizer: nothing to watch
             handle = attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)

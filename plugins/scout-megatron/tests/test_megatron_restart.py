@@ -88,3 +88,15 @@ def test_nothing_labelled_leaves_megatron_its_own_choice(tmp_path):
     folder = str(tmp_path / "fresh")
     os.makedirs(folder)
     assert checkpoints._plan(folder, None) is None
+
+
+def test_ckpt_step_of_an_iteration_labelled_rejected_is_refused(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from scout_core.checkpoint.durable import RejectedCheckpointError
+
+    folder = job(tmp_path, {1: "verified", 2: "rejected"}, stopped_for="sdc")
+    monkeypatch.setattr(checkpoints, "dist", SimpleNamespace(is_initialized=lambda: True))
+    with pytest.raises(RejectedCheckpointError, match="--ckpt-step 2 is labelled rejected"):
+        checkpoints.plan_restart(folder, 2)
+    assert tracked(folder) == 2 and checkpoints.iterations(folder) == [1, 2]  # nothing moved or repointed
