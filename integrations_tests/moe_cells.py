@@ -16,7 +16,7 @@ Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says othe
   show it;
 * ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would;
 * ``compute`` (``delay``): every dense part (attention, router) burns CPU first, as a slow device would;
-* ``dataloader`` (``delay``): this rank's next batch arrives late (a stalled input pipeline);
+  ``compute.attention``: only attention does (a unit only one kind of kernel exercises);
 * ``dataloader`` (``delay``): this rank's next batch arrives late (a stalled input pipeline);
 * ``alltoall.send`` / ``alltoall.recv``: one value of every AllToAll transfer this rank sends / receives.
 
@@ -121,9 +121,13 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
     def slow_compute(*_: Any) -> None:  # a slow device: burned CPU in every dense part, in training and replay
         injector.delay("compute", rank=rank, step=state["step"])
 
+    def slow_attention(*_: Any) -> None:
+        injector.delay("compute.attention", rank=rank, step=state["step"])
+
     for block in model.layers:
         for dense in (block.attn.proj, block.moe.router.proj):
             dense.register_forward_hook(slow_compute)
+        block.attn.proj.register_forward_hook(slow_attention)
     for layer in model.layers:
         for expert in layer.moe.experts:
             expert.path_kernel = ReferenceGroupedGemm(fault=path_fault if layer is model.layers[0] else None)

@@ -300,35 +300,51 @@ class Confirmation:
     ``consecutive=True`` (the straggler protocol) requires the flags to come in
     consecutive rounds for the same surface; an unflagged round resets the
     count. Counting is keyed per surface so two surfaces never pool evidence.
+
+    Rounds may also name the ``kind`` of work they measured (a layer class and its parameters). Rounds of one
+    kind then confirm among themselves too: where checks alternate kinds of work (an MoE block's attention and
+    its router), a rank slow in only one of them is flagged in every other round, and the count over all rounds
+    never reaches ``rounds``; the count over that kind's rounds does, while rounds of other kinds neither count
+    for it nor reset it.
     """
 
     rounds: int = 2
     consecutive: bool = True
-    _counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    _counts: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    newly: tuple[int, ...] = ()
+    """The ranks the last :meth:`update` confirmed that were not confirmed before it (one record per streak)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
 
-    def update(self, result: C3Result) -> tuple[int, ...]:
+    def update(self, result: C3Result, kind: Hashable = None) -> tuple[int, ...]:
         """Feed one round; return the global ranks confirmed by this round. A round without a measurement
         neither counts nor resets: it is not evidence either way."""
+        self.newly = ()
         if result.status is C3Status.NO_MEASUREMENT:
             return ()
         flagged = set(result.outlier_ranks) if result.status is C3Status.ATTRIBUTED else set()
-        confirmed = []
+        confirmed, newly = [], []
         for rank in result.peer_ranks:
-            key = (result.surface, rank)
-            if rank in flagged:
-                self._counts[key] = self._counts.get(key, 0) + 1
-                if self._counts[key] >= self.rounds:
-                    confirmed.append(rank)
-            elif self.consecutive:
-                self._counts.pop(key, None)
+            before = self.count(result.surface, rank)
+            keys = [(result.surface, rank)] + ([(result.surface, rank, kind)] if kind is not None else [])
+            for key in keys:
+                if rank in flagged:
+                    self._counts[key] = self._counts.get(key, 0) + 1
+                elif self.consecutive:
+                    self._counts.pop(key, None)
+            after = self.count(result.surface, rank)
+            if rank in flagged and after >= self.rounds:
+                confirmed.append(rank)
+                if before < self.rounds:
+                    newly.append(rank)
+        self.newly = tuple(newly)
         return tuple(confirmed)
 
     def count(self, surface: str, rank: int) -> int:
-        return self._counts.get((surface, rank), 0)
+        """The rank's longest streak on ``surface``: over all rounds, or over the rounds of one kind of work."""
+        return max((n for key, n in self._counts.items() if key[0] == surface and key[1] == rank), default=0)
 
     def reset(self, ranks: Iterable[int] | None = None) -> None:
         if ranks is None:

@@ -506,3 +506,26 @@ def test_noise_floor_forgets_after_its_window_and_can_be_off():
     for bad in (-1, 1025):
         with pytest.raises(ValueError):
             NoiseFloor(window=bad)
+
+
+def test_a_rank_slow_in_only_one_kind_of_work_is_confirmed_over_that_kinds_rounds():
+    """Checks that alternate kinds of work (an MoE block's attention, then its router): rank 1 is slow in attention
+    only. Its router rounds neither count for nor reset its attention streak; one record per streak."""
+    conf, newly = Confirmation(rounds=2), []
+    for i in range(6):
+        kind = "attention" if i % 2 == 0 else "router"
+        confirmed = conf.update(_round([0, 1 if kind == "attention" else 0, 0]), kind=kind)
+        newly.append(conf.newly)
+        assert confirmed == ((1,) if kind == "attention" and i >= 2 else ())
+    assert newly == [(), (), (1,), (), (), ()]
+    # A rank slow in both kinds is confirmed at its second round, once.
+    conf, newly = Confirmation(rounds=2), []
+    for i in range(4):
+        conf.update(_round([0, 1, 0]), kind="attention" if i % 2 == 0 else "router")
+        newly.append(conf.newly)
+    assert newly == [(), (1,), (), ()]
+    # An unflagged round of the same kind ends the streak; the next one is recorded again.
+    conf = Confirmation(rounds=2)
+    for flag in (1, 1, 0, 1, 1):
+        conf.update(_round([0, flag, 0]), kind="attention")
+    assert conf.newly == (1,)

@@ -557,7 +557,9 @@ class ReplayEngine:
             floor = self.noise.setdefault(work[1:3] if work else None, NoiseFloor(self.noise_window))
             times, result.noise_floor = floor.apply(times)
             result.timing, result.comm_timing = times, comm
-            result.stragglers = self.confirm.update(times)
+            # Counted per kind of work too: checks that alternate kinds (an MoE block's attention and router)
+            # must not reset the streak of a rank slow in only one of them.
+            result.stragglers = self.confirm.update(times, kind=work[1:3] if work else None)
             # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
             # timed unshard spans the shard group, not the peers (a replica group): its slowness is the
             # cross-group intersection's to place, never this group's.
@@ -717,7 +719,7 @@ class ReplayEngine:
         if timing is None:  # no timing round in this check
             self._report(incidents)
             return incidents
-        new = tuple(r for r in timing.outlier_ranks if self.confirm.count(timing.surface, r) == self.confirm.rounds)
+        new = tuple(r for r in timing.outlier_ranks if r in self.confirm.newly)
         if new:
             straggler = self._incident(
                 IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],

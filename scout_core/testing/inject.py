@@ -229,12 +229,13 @@ class Injector:
         return bool(faults)
 
     def delay(self, surface: str, *, rank: int, step: int) -> float:
-        """Wait for every matching delay fault; return the seconds. On the ``compute`` surface the wait is
-        burned CPU: a slow device computes slowly, and replay times compute on the device's own clock,
-        where a sleep would not show (a slow link or file system, elsewhere, waits)."""
+        """Wait for every matching delay fault; return the seconds. On the ``compute`` surfaces
+        (``compute``, ``compute.<part>``) the wait is burned CPU: a slow device computes slowly, and replay times
+        compute on the device's own clock, where a sleep would not show (a slow link or file system, elsewhere,
+        waits)."""
         total = 0.0
         for fault in self._matching(surface, rank, step, (FaultKind.DELAY,)):
-            if surface == "compute":
+            if surface == "compute" or surface.startswith("compute."):
                 burn_cpu(fault.seconds)
             else:
                 time.sleep(fault.seconds)
