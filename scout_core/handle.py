@@ -454,10 +454,15 @@ class ScoutHandle:
                 self.experts.alltoall.rule = StatisticalRule.for_communication(self.config.consensus)
         elif key == "actions.on_verdict":
             self.stop_on_verdict = value == "stop"
+            if self.tracker is not None:  # the observer stops the trainer on a hang verdict: it reads it there
+                self.tracker.record.set_live(on_verdict=str(value))
         elif key == "report.log_level":
+            level = logging.getLevelName(str(value).upper())
             for sink in self.reporter.sinks:
                 if isinstance(sink, LoggingSink):
-                    sink.level = logging.getLevelName(str(value).upper())
+                    sink.level = level
+            if self.tracker is not None:  # and logs the hang verdicts it reports
+                self.tracker.record.set_live(log_level=level)
         return "applied", ""
 
     def _boundary(self) -> BoundaryResult | None:

@@ -97,13 +97,16 @@ def _steered_rank(ctx: RankContext) -> dict[str, Any]:
             _raw_command(folder, {"op": "set", "key": "observer.enabled", "value": "false"})  # past the CLI's check
         if ctx.rank == 0 and step == 6:
             send_command(folder, "set", "replay.cadence.hidden", "3")
+            send_command(folder, "set", "actions.on_verdict", "stop")
             send_command(folder, "resume")
         dist.barrier()  # the commands are in the folder before any rank reaches the next control boundary
     checks = [r.step for r in handle.replay.history]
     cadence = handle.config.replay.cadence.hidden
     answers = open(os.path.join(folder, "applied.jsonl")).read() if ctx.rank == 0 else ""
+    observers_see = handle.tracker.record.live()  # what this rank's observer reads at its next verdict
     handle.close()
-    return {"checks": checks, "cadence": cadence, "answers": answers, "gone": not os.path.exists(folder)}
+    return {"checks": checks, "cadence": cadence, "answers": answers, "gone": not os.path.exists(folder),
+            "observers_see": observers_see}
 
 
 def test_every_rank_applies_the_commands_at_the_same_step(tmp_path):
@@ -116,6 +119,8 @@ def test_every_rank_applies_the_commands_at_the_same_step(tmp_path):
     answers = [json.loads(line) for line in out[0]["answers"].splitlines()]
     assert [(a["op"], a["key"], a["step"], a["status"]) for a in answers] == [
         ("pause", "", 4, "applied"), ("set", "observer.enabled", 4, "refused"),
-        ("set", "replay.cadence.hidden", 8, "applied"), ("resume", "", 8, "applied")]
+        ("set", "replay.cadence.hidden", 8, "applied"), ("set", "actions.on_verdict", 8, "applied"),
+        ("resume", "", 8, "applied")]
+    assert all(o["observers_see"] == ("stop", None) for o in out)  # not only rank 0's trainer
     assert "cannot change in a running job" in answers[1]["reason"]
     assert out[0]["gone"]  # the folder and its secret go with the job

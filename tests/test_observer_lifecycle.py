@@ -142,3 +142,22 @@ def test_a_closing_sigterm_inside_an_episode_waits_for_its_end_and_a_second_one_
 
 def test_closing_is_not_an_exception_a_guard_could_swallow():
     assert issubclass(_Closing, BaseException) and not issubclass(_Closing, Exception)
+
+
+def test_the_observer_acts_on_what_the_trainer_changed_live(tmp_path):
+    """A hang verdict stops the job if `actions.on_verdict` was set to stop live (the observer was forked with
+    log), and its records are logged at the live level."""
+    from scout_core.report import LoggingSink
+
+    record = create_record("live", 0, directory=str(tmp_path))
+    spec = ObserverSpec(run_id="live", rank=0, world_size=2, record_path=record.path,
+                        control=ControlPlane("localhost", 1, "daemon"), peer_groups=[[0, 1]], hosts={}, devices={},
+                        silence_threshold_s=1.0, gather_timeout_s=1.0, startup_timeout_s=1.0, jsonl_path=None)
+    observer = _Observer(spec, ready_fd=-1)
+    observer.record = ProgressRecord(record.path, owner=False)
+    assert observer._live_settings() is False
+    record.set_live(on_verdict="stop", log_level=40)
+    assert observer._live_settings() is True
+    assert [s.level for s in observer.reporter.sinks if isinstance(s, LoggingSink)] == [40]
+    record.set_live(on_verdict="log")
+    assert observer._live_settings() is False

@@ -170,3 +170,18 @@ def test_the_observers_busy_byte_is_apart_from_the_trainers_fields(shm):
     assert (snap.step, snap.op_id, snap.fingerprint) == (3, 7, "all_reduce")
     observer.set_observer_busy(False)
     assert not rec.observer_busy
+
+
+def test_the_trainers_live_settings_reach_the_observer_apart_from_its_fields(shm):
+    """`scout ctl set actions.on_verdict=...` / `report.log_level=...` after the observer was forked."""
+    rec = create_record("live", 0, directory=shm)
+    rec.publish(3, 7, Phase.COLLECTIVE, True, 7, (5, "all_reduce"))
+    observer = ProgressRecord(rec.path, owner=False)
+    assert observer.live() == (None, None)  # as configured at enable()
+    rec.set_live(on_verdict="stop")
+    assert observer.live() == ("stop", None)
+    rec.set_live(log_level=40)
+    rec.set_live(on_verdict="log")
+    assert observer.live() == ("log", 40)
+    observer.set_observer_busy(True)
+    assert observer.live() == ("log", 40) and observer.read().fingerprint == "all_reduce"

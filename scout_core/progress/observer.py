@@ -458,7 +458,17 @@ class _Observer:
                 evidence={"class": "control_plane_lost", "control": spec.control.to_dict(), "error": error},
             ))
 
+    def _live_settings(self) -> bool:
+        """Apply what the trainer changed live (``scout ctl set``) since our fork; whether to stop on a verdict."""
+        on_verdict, level = self.record.live() if self.record is not None else (None, None)
+        if level is not None:
+            for sink in self.reporter.sinks:
+                if isinstance(sink, LoggingSink):
+                    sink.level = level
+        return self.spec.stop_on_verdict if on_verdict is None else on_verdict == "stop"
+
     def _deliver(self, outcome: EpisodeOutcome, snap: ProgressSnapshot, threshold: float) -> list[Incident]:
+        stop_on_verdict = self._live_settings()
         t_verdict = time.monotonic()
         incidents = [self._incident(v, snap, t_verdict, outcome.episode, threshold) for v in outcome.verdicts]
         if outcome.reporter:
@@ -470,7 +480,7 @@ class _Observer:
                     self.spec.on_incident(inc)
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
-        if self.spec.stop_on_verdict and incidents and not self._trainer_gone():
+        if stop_on_verdict and incidents and not self._trainer_gone():
             if not self._trainer_closing():  # a trainer closing SCOUT is ending already: its close is not cut short
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.spec.trainer_pid, signal.SIGTERM)

@@ -51,7 +51,11 @@ _FP_MAX = 448
 _BUSY_AT = _HEAD.size + _FP_MAX
 """One byte the OBSERVER writes (the rest is the trainer's): 1 while it is inside an episode or the delivery of
 its verdict, so that the trainer's close() waits for it to finish instead of killing it half-way."""
+_LIVE_AT = _BUSY_AT + 1
+"""Two bytes the TRAINER writes after the observer was forked: live settings the observer acts on (``scout ctl
+set actions.on_verdict=...`` / ``report.log_level=...``): 0 = as configured at ``enable()``, else the new value."""
 SIZE = _BUSY_AT + 8
+_ON_VERDICT = ("log", "stop")
 
 
 class Phase(enum.IntEnum):
@@ -211,6 +215,21 @@ class ProgressRecord:
     def observer_busy(self) -> bool:
         """The observer is inside an episode (a single byte: no tearing, no ordering to rely on)."""
         return self._mm[_BUSY_AT] == 1
+
+    # -- the trainer's live settings ---------------------------------------------------------------
+
+    def set_live(self, *, on_verdict: str | None = None, log_level: int | None = None) -> None:
+        """Publish a live change of ``actions.on_verdict`` or of the log level (a ``logging`` number)."""
+        if on_verdict is not None:
+            self._mm[_LIVE_AT] = 1 + _ON_VERDICT.index(on_verdict)
+        if log_level is not None:
+            self._mm[_LIVE_AT + 1] = max(1, min(255, int(log_level)))
+
+    def live(self) -> tuple[str | None, int | None]:
+        """``(actions.on_verdict, log level)`` as the trainer changed them live; None: as configured (single
+        bytes: no tearing)."""
+        verdict, level = self._mm[_LIVE_AT], self._mm[_LIVE_AT + 1]
+        return (_ON_VERDICT[verdict - 1] if 0 < verdict <= len(_ON_VERDICT) else None), (level or None)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
