@@ -10,9 +10,10 @@ stage, gradient accumulation and ``"scout"`` section, then DeepSpeed's own ``eng
 Faults (``faults`` in configs/cells.yaml) act inside a block's ``forward``, in training and in SCOUT's replay
 alike: ``layers.<i>.output`` corrupts block i's output (``layers.any.output``: every block's);
 ``layers.<i>.experts.<e>.output`` one local expert's; ``layers.<i>.forward`` (``freeze``) stops the rank in block
-i's forward; ``optimizer.update`` corrupts this rank's live update of the first optimizer partition (under ZeRO-3
-with several sub-groups, ``sub_group_size``, the first sub-group's: DeepSpeed steps the torch optimizer once per
-sub-group). Steps are optimizer steps, counted from 1.
+i's forward; ``optimizer.update`` corrupts this rank's live update of one optimizer partition (``update_partition``,
+default the first; under ZeRO-3 with several sub-groups, ``sub_group_size``, that sub-group's: DeepSpeed steps the
+torch optimizer once per sub-group). Steps are optimizer steps, counted from 1. Every check due to replay the
+optimizer must carry its evidence.
 """
 
 from __future__ import annotations
@@ -144,15 +145,15 @@ def _partitions(engine: Any, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return list(flats) if flats else [p for g in opt.param_groups for p in g["params"]]
 
 
-def _install_update_fault(engine: Any, injector: Injector, rank: int, step: Any) -> None:
-    """``optimizer.update``: after the torch optimizer stepped the first partition, corrupt its live update."""
+def _install_update_fault(engine: Any, injector: Injector, rank: int, step: Any, partition: int) -> None:
+    """``optimizer.update``: after the torch optimizer stepped partition ``partition``, corrupt its live update."""
     inner = find_inner_optimizers(engine.optimizer)[0]
-    first = _partitions(engine, inner)[0]
+    target = _partitions(engine, inner)[partition]
 
     def update_fault(opt: torch.optim.Optimizer, *_: Any) -> None:
-        if any(p is first for g in opt.param_groups for p in g["params"]):
+        if any(p is target for g in opt.param_groups for p in g["params"]):
             with torch.no_grad():
-                injector.corrupt("optimizer.update", first, rank=rank, step=step())
+                injector.corrupt("optimizer.update", target, rank=rank, step=step())
 
     inner.register_step_post_hook(update_fault)  # registered after SCOUT's pre-step hook took its slice
 
@@ -207,7 +208,7 @@ def _deepspeed_rank(ctx: RankContext) -> dict[str, Any]:
         loaded = [int(engine.global_steps), *_signature(engine)] if path is not None else []
     injector = Injector(a["faults"], seed=a["seed"])
     _install_faults(engine.module, injector, ctx.rank, lambda: int(engine.global_steps) + 1)
-    _install_update_fault(engine, injector, ctx.rank, lambda: int(engine.global_steps) + 1)
+    _install_update_fault(engine, injector, ctx.rank, lambda: int(engine.global_steps) + 1, a["update_partition"])
     data = zoo_batches(ctx.rank, a["steps"] * a["gas"], batch=MICRO_BATCH, seed=a["seed"])
     sigs: dict[int, list[int]] = {}
     for _ in range(int(engine.global_steps) * a["gas"]):  # the batches the loaded steps consumed
@@ -224,6 +225,10 @@ def _deepspeed_rank(ctx: RankContext) -> dict[str, Any]:
             engine.save_checkpoint(folder)
     handle = scout_deepspeed.handle_of(engine)
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
+    # A check due to replay the optimizer whose slice was never taken sends no optimizer evidence, and is no skip.
+    silent_optimizer = [r.step for r in (handle.replay.history if handle is not None else [])
+                        if "optimizer" in r.recipes and not r.skipped
+                        and not any(c.surface.startswith("optimizer.") for c in r.surfaces)]
     alltoall = 0  # expert checks that replayed the AllToAll (its surfaces compared among the expert peers)
     if handle is not None and handle.experts is not None:
         checks += [(c.step, ["expert"], c.skipped) for c in handle.experts.history]
@@ -232,7 +237,7 @@ def _deepspeed_rank(ctx: RankContext) -> dict[str, Any]:
     dist.barrier()
     engine.destroy()  # closes SCOUT
     return {"checks": checks, "steps": int(engine.global_steps), "final": final, "loaded": loaded,
-            "alltoall_checks": alltoall}
+            "alltoall_checks": alltoall, "silent_optimizer": silent_optimizer}
 
 
 def deepspeed_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
@@ -257,11 +262,15 @@ def deepspeed_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "stage": int(p.get("stage", 1)), "gas": int(p.get("gas", 1)), "moe": bool(p.get("moe", False)),
             "ep_size": int(p.get("ep_size", 1)), "experts": int(p.get("experts", 4)),
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir,
-            "save": bool(p.get("save", recovery)), "phase": "a", "sub_group_size": int(p.get("sub_group_size", 0))}
+            "save": bool(p.get("save", recovery)), "phase": "a", "sub_group_size": int(p.get("sub_group_size", 0)),
+            "update_partition": int(p.get("update_partition", 0))}
     run = run_job(_deepspeed_rank, spec, world_size, workdir, args, hang=hang, stop=stop)
     if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
         run.problems.append(f"DeepSpeed trained {[v['steps'] for v in run.result.values()]} steps, expected "
                             f"{args['steps']}")
+    silent = {r: v["silent_optimizer"] for r, v in enumerate(run.result.values()) if v and v.get("silent_optimizer")}
+    if silent and run.result.ok and not hang:
+        run.problems.append(f"optimizer checks without optimizer evidence (rank: steps): {silent}")
     if p.get("alltoall") and run.result.ok and not hang:  # expert parallelism: the token exchange replayed too
         missing = [r for r, v in enumerate(run.result.values()) if not (v or {}).get("alltoall_checks")]
         if missing:

@@ -111,6 +111,23 @@ def test_optimizer_slice_rotates_over_the_sub_groups_of_one_step():
         assert verdicts == ([True] * 7 if faulty is None else [c != faulty for c in checked])
 
 
+def test_every_sub_group_gets_every_offset_of_its_slice():
+    """Three sub-groups whose partitions have three slice offsets each: each sub-group's offsets rotate on their
+    own (a count shared with the rotation over sub-groups gave sub-group j only offset j)."""
+    torch.manual_seed(0)
+    flats = [torch.nn.Parameter(torch.randn(192)) for _ in range(3)]
+    wrapper = _SubGroupWrapper(flats)
+    sl = OptimizerSlice(wrapper.inner, slice_elems=64)
+    wrapper.inner.register_step_pre_hook(lambda *_: sl.before_step() if sl.inner_step() else None)
+    seen: dict[int, set[int]] = {0: set(), 1: set(), 2: set()}
+    for _ in range(10):
+        sl.end_step()
+        wrapper.step([torch.randn(192) for _ in flats])
+        seen[next(i for i, f in enumerate(flats) if f is sl.pending["param"])].add(sl.pending["slice"].start)
+        assert dict(sl.after_step())["optimizer.self_check"] is True
+    assert seen == {0: {0, 64, 128}, 1: {0, 64, 128}, 2: {0, 64, 128}}
+
+
 def test_rng_scope_installs_source_state_and_restores_local():
     torch.manual_seed(1)
     source = capture_rng()

@@ -51,6 +51,7 @@ class OptimizerSlice:
         self._inner_calls = 0
         self._inner_per_step = 1
         self._take_at = 0
+        self._visits: dict[int, int] = {}
 
     def _choose(self) -> tuple[int, int, torch.Tensor, dict[str, Any]] | None:
         params = [(gi, p) for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]
@@ -61,8 +62,10 @@ class OptimizerSlice:
         n = local_tensor(p).numel()
         span = min(self.slice_elems, n)
         slots = max(1, (n - span) // _ALIGN + 1)
-        offset = ((self.turn // len(params)) % slots) * _ALIGN
-        offset = min(offset, n - span)
+        # Each parameter's offsets rotate with its own visits: a count shared with the choice of parameter (or of
+        # sub-group) would give a parameter only the offsets congruent to its place, and leave the rest unchecked.
+        visits = self._visits.get(id(p), 0)
+        offset = min((visits % slots) * _ALIGN, n - span)
         return gi, offset, p, self.optimizer.param_groups[gi]
 
     def inner_step(self) -> bool:
@@ -87,6 +90,7 @@ class OptimizerSlice:
             self.pending = None
             return
         gi, offset, p, group = chosen
+        self._visits[id(p)] = self._visits.get(id(p), 0) + 1
         span = min(self.slice_elems, local_tensor(p).numel())
         sl = slice(offset, offset + span)
         flat = local_tensor(p).reshape(-1)

@@ -43,7 +43,12 @@ def module_hooks_set_aside(module: nn.Module) -> Iterator[None]:
 
 
 def _zero3_params(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if hasattr(p, "ds_id")]
+    """``module``'s ZeRO-3 parameters that are partitioned now. Persistent ones (``ds_persist``: below
+    ``stage3_param_persistence_threshold``, LayerNorm weights by default) stay whole on every rank; gathering them
+    would partition them again on the release, and training would fetch them back on every forward after."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in module.parameters() if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
 def gathered_bytes(layer: nn.Module) -> int:

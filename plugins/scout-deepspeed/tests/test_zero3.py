@@ -44,3 +44,47 @@ def test_gather_of_a_layer_without_zero3_parameters_only_sets_hooks_aside():
     release()
     model(torch.randn(2, 4))
     assert len(calls) == 8
+
+
+_PERSISTENT = r'''
+import os, sys, tempfile
+os.environ.update(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from scout_deepspeed.zero3 import gather_zero3
+
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 4))
+config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3,
+          "stage3_param_persistence_threshold": 100}}  # the LayerNorm's 64-element weight and bias persist
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config,
+                                  dist_init_required=False)
+engine.backward(engine(torch.randn(2, 64)).sum())
+engine.step()
+def state(m):
+    return [(bool(p.ds_persist), p.ds_status.name, p.numel()) for p in m.parameters()]
+norm, linear = engine.module[1], engine.module[0]
+before = state(norm) + state(linear)
+forward, release = gather_zero3(engine.module)
+assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in engine.module.parameters())
+forward(torch.randn(2, 64))
+release()
+after = state(norm) + state(linear)
+print("BEFORE", before)
+print("AFTER", after)
+sys.exit(0 if before == after and all(s[1] == "AVAILABLE" and s[2] == 64 for s in state(norm)) else 1)
+'''
+
+
+def test_a_replay_gather_leaves_persistent_parameters_whole():
+    """ZeRO-3 keeps parameters below stage3_param_persistence_threshold (LayerNorms, by default) whole on every
+    rank: a replay's gather and release must leave them so (and partition again only what it gathered)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", _PERSISTENT], capture_output=True, text=True, timeout=300,
+                         cwd=root, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
