@@ -88,6 +88,33 @@ def _cmd_hosts_to_exclude(args: argparse.Namespace) -> int:
     return 0
 
 
+PLUGIN_GROUP = "scout.plugins"
+"""The entry-point group framework plugins register in (each names an object with ``name``, ``framework``,
+``framework_version``, ``supported`` and ``how``)."""
+
+
+def _cmd_plugins(_args: argparse.Namespace) -> int:
+    """Each installed plugin: its framework's version against the range it is tested with, and how to turn it on.
+    A plugin whose framework is missing or outside its range is listed with why (exit status 1)."""
+    from importlib import metadata
+
+    found = sorted(metadata.entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name)
+    if not found:
+        print(f"no SCOUT plugins installed (entry-point group {PLUGIN_GROUP}); scout_core.enable() works without")
+        return 0
+    failed = 0
+    for ep in found:
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # noqa: BLE001 - a plugin's version gate or a missing framework: reported
+            failed += 1
+            print(f"{ep.name}: unusable: {type(exc).__name__}: {exc}")
+            continue
+        print(f"{ep.name}: {plugin.framework} {plugin.framework_version} (tested: {plugin.supported})\n"
+              f"  {plugin.how}")
+    return 1 if failed else 0
+
+
 def _cmd_ctl(args: argparse.Namespace) -> int:
     from scout_core.control import ControlError, send_command, wait_applied
 
@@ -282,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the machines a scheduler should drain (SDC, machine-scoped stragglers), one per line")
     hosts.add_argument("paths", nargs="+", help="incident JSON-lines files (report.jsonl_path)")
     hosts.set_defaults(func=_cmd_hosts_to_exclude)
+
+    plugins = sub.add_parser("plugins", help="the installed framework plugins, their framework versions, how to "
+                                             "turn each on")
+    plugins.set_defaults(func=_cmd_plugins)
 
     ctl = sub.add_parser("ctl", help="steer a running job: pause, resume, or set a live key (docs/control.md)")
     ctl.add_argument("run", help="the run id (report.run_id), or the path of its control folder")

@@ -232,3 +232,15 @@ def test_a_restart_that_names_a_rejected_checkpoint_is_refused_unless_allowed(tm
     with caplog.at_level("WARNING", logger="scout"):
         refuse_rejected(str(tmp_path), named(4), "step4", who="test", allowed=True)
     assert "loading it as asked" in caplog.text
+
+
+def test_a_foreign_label_entry_never_stops_the_refusal_check_half_way(tmp_path, caplog):
+    """Rank 0 reads the labels before the broadcast the other ranks wait in: an entry without the keys a matcher
+    reads must not raise there (the others would wait until the process group's timeout)."""
+    from scout_core.checkpoint.durable import refuse_rejected
+
+    (tmp_path / LABELS_FILE).write_text(json.dumps({"checkpoints": {"3": {"label": "rejected"}}}))
+    with caplog.at_level("ERROR", logger="scout"):
+        refuse_rejected(str(tmp_path), lambda _s, entry: entry["path"].endswith("x"), "tag x", who="test",
+                        allowed=False)
+    assert "cannot read the labels" in caplog.text

@@ -209,3 +209,27 @@ def test_one_rank_on_different_machines_or_runs_is_not_one_fault():
     assert len(rows) == 2 and "node-a" in rows[0] and "node-b" in rows[1] and " 2  " in rows[0]
     assert "again and again" not in format_table(records)  # the group shows its first record's reason
     assert all("\n" not in r for r in format_table(records, group=False).splitlines())
+
+
+def test_scout_plugins_lists_each_plugin_and_why_one_is_unusable(monkeypatch, capsys):
+    """`scout plugins` reads the scout.plugins entry-point group: a plugin's framework version against its tested
+    range and how to turn it on; a plugin whose version gate refuses the installed framework, with why (status 1)."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    from scout_core import cli
+
+    good = SimpleNamespace(name="fw", framework="framework", framework_version="1.2", supported=">=1,<2",
+                           how="--scout")
+
+    def refuse():
+        raise ImportError("scout-other supports other >=2; other 1.0 is installed")
+
+    eps = [SimpleNamespace(name="other", load=refuse), SimpleNamespace(name="fw", load=lambda: good)]
+    monkeypatch.setattr(metadata, "entry_points", lambda group: eps if group == cli.PLUGIN_GROUP else [])
+    assert cli.main(["plugins"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["fw: framework 1.2 (tested: >=1,<2)", "  --scout",
+                   "other: unusable: ImportError: scout-other supports other >=2; other 1.0 is installed"]
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])
+    assert cli.main(["plugins"]) == 0 and "no SCOUT plugins installed" in capsys.readouterr().out

@@ -106,9 +106,14 @@ def refuse_rejected(folder: str, named: Callable[[int, Mapping[str, Any]], bool]
     found: str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         labels = FrameworkCheckpoints(folder, writer=False)
-        steps = sorted(s for s, e in labels.entries.items() if e["label"] == "rejected" and named(s, e))
+        try:
+            steps = sorted(s for s, e in labels.entries.items() if e.get("label") == "rejected" and named(s, e))
+        except Exception as exc:  # noqa: BLE001 - a foreign entry: no finding, and the broadcast below still runs
+            _log.error("%s: cannot read the labels in %s (%s): the checkpoint named is loaded unchecked", who,
+                       labels.path, exc)
+            steps = []
         if steps:
-            verified = max((s for s, e in labels.entries.items() if e["label"] == "verified"), default=None)
+            verified = max((s for s, e in labels.entries.items() if e.get("label") == "verified"), default=None)
             found = (f"{who}: {what} is labelled rejected in {labels.path}: it was saved after the last verified "
                      f"state when an SDC verdict came (step {steps[0]}), so it may hold the corruption. "
                      + (f"The newest verified checkpoint is step {verified}. " if verified is not None else

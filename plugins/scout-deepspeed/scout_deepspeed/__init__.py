@@ -11,8 +11,8 @@ their engine instead). Without the section, or with ``"enabled": false``, nothin
 installed.
 
 Importing the package checks that the installed deepspeed is one this plugin is tested with and raises
-:class:`UnsupportedVersion`, naming both, if it is not. scout_core finds the plugin through the ``scout.plugins``
-entry-point group (``plugin``).
+:class:`UnsupportedVersion`, naming both, if it is not. ``scout plugins`` finds it through the ``scout.plugins``
+entry-point group (``plugin``) and shows its framework version and how to turn it on.
 """
 
 from __future__ import annotations

@@ -132,3 +132,20 @@ def test_attach_skips_an_engine_it_cannot_diagnose_with_a_warning(monkeypatch, c
     with caplog.at_level("WARNING", logger="scout_deepspeed"):
         assert entry.attach(engine) is None
     assert ("no optimizer" if why == "no_optimizer" else "another engine") in caplog.text
+
+
+def test_optimizers_replay_cannot_reproduce_turn_the_optimizer_check_off():
+    """Offload's DeepSpeedCPUAdam (its step count in C++), LAMB, the 1-bit optimizers: replay of a fresh instance on
+    a slice would fail the self-check everywhere (and start a subprocess in every constructor)."""
+    import torch
+
+    from scout_deepspeed.adapter import _unreplayable
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    cpu_adam = type("DeepSpeedCPUAdam", (torch.optim.Adam,), {"__module__": "deepspeed.ops.adam.cpu_adam"})
+    assert "DeepSpeedCPUAdam" in _unreplayable(cpu_adam(params))
+    from deepspeed.ops.adam.fused_adam import FusedAdam
+
+    fused = FusedAdam.__new__(FusedAdam)  # its constructor builds the CUDA op; only the class matters here
+    assert _unreplayable(fused) is None
+    assert _unreplayable(torch.optim.AdamW(params)) is None and _unreplayable(torch.optim.SGD(params, lr=1)) is None

@@ -10,8 +10,8 @@ optimizer. Without ``--scout`` nothing of SCOUT is installed. Scripts that build
 megatron.core call :func:`scout_megatron.attach.attach` after their model and optimizer exist.
 
 Importing the package checks that the installed megatron-core is one this plugin is tested with and raises
-:class:`UnsupportedVersion`, naming both, if it is not. scout_core finds the plugin through the ``scout.plugins``
-entry-point group (``plugin``).
+:class:`UnsupportedVersion`, naming both, if it is not. ``scout plugins`` finds it through the ``scout.plugins``
+entry-point group (``plugin``) and shows its framework version and how to turn it on.
 """
 
 from __future__ import annotations

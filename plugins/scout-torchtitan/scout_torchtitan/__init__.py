@@ -1,7 +1,7 @@
 """SCOUT for TorchTitan: ``--module scout_torchtitan --config <any registered config> --scout.enable``.
 
 Importing the package checks that the installed TorchTitan is one this plugin is tested with and raises
-:class:`UnsupportedVersion`, naming both, if it is not. The plugin is found by scout_core through the
+:class:`UnsupportedVersion`, naming both, if it is not. ``scout plugins`` finds it through the
 ``scout.plugins`` entry-point group (``plugin``); it imports torchtitan and scout_core only.
 """
 
