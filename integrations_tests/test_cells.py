@@ -548,7 +548,7 @@ def test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration(m
     megatron_cpu.stub_triton_ops()
     from scout_megatron import checkpoints
 
-    monkeypatch.setattr(checkpoints, "plan_restart", lambda load_dir, ckpt_step=None: None)
+    monkeypatch.setattr(checkpoints, "plan_restart", lambda load_dir, ckpt_step=None, **_: None)
     (report,) = run_cells([SPECS["megatron-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "loaded iteration [5]" in report.details, report.details
 
@@ -697,3 +697,39 @@ def test_comm_straggler_cell_fails_when_a_group_is_called_slow_a_round_early(mon
     monkeypatch.setattr(timing_module, "TEMPORAL_EXTRA_ROUNDS", 0)
     (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
     assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
+
+
+def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch):
+    """The guard of hsdp-data-stall: without the deferral while a rank is still inside its data fetch, the
+    shard-group mates that wait behind it (they cross their threshold first) are named protocol mismatches."""
+    import scout_core.progress.episode as episode
+
+    real = episode.classify_group
+
+    def without_the_deferral(group, evidence):
+        return {**real(group, evidence), "in_io": False}
+
+    monkeypatch.setattr(episode, "classify_group", without_the_deferral)
+    (report,) = run_cells([SPECS["hsdp-data-stall"]], root=ROOT)
+    assert report.verdict == "FAIL", report.details
+
+
+def test_deepspeed_zero3_optimizer_sdc_cell_fails_when_the_slice_is_taken_in_every_sub_group(monkeypatch):
+    """The guard of deepspeed-zero3-optimizer-sdc: a slice taken in every inner step ends in the last sub-group at
+    every check, and the wrong update in the second is never seen."""
+    from scout_core.replay.optimizer import OptimizerSlice
+
+    monkeypatch.setattr(OptimizerSlice, "inner_step", lambda self: True)
+    (report,) = run_cells([SPECS["deepspeed-zero3-optimizer-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected [2]" in report.details, report.details
+
+
+def test_moe_attention_straggler_cell_fails_when_other_kinds_of_work_reset_the_streak(monkeypatch):
+    """The guard of moe-attention-straggler: counted over all rounds only, the router rounds reset the streak of a
+    rank slow in attention alone, and it is never named."""
+    from scout_core.consensus import Confirmation
+
+    real = Confirmation.update
+    monkeypatch.setattr(Confirmation, "update", lambda self, result, kind=None: real(self, result))
+    (report,) = run_cells([SPECS["moe-attention-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected [9]" in report.details, report.details
