@@ -123,6 +123,11 @@ def _lifecycle(ctx: RankContext):
             "reads": sorted(reads), "leftovers": leftovers}
 
 
+READ_AT_FRAMEWORK_RESTART = {"checkpoint.load_rejected"}
+"""Read where a framework's restart names its checkpoint (the plugins' load paths, each with its test), never in
+this job's lifecycle."""
+
+
 def test_enable_builds_everything_reads_every_key_and_close_removes_everything(tmp_path):
     result = launch(_lifecycle, 2, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
                                                         "dir": str(tmp_path)})
@@ -134,7 +139,7 @@ def test_enable_builds_everything_reads_every_key_and_close_removes_everything(t
         assert v["after"] == v["before"], "close() must leave no hook, thread, process, /dev/shm file or group"
         assert v["same_all_reduce"]
         assert v["leftovers"] == []
-    unread = _leaf_keys(config_module.ScoutConfig) - set(result.values()[0]["reads"])
+    unread = _leaf_keys(config_module.ScoutConfig) - set(result.values()[0]["reads"]) - READ_AT_FRAMEWORK_RESTART
     assert not unread, f"configuration keys that nothing reads: {sorted(unread)}"
 
 

@@ -37,7 +37,7 @@ from scout_core.checkpoint.certify import Action, Certifier, FailureKind
 from scout_core.checkpoint.store import fsync_dir
 
 __all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "RejectedCheckpointError",
-           "agreed_restart_plan", "point_tracker", "refuse_rejected", "set_aside"]
+           "agreed_restart_plan", "point_tracker", "refuse_rejected", "rejected_message", "set_aside"]
 
 _log = logging.getLogger("scout")
 
@@ -95,31 +95,38 @@ class RejectedCheckpointError(RuntimeError):
     """A restart named a checkpoint that SCOUT labelled rejected (and ``checkpoint.load_rejected`` is false)."""
 
 
+def rejected_message(labels: FrameworkCheckpoints, named: Callable[[int, Mapping[str, Any]], bool], what: str, *,
+                     who: str) -> str | None:
+    """Why loading the checkpoint ``named(step, entry)`` picks out of ``labels`` is refused (None: it is not
+    labelled rejected). Local: the caller shares the finding with every rank."""
+    try:
+        steps = sorted(s for s, e in labels.entries.items() if e.get("label") == "rejected" and named(s, e))
+    except Exception as exc:  # noqa: BLE001 - a foreign entry: no finding (the caller's broadcast must still run)
+        _log.error("%s: cannot read the labels in %s (%s): the checkpoint named is loaded unchecked", who,
+                   labels.path, exc)
+        return None
+    if not steps:
+        return None
+    verified = max((s for s, e in labels.entries.items() if e.get("label") == "verified"), default=None)
+    return (f"{who}: {what} is labelled rejected in {labels.path}: it was saved after the last verified state when an "
+            f"SDC verdict came (step {steps[0]}), so it may hold the corruption. "
+            + (f"The newest verified checkpoint is step {verified}. " if verified is not None else
+               "No checkpoint there is verified. ")
+            + "Restart without naming a checkpoint and SCOUT loads the one it chose, or set checkpoint.load_rejected "
+              "to load this one anyway.")
+
+
 def refuse_rejected(folder: str, named: Callable[[int, Mapping[str, Any]], bool], what: str, *, who: str,
                     allowed: bool) -> None:
     """Before a load that names its checkpoint (every rank calls it): raise :class:`RejectedCheckpointError` on
-    every rank when SCOUT labelled that checkpoint rejected (``named(step, entry)`` picks it out of the labels;
-    ``what`` names it in the message). ``allowed`` (``checkpoint.load_rejected``): a warning instead. Rank 0 reads
-    the labels and broadcasts its finding, so a rank whose read fails cannot load while the others stop."""
+    every rank when SCOUT labelled that checkpoint rejected (:func:`rejected_message`). ``allowed``
+    (``checkpoint.load_rejected``): a warning instead. Rank 0 reads the labels and broadcasts its finding, so a
+    rank whose read fails cannot load while the others stop."""
     import torch.distributed as dist
 
     found: str | None = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        labels = FrameworkCheckpoints(folder, writer=False)
-        try:
-            steps = sorted(s for s, e in labels.entries.items() if e.get("label") == "rejected" and named(s, e))
-        except Exception as exc:  # noqa: BLE001 - a foreign entry: no finding, and the broadcast below still runs
-            _log.error("%s: cannot read the labels in %s (%s): the checkpoint named is loaded unchecked", who,
-                       labels.path, exc)
-            steps = []
-        if steps:
-            verified = max((s for s, e in labels.entries.items() if e.get("label") == "verified"), default=None)
-            found = (f"{who}: {what} is labelled rejected in {labels.path}: it was saved after the last verified "
-                     f"state when an SDC verdict came (step {steps[0]}), so it may hold the corruption. "
-                     + (f"The newest verified checkpoint is step {verified}. " if verified is not None else
-                        "No checkpoint there is verified. ")
-                     + "Restart without naming a checkpoint and SCOUT loads the one it chose, or set "
-                       "checkpoint.load_rejected to load this one anyway.")
+        found = rejected_message(FrameworkCheckpoints(folder, writer=False), named, what, who=who)
     if dist.is_initialized():
         box = [found]
         dist.broadcast_object_list(box, src=0)

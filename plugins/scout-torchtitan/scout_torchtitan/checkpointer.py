@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.tools import filesystem
 
+from scout_core.checkpoint.durable import RejectedCheckpointError, rejected_message
 from scout_core.checkpoint.store import fsync_dir
 from scout_core.config import CheckpointConfig
 from scout_torchtitan.config import ScoutSection
@@ -146,6 +147,10 @@ class ScoutCheckpointManager(CheckpointManager):
         box = [plan]
         dist.broadcast_object_list(box, src=0, group=self.scout.groups.world_control)
         plan = box[0]
+        if plan is not None and "rejected" in plan:
+            if not self.scout.config.checkpoint.load_rejected:
+                raise RejectedCheckpointError(plan["rejected"])
+            log.warning("%s (checkpoint.load_rejected: loading it as asked)", plan["rejected"])
         if plan is not None and "error" in plan:
             if plan["fatal"]:
                 raise RuntimeError(f"scout_torchtitan: the job stopped on an SDC verdict and the restart step cannot "
@@ -184,10 +189,15 @@ class ScoutCheckpointManager(CheckpointManager):
             if not self._complete(asked):
                 raise FileNotFoundError(f"--checkpoint.load_step {asked}: no complete checkpoint at "
                                         f"{self._create_checkpoint_id(asked)}")
+            rejected = rejected_message(labels, lambda step, _entry: step == asked,
+                                        f"--checkpoint.load_step {asked}", who="scout_torchtitan")
+            if rejected is not None and not self.scout.config.checkpoint.load_rejected:
+                return {"rejected": rejected}  # refused on every rank, nothing moved or relabelled
             # The user's choice, nothing moved; the labels of the abandoned steps go (the new run overwrites them).
             labels.restarted_from(asked)
             log.warning("scout_torchtitan: --checkpoint.load_step %d asked for: loaded as asked", asked)
-            return {"load": asked, "entries": {str(k): v for k, v in labels.entries.items()}}
+            return {"load": asked, "entries": {str(k): v for k, v in labels.entries.items()},
+                    **({"rejected": rejected} if rejected is not None else {})}
         choice = labels.choose(exists=self._complete)
         load = choice.step
         # Every step folder newer than the chosen one (all the labelled ones and those after, if none is chosen)

@@ -82,6 +82,24 @@ def test_an_explicit_load_step_moves_nothing_and_a_wrong_one_fails_before_anythi
     assert sorted(m.labels.entries) == [1, 2]  # the abandoned steps' labels go; the new run overwrites them
 
 
+def test_an_explicit_load_step_labelled_rejected_is_refused_unless_the_config_allows_it(tmp_path):
+    """--checkpoint.load_step of the step an SDC verdict rejected: refused on every rank (the plan carries why,
+    nothing moved or relabelled); with checkpoint.load_rejected, loaded as asked."""
+    from types import SimpleNamespace
+
+    from scout_core.config import load
+
+    m = _job(tmp_path, sdc_at=5)
+    m.scout = SimpleNamespace(config=load(values={"checkpoint.load_rejected": False}))
+    plan = m._plan(5)
+    assert set(plan) == {"rejected"} and "--checkpoint.load_step 5 is labelled rejected" in plan["rejected"]
+    assert "newest verified checkpoint is step 4" in plan["rejected"]
+    assert _left(tmp_path) == [f"step-{s}" for s in range(1, 6)] and sorted(m.labels.entries) == [1, 2, 3, 4, 5]
+    m.scout = SimpleNamespace(config=load(values={"checkpoint.load_rejected": True}))
+    plan = m._plan(5)
+    assert plan["load"] == 5 and "rejected" in plan
+
+
 def test_a_load_only_job_or_an_unlabelled_folder_is_left_to_torchtitan(tmp_path):
     _job(tmp_path, sdc_at=5)
     reader = _Manager(str(tmp_path), load_only=True)
