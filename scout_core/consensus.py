@@ -293,6 +293,10 @@ def _group_ranks(group: dist.ProcessGroup | None, world: int) -> tuple[int, ...]
     return tuple(dist.get_process_group_ranks(group))
 
 
+_ALL_ROUNDS = None
+"""The streak key of every round, whatever its kind of work."""
+
+
 @dataclass
 class Confirmation:
     """Reports a rank only after it was flagged in at least ``rounds`` rounds.
@@ -305,14 +309,16 @@ class Confirmation:
     kind then confirm among themselves too: where checks alternate kinds of work (an MoE block's attention and
     its router), a rank slow in only one of them is flagged in every other round, and the count over all rounds
     never reaches ``rounds``; the count over that kind's rounds does, while rounds of other kinds neither count
-    for it nor reset it.
+    for it nor reset it. A rank is newly confirmed once per episode: from its first confirmation until none of its
+    streaks on the surface is left.
     """
 
     rounds: int = 2
     consecutive: bool = True
-    _counts: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    _streaks: dict[tuple[str, int], dict[Hashable, int]] = field(default_factory=dict)
+    _confirmed: set[tuple[str, int]] = field(default_factory=set)
     newly: tuple[int, ...] = ()
-    """The ranks the last :meth:`update` confirmed that were not confirmed before it (one record per streak)."""
+    """The ranks the last :meth:`update` confirmed that were not confirmed before it (one record per episode)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -326,33 +332,43 @@ class Confirmation:
             return ()
         flagged = set(result.outlier_ranks) if result.status is C3Status.ATTRIBUTED else set()
         confirmed, newly = [], []
+        # This round's streaks: over all rounds, and over this kind's (another kind's streak is judged in its own
+        # rounds: its count says nothing about this one).
+        keys = (_ALL_ROUNDS,) if kind is None else (_ALL_ROUNDS, kind)
         for rank in result.peer_ranks:
-            before = self.count(result.surface, rank)
-            keys = [(result.surface, rank)] + ([(result.surface, rank, kind)] if kind is not None else [])
+            who = (result.surface, rank)
+            streaks = self._streaks.get(who, {})
             for key in keys:
                 if rank in flagged:
-                    self._counts[key] = self._counts.get(key, 0) + 1
+                    streaks[key] = streaks.get(key, 0) + 1
                 elif self.consecutive:
-                    self._counts.pop(key, None)
-            after = self.count(result.surface, rank)
-            if rank in flagged and after >= self.rounds:
+                    streaks.pop(key, None)
+            if streaks:
+                self._streaks[who] = streaks
+            else:
+                self._streaks.pop(who, None)
+                self._confirmed.discard(who)  # the episode is over: a later one is recorded again
+            if rank in flagged and max(streaks.get(key, 0) for key in keys) >= self.rounds:
                 confirmed.append(rank)
-                if before < self.rounds:
+                if who not in self._confirmed:
+                    self._confirmed.add(who)
                     newly.append(rank)
         self.newly = tuple(newly)
         return tuple(confirmed)
 
-    def count(self, surface: str, rank: int) -> int:
-        """The rank's longest streak on ``surface``: over all rounds, or over the rounds of one kind of work."""
-        return max((n for key, n in self._counts.items() if key[0] == surface and key[1] == rank), default=0)
+    def count(self, surface: str, rank: int, kind: Hashable = None) -> int:
+        """The rank's current streak on ``surface`` over all rounds, or over the rounds of ``kind``."""
+        return self._streaks.get((surface, rank), {}).get(kind, 0)
 
     def reset(self, ranks: Iterable[int] | None = None) -> None:
         if ranks is None:
-            self._counts.clear()
+            self._streaks.clear()
+            self._confirmed.clear()
             return
         drop = set(ranks)
-        for key in [k for k in self._counts if k[1] in drop]:
-            del self._counts[key]
+        for who in [w for w in self._streaks if w[1] in drop]:
+            del self._streaks[who]
+        self._confirmed = {w for w in self._confirmed if w[1] not in drop}
 
 
 def tail_floor(ratios: Sequence[float], multiple: float) -> float:

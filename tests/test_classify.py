@@ -226,3 +226,15 @@ def test_ranks_waiting_behind_a_fetch_still_within_its_tolerance_are_not_named()
     frozen[9] = ev(9, False)
     frozen[6] = dataclasses.replace(_ev(6, step=3, op=4, phase=Phase.FORWARD, pending=False), silent=True)
     assert [(v.hang_class, v.ranks) for v in classify(frozen, groups)] == [(HangClass.LAGGING, (6,))]
+
+
+def test_an_equal_progress_stall_elsewhere_is_named_while_a_rank_saves_alone():
+    """Rank 0 saves alone (within its I/O tolerance) while its group waits at a barrier, and group {4..7} is stalled
+    in its all-reduce: that stall is named now (waiting for the save would name the healthy group too, once rank 0
+    reaches the barrier and every member of both groups waits)."""
+    barrier = ("barrier|group=8@0..7", 9)
+    ev = {r: _ev(r, op=6, fp=barrier) for r in (1, 2, 3)}
+    ev[0] = dataclasses.replace(_ev(0, op=5, phase=Phase.CHECKPOINT_WRITE, pending=False), silent=False)
+    ev |= {r: _ev(r, op=8) for r in (4, 5, 6, 7)}
+    v = _one(classify(ev, [[0, 1, 2, 3], [4, 5, 6, 7]]))
+    assert (v.hang_class, v.ranks) == (HangClass.EQUAL_PROGRESS_STALL, (4, 5, 6, 7))

@@ -524,6 +524,16 @@ def test_a_rank_slow_in_only_one_kind_of_work_is_confirmed_over_that_kinds_round
         conf.update(_round([0, 1, 0]), kind="attention" if i % 2 == 0 else "router")
         newly.append(conf.newly)
     assert newly == [(), (1,), (), ()]
+    # Another kind's streak says nothing about this round: after a confirmed C streak (then ended), one flagged
+    # B round confirms nothing, and a new A streak is one new record, however its pooled and A streaks overlap.
+    conf, newly, confirmed = Confirmation(rounds=2), [], []
+    rounds = [("C", 1), ("A", 0), ("B", 0), ("C", 1), ("A", 0), ("B", 0), ("C", 0), ("B", 1), ("A", 0),
+              ("A", 1), ("B", 0), ("A", 1), ("B", 1), ("A", 1)]
+    for kind, flag in rounds:
+        confirmed.append(conf.update(_round([0, flag, 0]), kind=kind))
+        newly.append(conf.newly)
+    assert [i for i, n in enumerate(newly) if n] == [3, 11]
+    assert [i for i, c in enumerate(confirmed) if c] == [3, 11, 12, 13]
     # An unflagged round of the same kind ends the streak; the next one is recorded again.
     conf = Confirmation(rounds=2)
     for flag in (1, 1, 0, 1, 1):

@@ -3,6 +3,7 @@ repeats suppressed, and what an episode costs at scale (the in-process simulatio
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -121,3 +122,21 @@ def test_a_leader_does_not_wait_for_members_that_closed():
 
     summary = json.loads(store.get(f"ep/{proto.episode}/g/0"))
     assert summary["verdicts"] == [] and summary["lost"] == []
+
+
+def test_an_episode_deferred_on_a_ranks_io_tells_every_observer_to_try_again():
+    """Rank 4 is inside its data fetch (within its tolerance); rank 0 waits behind it (inside a collective, behind
+    its peers) and nobody else is named: no verdict, and every observer learns the episode was deferred (its silent
+    ones try again after the I/O tolerance: the fetching rank may leave its fetch by closing, and open nothing)."""
+    store, clock = CountingStore(), [0.0]
+    obs = _observers(store, clock)
+    ev = {r: _ev(r, coordinate=(3, 5)) for r in range(8)}
+    ev[0] = _ev(0, coordinate=(3, 2))
+    ev[4] = Evidence(rank=4, step=3, op_id=1, phase=4, pending=False, fp_hash=0, fingerprint="", silent_s=6.0,
+                     silent=False, seq=10)  # phase 4: the data loader
+    outcome, others = _episode(obs, ev, list(range(8)))
+    assert outcome.verdicts == [] and outcome.deferred and all(o.deferred and o.verdicts == [] for o in others)
+    ev[4] = dataclasses.replace(ev[4], silent=True)  # its tolerance ended: it is judged, alone
+    outcome, _ = _episode(obs, ev, list(range(8)))
+    assert [(v.hang_class.value, v.ranks) for v in outcome.verdicts] == [("data_stall", (4,))]
+    assert not outcome.deferred

@@ -34,9 +34,9 @@ are victims and produce no verdict of their own. So are ranks that are behind
 their peers only because they wait inside a collective (on another group, e.g.
 an HSDP shard group) while a rank elsewhere is named for not reaching one: they
 wait for that rank. While some rank is still inside a data fetch or checkpoint
-I/O within its tolerance, only ranks stopped on their own are named: waiting
-behind and "every peer waits" are left to the episode its observer opens when
-the tolerance ends.
+I/O within its tolerance and nobody else is named, ranks waiting behind are not
+named either: that rank is judged in the episode its observer opens when the
+tolerance ends (:func:`deferred`: the silent observers retry then too).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 from scout_core.consensus import C3Status, exact
 from scout_core.progress.record import Phase
 
-__all__ = ["Evidence", "HangClass", "HangVerdict", "classify", "classify_group", "merge"]
+__all__ = ["Evidence", "HangClass", "HangVerdict", "classify", "classify_group", "deferred", "merge"]
 
 
 class HangClass(enum.StrEnum):
@@ -329,21 +329,18 @@ def merge(summaries: Sequence[Mapping[str, Any]], hosts: Mapping[int, str] | Non
         per_group = [[v for v in vs if v.hang_class is not HangClass.EXITED] for vs in per_group]
     culprits = [v for vs in per_group for v in vs
                 if v.hang_class not in (HangClass.EQUAL_PROGRESS_STALL, HangClass.INCONCLUSIVE)]
-    # A rank still inside a data fetch or checkpoint I/O, within its tolerance, may be what everyone else waits
-    # for: its observer opens the next episode once the tolerance ends, and it is judged there (HSDP: rank 9's
-    # fetch stalls, its shard-group mates wait in an all-gather behind their replicate peers and cross their
-    # threshold first). Until then, waiting behind names nobody, and neither does "every peer waits".
-    io_open = any(s.get("in_io") for s in summaries)
     if culprits:
         roots = [v for v in culprits if not v.waits_behind]
-        # groups that merely wait are victims of the named ranks, and so are ranks that wait behind
-        if roots or lost or not io_open:
+        # Groups that merely wait are victims of the named ranks, and so are ranks that wait behind. With nobody
+        # else named, ranks waiting behind may wait for a rank still inside a data fetch or checkpoint I/O within
+        # its tolerance (HSDP: rank 9's fetch stalls, its shard-group mates wait in an all-gather behind their
+        # replicate peers and cross their threshold first): nobody is named yet; the fetching rank's observer opens
+        # the next episode when its tolerance ends, and the waiting ones retry then (:func:`deferred`).
+        if roots or lost or not any(s.get("in_io") for s in summaries):
             return verdicts + (roots or culprits)
         return verdicts
     if lost:
         return verdicts  # survivors waiting on a lost peer are victims too
-    if io_open:
-        return []
     inconclusive = [v for vs in per_group for v in vs if v.hang_class is HangClass.INCONCLUSIVE]
     if inconclusive:
         return inconclusive
@@ -355,6 +352,12 @@ def merge(summaries: Sequence[Mapping[str, Any]], hosts: Mapping[int, str] | Non
     unsettled = {f for s in summaries for f in s.get("unsettled", [])}
     return [v for vs in per_group for v in vs
             if not (v.hang_class is HangClass.EQUAL_PROGRESS_STALL and unsettled & _fingerprints(v))]
+
+
+def deferred(summaries: Sequence[Mapping[str, Any]], verdicts: Sequence[HangVerdict]) -> bool:
+    """An episode without a verdict while some rank was inside tolerated I/O: its silent observers try again once
+    that tolerance has passed (the rank may have left its I/O by closing, and opens no episode of its own then)."""
+    return not verdicts and any(s.get("in_io") for s in summaries)
 
 
 def _fingerprints(verdict: HangVerdict) -> set[str]:

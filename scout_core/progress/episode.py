@@ -37,7 +37,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-from scout_core.progress.classify import Evidence, HangVerdict, classify_group, merge
+from scout_core.progress.classify import Evidence, HangVerdict, classify_group, deferred, merge
 from scout_core.progress.record import Phase
 
 __all__ = ["CLOSED_LIST", "EpisodeProtocol", "EpisodeOutcome"]
@@ -54,6 +54,8 @@ class EpisodeOutcome:
     """This observer reported the episode (wrote the records)."""
     repeat: bool = False
     """The verdict names the same stopped ranks as the last one: not written again."""
+    deferred: bool = False
+    """No verdict while a rank was inside tolerated I/O: the silent observers try again after that tolerance."""
     evidence: dict[str, Any] = field(default_factory=dict)
 
 
@@ -182,11 +184,12 @@ class EpisodeProtocol:
         repeat = bool(verdicts) and json.dumps(signature, sort_keys=True) == previous
         if verdicts and not repeat:
             self.store.set("named", json.dumps(signature, sort_keys=True))
+        later = deferred(summaries, verdicts)
         self.store.set(f"ep/{n}/verdict", json.dumps({"verdicts": [v.to_dict() for v in verdicts],
-                                                      "repeat": repeat, "reporter": self.rank}))
+                                                      "repeat": repeat, "reporter": self.rank, "deferred": later}))
         self.store.compare_set("ep", str(n), str(n + 1))
         self.episode = n + 1
-        return EpisodeOutcome(n, verdicts, reporter=True, repeat=repeat)
+        return EpisodeOutcome(n, verdicts, reporter=True, repeat=repeat, deferred=later)
 
     def _read_verdict(self, n: int) -> dict[str, Any]:
         return json.loads(self.store.get(f"ep/{n}/verdict"))
@@ -194,7 +197,7 @@ class EpisodeProtocol:
     def _finish(self, n: int, doc: Mapping[str, Any], *, reporter: bool) -> EpisodeOutcome:
         self.episode = max(self.episode, n + 1, int(self.store.add("ep", 0)))
         return EpisodeOutcome(n, [HangVerdict.from_dict(v) for v in doc["verdicts"]], reporter=reporter,
-                              repeat=bool(doc.get("repeat")))
+                              repeat=bool(doc.get("repeat")), deferred=bool(doc.get("deferred")))
 
     # -- after a verdict ---------------------------------------------------------------------------
 

@@ -369,6 +369,7 @@ class _Observer:
         spec, proto, record = self.spec, self.proto, self.record
         assert proto is not None and record is not None
         diagnosed_seq = -1
+        retry_at: float | None = None  # an episode was deferred on someone's I/O: try again from then
         silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
         gone_until: float | None = None  # our trainer died without closing: answer for it until then
         gone_opened = False
@@ -387,6 +388,8 @@ class _Observer:
                     if self._watch is not None and self._watch[0] == silent_in[0]:
                         self._resolved()
                     silent_in = None
+                if retry_at is not None and snap.seq != diagnosed_seq:
+                    retry_at = None
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
                     self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
@@ -395,7 +398,8 @@ class _Observer:
                     # later (on NCCL they wait in a collective; on gloo theirs fail at once).
                     gone_until = now + (max(threshold, spec.silence_threshold_s) + 2 * spec.gather_timeout_s
                                         if spec.world_size > 1 else 0.0)
-                stalled = silent_s >= threshold and snap.seq != diagnosed_seq
+                stalled = silent_s >= threshold and (snap.seq != diagnosed_seq
+                                                     or (retry_at is not None and now >= retry_at))
                 join = (gone and not gone_opened) or stalled
                 if not join and now >= next_beat:
                     next_beat = now + spec.heartbeat_s
@@ -413,6 +417,9 @@ class _Observer:
                         if mine.silent and outcome is not None:  # no verdict came (the reporter died): retry
                             diagnosed_seq = snap.seq
                             silent_in = (episode, snap.seq)
+                            # Deferred on a rank's tolerated I/O: that rank opens the next episode when its
+                            # tolerance ends, unless it leaves its I/O by closing: then we try again ourselves.
+                            retry_at = time.monotonic() + spec.io_silence_s if outcome.deferred else None
                         if outcome is not None and outcome.verdicts and not outcome.repeat:
                             incidents = self._deliver(outcome, snap, threshold)
                             if outcome.reporter:
