@@ -530,6 +530,7 @@ class _Observer:
         """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
         if self._watch is None:
             return
+        self._live_settings()  # logged at the level the trainer set last
         with self._critical_section():  # a closing trainer's SIGTERM must not cut these records short
             self._emit_resolved()
 
