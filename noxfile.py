@@ -32,7 +32,8 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-m", "not cells and not matrix and not guards", "-q", "--durations=40",
                 *session.posargs, env={"OMP_NUM_THREADS": "1"})
     if not session.posargs:
-        session.run("scout", "cells", "matrix", "--out", "runs", env={"OMP_NUM_THREADS": "1"})
+        session.run("scout", "cells", "matrix", "--out", "runs", "--workdir", "runs/cells",
+                    env={"OMP_NUM_THREADS": "1"})
     # The plugins' tests in processes of their own (their tests import the frameworks at module level). The
     # first pytest run above imports them into its parent too, once its plugin cells have run: the core cells
     # before them fork from a parent without them; the matrix runs the core cells first for the same reason.
@@ -52,18 +53,20 @@ def guards(session: nox.Session) -> None:
 @nox.session
 def cells(session: nox.Session) -> None:
     """Every cell of configs/cells.yaml at its configured world size (the plugins' cells need their frameworks);
-    JSON in runs/cells.json."""
+    JSON in runs/cells.json, each cell's incident records and output.log in runs/cells/<cell>."""
     _install(session, frameworks=True)
-    session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", *session.posargs,
-                env={"OMP_NUM_THREADS": "1"})
+    session.run("scout", "cells", "run", "--all", "--json", "runs/cells.json", "--workdir", "runs/cells",
+                *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session
 def matrix(session: nox.Session) -> None:
     """The fault matrix: every 16-rank cell by layout and fault class (``nox -s matrix -- NAME...``: only those),
-    with every framework installed; writes runs/matrix.json, runs/matrix.md (Table 3) and runs/matrix.png."""
+    with every framework installed; writes runs/matrix.json, runs/matrix.md (Table 3) and runs/matrix.png, and
+    keeps each cell's incident records and output.log in runs/cells/<cell>."""
     _install(session, "dev,bench", frameworks=True)
-    session.run("scout", "cells", "matrix", *session.posargs, "--out", "runs", env={"OMP_NUM_THREADS": "1"})
+    session.run("scout", "cells", "matrix", *session.posargs, "--out", "runs", "--workdir", "runs/cells",
+                env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

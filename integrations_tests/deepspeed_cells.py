@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from integrations_tests.training_jobs import bitwise_problems, cell_report, restart_problems, run_job
+from integrations_tests.training_jobs import (
+    bitwise_problems,
+    cell_report,
+    quiet_renamed_collectives,
+    restart_problems,
+    run_job,
+)
 from integrations_tests.zoo import HEADS, HIDDEN, VOCAB, LlamaBlock, LlamaLM, zoo_batches
 from scout_core.adapter import find_inner_optimizers
 from scout_core.runtime import HOSTNAME_ENV
@@ -189,6 +195,7 @@ def _deepspeed_rank(ctx: RankContext) -> dict[str, Any]:
     os.environ.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size))
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // a['ranks_per_machine']}"
     init_gloo(ctx, timeout_s=120)
+    quiet_renamed_collectives()  # DeepSpeed's ZeRO gathers and reduce-scatters call the deprecated names
     import scout_deepspeed
 
     model = _model(a)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import re
 import sys
 import types
 import warnings
@@ -42,7 +43,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OnHost", "allow_python_311", "on_host", "stub_triton_ops"]
+from integrations_tests.training_jobs import quiet_renamed_collectives
+
+__all__ = ["OnHost", "allow_python_311", "on_host", "quiet_host_notices", "stub_triton_ops"]
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -133,6 +136,20 @@ class _NoEvent(_NoStream):
 
 _APPLIED = False
 
+HOST_NOTICES = ("Transformer Engine and Apex are not installed", "Apex is not installed", "GPTModel IS DEPRECATED",
+                "It is recommended to use a ModelConfig", "MimoModelConfig is experimental",
+                "Only transformer-engine>=1.7.0 supports MoE experts")
+"""Megatron-Core's warnings about this host (no Transformer Engine or Apex: it falls back to torch, which the CPU
+cells use on purpose) and about the cells' own model-provider style: dropped by :func:`quiet_host_notices`."""
+
+
+def quiet_host_notices() -> None:
+    """Drop ``HOST_NOTICES`` (several raised while Megatron imports: call this before) and the deprecation notices
+    of torch's renamed collectives that Megatron calls."""
+    for notice in HOST_NOTICES:  # (?s): some messages start with a newline, which a bare ".*" does not cross
+        warnings.filterwarnings("ignore", message=f"(?s).*{re.escape(notice)}")
+    quiet_renamed_collectives()  # expert-parallel token counts, distributed-optimizer buckets
+
 
 def on_host() -> None:
     """Make this process run Megatron-Core on the host (idempotent for the module patches; enters the device
@@ -143,14 +160,7 @@ def on_host() -> None:
     if _APPLIED:
         return
     _APPLIED = True
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
-    warnings.filterwarnings("ignore", message=".*It is recommended to use a ModelConfig.*")
-    warnings.filterwarnings("ignore", message=".*MimoModelConfig is experimental.*")
-    # Megatron gathers expert-parallel token counts and reduce-scatters distributed-optimizer buckets through torch
-    # names torch has since renamed.
-    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated.*",
-                            category=FutureWarning)
+    quiet_host_notices()
     # The host generator plays the CUDA one, so Megatron's check that a tracker fork left the CPU stream alone
     # cannot hold here: its warning says nothing about the job.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

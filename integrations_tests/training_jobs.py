@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,13 @@ class JobRun:
     problems: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
     started: float = 0.0
+
+
+def quiet_renamed_collectives() -> None:
+    """Megatron-Core and DeepSpeed call ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, names torch 2.13
+    deprecates (FutureWarning, once per call site and rank: a wall of them in a 16-rank cell); the calls work."""
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated",
+                            category=FutureWarning)
 
 
 def run_job(rank: Callable[[RankContext], Any], spec: CellSpec, world_size: int, workdir: str,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 __all__ = ["main"]
 
@@ -181,7 +183,8 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
         print("scout cells run: --world must be >= 1", file=sys.stderr)
         return 2
 
-    reports = _run_with_progress(path, [specs[n] for n in names], world_size=args.world, workdir=args.workdir)
+    reports = _run_with_progress(path, [specs[n] for n in names], world_size=args.world, workdir=args.workdir,
+                                 show_output=args.show_output)
     print()
     print(format_cell_table(reports))
     if args.json:
@@ -192,13 +195,24 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_with_progress(path: Path, specs: Sequence, **kwargs) -> list:
-    """Run cells, one line per cell as it finishes (``[i/n]``, verdict, wall time), failures with details."""
+def _console() -> TextIO:
+    """Where progress lines go while a cell's output is captured: a copy of stdout's file descriptor (fd 1 itself
+    then points at the cell's log), or stdout as it is where it has no descriptor of its own (a test's capture)."""
+    try:
+        return os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return sys.stdout
+
+
+def _run_with_progress(path: Path, specs: Sequence, *, show_output: bool = False, **kwargs) -> list:
+    """Run cells, one line per cell as it finishes (``[i/n]``, verdict, wall time), failures with details and the
+    last lines the cell printed; the cells' own output goes to each cell's ``output.log`` unless ``show_output``."""
     import time
 
     from scout_core.testing import launcher
     from scout_core.testing.cells import run_cells
 
+    console = sys.stdout if show_output else _console()
     done = [0]
     running: list = [None, 0.0]  # the cell in progress and when it started
 
@@ -209,19 +223,22 @@ def _run_with_progress(path: Path, specs: Sequence, **kwargs) -> list:
         running[0] = None
         done[0] += 1
         print(f"[{done[0]}/{len(specs)}] {report.verdict} {report.name} ({report.world_size} ranks, "
-              f"{report.wall_s:.1f}s)", flush=True)
+              f"{report.wall_s:.1f}s)", file=console, flush=True)
         if report.verdict != "PASS" and report.details:
-            print("    " + report.details.replace("\n", "\n    "), flush=True)
+            print("    " + report.details.replace("\n", "\n    "), file=console, flush=True)
 
     def still_running() -> None:  # a cell may run for minutes: say it is still going
         if running[0] is not None:
-            print(f"    ... {running[0]} running for {time.monotonic() - running[1]:.0f}s", flush=True)
+            print(f"    ... {running[0]} running for {time.monotonic() - running[1]:.0f}s", file=console, flush=True)
 
     launcher.heartbeat = still_running
     try:
-        return run_cells(specs, root=path.parent.parent, on_result=progress, on_start=start, **kwargs)
+        return run_cells(specs, root=path.parent.parent, on_result=progress, on_start=start,
+                         capture_output=not show_output, **kwargs)
     finally:
         launcher.heartbeat = None
+        if console is not sys.stdout:
+            console.close()
 
 
 def _cmd_cells_matrix(args: argparse.Namespace) -> int:
@@ -238,7 +255,8 @@ def _cmd_cells_matrix(args: argparse.Namespace) -> int:
               f"{'; ' if unknown and outside else ''}{'not in the matrix ' + str(outside) if outside else ''}; "
               "see `scout cells list`", file=sys.stderr)
         return 2
-    reports = _run_with_progress(path, [specs[n] for n in names], workdir=args.workdir)
+    reports = _run_with_progress(path, [specs[n] for n in names], workdir=args.workdir,
+                                 show_output=args.show_output)
     out = Path(args.out)
     write_json(reports, out / "matrix.json")
     summary = matrix_summary(specs, reports)
@@ -334,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--tag", action="append", help="run cells with this tag (repeatable)")
             p.add_argument("--world", type=int, default=None, help="override each cell's world size")
             p.add_argument("--json", help="write results as JSON to this path")
-            p.add_argument("--workdir", help="keep each cell's incident records in WORKDIR/<cell>")
+            p.add_argument("--workdir", help="keep each cell's incident records and output.log in WORKDIR/<cell>")
+            p.add_argument("--show-output", action="store_true",
+                           help="let the ranks print to the terminal (default: to each cell's output.log)")
             p.set_defaults(func=_cmd_cells_run)
         else:
             p.set_defaults(func=_cmd_cells_list)
@@ -342,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("names", nargs="*", help="only these cells (default: every cell with a matrix place)")
     mat.add_argument("--cells", help="path to cells.yaml (default: configs/cells.yaml at or above cwd)")
     mat.add_argument("--out", default="runs", help="writes OUT/matrix.json, OUT/matrix.md, OUT/matrix.png")
-    mat.add_argument("--workdir", help="keep each cell's incident records in WORKDIR/<cell>")
+    mat.add_argument("--workdir", help="keep each cell's incident records and output.log in WORKDIR/<cell>")
+    mat.add_argument("--show-output", action="store_true",
+                     help="let the ranks print to the terminal (default: to each cell's output.log)")
     mat.set_defaults(func=_cmd_cells_matrix)
     cat = sub.add_parser("catalog", help="the offline MoE shape catalog")
     cat_sub = cat.add_subparsers(dest="catalog_command", required=True)

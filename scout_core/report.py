@@ -175,8 +175,17 @@ class LoggingSink:
             self.level,
             "SCOUT %s scope=%s ranks=%s hosts=%s step=%s surface=%s: %s",
             incident.kind.value, incident.scope.value, incident.ranks, incident.hosts,
-            incident.step, incident.surface, incident.reason,
+            incident.step, surfaces_text(incident.surface), incident.reason,
         )
+
+
+def surfaces_text(surface: str, keep: int = 2) -> str:
+    """A ``;``-joined surface list as a log line shows it: the first ``keep`` and how many more (a replay check
+    that differs names every recorded surface of the layer; the record keeps them all)."""
+    names = surface.split(";")
+    if len(names) <= keep + 1:
+        return surface
+    return f"{';'.join(names[:keep])} (+{len(names) - keep} more)"
 
 
 class Reporter:

@@ -46,9 +46,9 @@ def test_the_summary_counts_passes_per_layout_and_fault_class_and_names_false_po
     md = matrix_summary(SPECS, REPORTS)
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
     assert rows["fault class"].split("|")[2:7] == [" ddp ", " fsdp2 ", " hsdp ", " moe ", " passed / run "]
-    assert "| 1/1 | - | 0/1 **FAIL** | - | 1/2 | straggler/peer_group | 1 |" in rows["clean"]
-    assert "| 1/1 | 0/1 **FAIL** | - | - | 1/2 | sdc/rank | 1 |" in rows["sdc"]
-    assert "| - | - | - | 1/1 | 1/1 | hang/rank | 0 |" in rows["hang"]
+    assert "| 1/1 | - | 0/1 **FAIL** | - | 1/2 | straggler/peer_group | - | 1 |" in rows["clean"]
+    assert "| 1/1 | 0/1 **FAIL** | - | - | 1/2 | sdc/rank | - | 1 |" in rows["sdc"]
+    assert "| - | - | - | 1/1 | 1/1 | hang/rank | - | 0 |" in rows["hang"]
     assert "3 of 5 cells passed" in md
     assert "- `fsdp2-sdc`: named ranks [4], expected [3]" in md and "more" not in md
     assert "- `hsdp-clean`: straggler/peer_group r0-15" in md and "- `fsdp2-sdc`: sdc/rank r4" in md
@@ -131,10 +131,16 @@ def test_faults_a_cell_injects_through_its_parameters_are_no_false_positive():
 
 
 _FAKE_TARGETS = '''
+import subprocess
+import sys
+
 from scout_core.testing.cells import CellReport, fault_dicts
 
 
 def cell(spec, world_size, workdir):
+    if spec.params.get("noise"):  # a framework's banner, from this process and from one it starts
+        print("NOISE from the parent " + spec.name)
+        subprocess.run([sys.executable, "-c", "import sys; print('NOISE from a rank', file=sys.stderr)"], check=True)
     reported = [{"kind": "sdc", "scope": "rank", "ranks": [9], "hosts": [], "surface": "s"}] * spec.params["records"]
     return CellReport(name=spec.name, verdict="PASS", world_size=world_size, injected=fault_dicts(spec.faults),
                       reported=reported)
@@ -170,3 +176,41 @@ def test_scout_cells_matrix_fails_a_clean_cell_that_reports_and_a_faulty_one_tha
     if not sdc_records:
         assert "FAIL a-sdc" in text and "a faulty cell must report something" in text
     assert (out / "matrix.json").exists() and (out / "matrix.md").exists()
+
+
+def test_a_cell_run_prints_one_line_per_cell_and_keeps_what_the_ranks_print(tmp_path, capfd):
+    """What the cells' processes print (the frameworks' banners and warnings) goes to each cell's output.log, not
+    the terminal; a failed cell shows its last lines. Fails if the output is not redirected at the file
+    descriptors the processes inherit."""
+    cells = _matrix_of(tmp_path, (
+        "  quiet:\n    target: fake_matrix_cells:cell\n    matrix: {layout: ddp, fault: clean}\n"
+        "    params: {records: 0, noise: true}\n"
+        f"  loud:\n    target: fake_matrix_cells:cell\n    matrix: {{layout: ddp, fault: sdc}}\n{_SDC}"
+        "    params: {records: 0, noise: true}\n"))
+    work = tmp_path / "work"
+    assert main(["cells", "run", "quiet", "loud", "--cells", str(cells), "--workdir", str(work)]) == 1
+    captured = capfd.readouterr()
+    terminal = captured.out + captured.err
+    assert "[1/2] PASS quiet" in terminal and "[2/2] FAIL loud" in terminal
+    assert "NOISE from the parent quiet" not in terminal and terminal.count("NOISE from a rank") == 1
+    assert f"last lines the cell printed ({work / 'loud' / 'output.log'})" in terminal
+    for name in ("quiet", "loud"):
+        log = (work / name / "output.log").read_text()
+        assert f"NOISE from the parent {name}" in log and "NOISE from a rank" in log
+    main(["cells", "run", "quiet", "--cells", str(cells), "--show-output"])
+    assert "NOISE from a rank" in capfd.readouterr().err
+
+
+def test_steps_to_verdict_counts_from_the_fault_onset_to_the_first_verdict_at_or_after_it():
+    from scout_core.testing.matrix import steps_to_verdict
+
+    onset = [{"kind": "bitflip", "rank": 9, "surface": "x", "schedule": {"start": 4, "stop": None}}]
+    early = dict(_record("sdc", "rank", [3]), step=2)  # before the fault: not its verdict
+    named = [early, dict(_record("sdc", "rank", [9]), step=6), dict(_record("sdc", "rank", [9]), step=7),
+             {"kind": "decision", "scope": "verified", "ranks": [], "step": 4}]
+    report = CellReport(name="c", verdict="PASS", world_size=16, injected=onset, reported=named)
+    assert steps_to_verdict(report) == 2
+    assert steps_to_verdict(CellReport(name="c", verdict="PASS", world_size=16, injected=onset, reported=[])) is None
+    assert steps_to_verdict(CellReport(name="c", verdict="PASS", world_size=16, injected=[], reported=named)) is None
+    summary = matrix_summary({"c": _spec("c", "ddp", "sdc")}, [report])
+    assert "| sdc | 1/1 | 1/1 | sdc/rank | 2 | 1 |" in summary  # steps 2; the early record is a false positive

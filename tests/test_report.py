@@ -98,6 +98,17 @@ def test_logging_sink(caplog):
     assert "sdc scope=rank ranks=[9]" in caplog.text
 
 
+def test_the_log_line_summarises_a_long_surface_list_and_the_record_keeps_it(caplog, tmp_path):
+    many = ";".join(f"layers.1.x{i}.output" for i in range(9))
+    with caplog.at_level(logging.WARNING, logger="scout"):
+        LoggingSink().emit(_incident(surface=many))
+        LoggingSink().emit(_incident(surface="a;b;c"))
+    assert "surface=layers.1.x0.output;layers.1.x1.output (+7 more): " in caplog.text
+    assert "surface=a;b;c: " in caplog.text
+    JsonlSink(tmp_path / "i.jsonl").emit(_incident(surface=many))
+    assert next(read_incidents(tmp_path / "i.jsonl")).surface == many
+
+
 def test_reporter_survives_one_broken_sink(tmp_path, caplog):
     class Broken:
         def emit(self, incident):

@@ -157,11 +157,15 @@ def run_cells(
     on_result: Callable[[CellReport], None] | None = None,
     workdir: str | os.PathLike[str] | None = None,
     on_start: Callable[[CellSpec], None] | None = None,
+    capture_output: bool = False,
 ) -> list[CellReport]:
     """Run cells one after another; a crashing cell is a FAIL, not an abort.
 
     With ``workdir`` each cell's files (its incident JSON lines) are kept in
     ``workdir/<cell name>``; otherwise they live in a temporary directory.
+    With ``capture_output`` everything the cell's processes print (the frameworks' banners and warnings, SCOUT's
+    log lines) goes to ``output.log`` in that directory instead of the terminal, and a failed cell's details end
+    with the last lines of it: a run of many cells then prints one line per cell.
     """
     from scout_core.testing.launcher import prepare_parent
 
@@ -173,6 +177,7 @@ def run_cells(
             on_start(spec)
         start = time.monotonic()
         with _cell_dir(spec.name, workdir) as cell_dir:
+            log = Path(cell_dir) / OUTPUT_LOG
             out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
             try:
                 if out_of_world:
@@ -181,17 +186,22 @@ def run_cells(
                         details=f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks",
                     )
                 else:
-                    report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
+                    with _output_to(log) if capture_output else contextlib.nullcontext():
+                        report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
             except Exception:
                 report = CellReport(
                     name=spec.name, verdict="FAIL", world_size=n,
                     injected=[_fault_dict(f) for f in spec.faults], reported=[],
                     details=traceback.format_exc(),
                 )
-        report.wall_s = round(time.monotonic() - start, 3)
-        problem = reporting_problem(spec, report)
-        if report.verdict == "PASS" and problem:
-            report.verdict, report.details = "FAIL", problem
+            report.wall_s = round(time.monotonic() - start, 3)
+            problem = reporting_problem(spec, report)
+            if report.verdict == "PASS" and problem:
+                report.verdict, report.details = "FAIL", problem
+            if capture_output and report.verdict != "PASS" and log.exists():
+                kept = f" ({log})" if workdir is not None else ""
+                report.details = (f"{report.details}\n--- last lines the cell printed{kept} ---\n"
+                                  f"{_tail(log, OUTPUT_TAIL_LINES)}")
         reports.append(report)
         if on_result:
             on_result(report)
@@ -205,6 +215,40 @@ def reporting_problem(spec: CellSpec, report: CellReport) -> str | None:
     if spec.faults or (isinstance(expect, list) and expect):
         return None if report.reported else "a faulty cell must report something; it reported nothing"
     return None if not report.reported else f"a clean cell must report nothing; it reported {report.reported[:3]}"
+
+
+OUTPUT_LOG = "output.log"
+"""Where a cell's processes print when :func:`run_cells` captures their output (in the cell's directory)."""
+OUTPUT_TAIL_LINES = 40
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Point this process's stdout and stderr at ``path`` for the duration: file descriptors 1 and 2, which the
+    ranks forked meanwhile and any process they start inherit, and ``sys.stdout`` / ``sys.stderr``, which may not
+    write through them (a caller's own capture)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = (os.dup(1), os.dup(2))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        with open(os.dup(fd), "w", buffering=1) as log, contextlib.redirect_stdout(log), \
+                contextlib.redirect_stderr(log):
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
+def _tail(path: Path, lines: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(f.tell() - lines * 1024, 0))  # the lines wanted (up to 1 KiB each), never a whole long log
+        return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from typing import Any
 from scout_core.report import ranks_text
 from scout_core.testing.cells import MATRIX_FAULTS, MATRIX_LAYOUTS, CellReport, CellSpec
 
-__all__ = ["false_positives", "matrix_plot", "matrix_summary", "time_to_verdict"]
+__all__ = ["false_positives", "matrix_plot", "matrix_summary", "steps_to_verdict", "time_to_verdict"]
 
 VERDICT_KINDS = ("sdc", "straggler", "hang", "data_stall", "checkpoint_stall", "inconclusive")
 """Records about the job (not a recovery decision, SCOUT's own error, or a resolution); ``inconclusive`` blocks
@@ -45,6 +45,26 @@ def time_to_verdict(report: CellReport) -> float | None:
     return min(times) if times else None
 
 
+def steps_to_verdict(report: CellReport) -> int | None:
+    """Training steps from the first injected fault's onset to the first verdict at or after it (0: named in the
+    step the fault began), where both carry a step: every replay and hang cell, not only those that time it."""
+    starts = [f["schedule"]["start"] for f in report.injected
+              if isinstance(f.get("schedule"), dict) and f["schedule"].get("start") is not None]
+    if not starts:
+        return None
+    onset = min(starts)
+    steps = [r["step"] for r in report.reported
+             if r.get("kind") in VERDICT_KINDS and isinstance(r.get("step"), int) and r["step"] >= onset]
+    return min(steps) - onset if steps else None
+
+
+def _steps_text(reports: Sequence[CellReport]) -> str:
+    steps = sorted(s for r in reports if (s := steps_to_verdict(r)) is not None)
+    if not steps:
+        return "-"
+    return str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
+
+
 def _named(reports: Sequence[CellReport]) -> str:
     seen: dict[str, None] = {}
     for rep in reports:
@@ -59,8 +79,9 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
     then every failed cell with the first line of its details."""
     placed = [(specs[r.name].matrix, r) for r in reports if r.name in specs and specs[r.name].matrix is not None]
     layouts = [lay for lay in MATRIX_LAYOUTS if any(p.layout == lay for p, _ in placed)]
-    lines = ["| fault class | " + " | ".join(layouts) + " | passed / run | named | false positives |",
-             "|---|" + "---|" * len(layouts) + "---|---|---|"]
+    lines = ["| fault class | " + " | ".join(layouts)
+             + " | passed / run | named | steps to verdict | false positives |",
+             "|---|" + "---|" * len(layouts) + "---|---|---|---|"]
     for fault in MATRIX_FAULTS:
         mine = [(p, r) for p, r in placed if p.fault == fault]
         if not mine:
@@ -74,9 +95,11 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
         passed = sum(r.verdict == "PASS" for r in runs)
         fps = sum(len(false_positives(r, specs.get(r.name))) for r in runs)
         lines.append(f"| {fault.replace('_', ' ')} | " + " | ".join(cols)
-                     + f" | {passed}/{len(runs)} | {_named(runs)} | {fps} |")
+                     + f" | {passed}/{len(runs)} | {_named(runs)} | {_steps_text(runs)} | {fps} |")
     total = sum(r.verdict == "PASS" for _, r in placed)
-    lines += ["", f"{total} of {len(placed)} cells passed; `-`: no cell of that layout and fault class."]
+    lines += ["", f"{total} of {len(placed)} cells passed; `-`: no cell of that layout and fault class. Steps to "
+              "verdict: from the fault's first step to the step of the first verdict, over the cells (a recovery "
+              "cell's verdict is its first run's)."]
     failed = [r for _, r in placed if r.verdict != "PASS"]
     if failed:
         lines += ["", "Failed cells:", ""]
@@ -90,8 +113,9 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
 
 
 def matrix_plot(specs: Mapping[str, CellSpec], reports: Sequence[CellReport], path: str | os.PathLike[str]) -> None:
-    """Two panels: passed / run per layout and fault class (green all passed, red any failed, blank none run),
-    and each cell's time to verdict by fault class. Needs matplotlib (``scout-core[bench]``)."""
+    """Three panels: passed / run per layout and fault class (green all passed, red any failed, blank none run);
+    each cell's time to verdict by fault class where the cell timed it (the observer's verdicts); each cell's
+    steps from the fault's onset to its verdict. Needs matplotlib (``scout-core[bench]``)."""
     try:
         import matplotlib
 
@@ -102,8 +126,8 @@ def matrix_plot(specs: Mapping[str, CellSpec], reports: Sequence[CellReport], pa
     placed = [(specs[r.name].matrix, r) for r in reports if r.name in specs and specs[r.name].matrix is not None]
     layouts = [lay for lay in MATRIX_LAYOUTS if any(p.layout == lay for p, _ in placed)]
     faults = [f for f in MATRIX_FAULTS if any(p.fault == f for p, _ in placed)]
-    fig, (grid, times) = plt.subplots(1, 2, figsize=(15, 0.55 * max(len(faults), 4) + 2),
-                                      gridspec_kw={"width_ratios": [max(len(layouts), 1), 6]})
+    fig, (grid, times, steps) = plt.subplots(1, 3, figsize=(19, 0.55 * max(len(faults), 4) + 2),
+                                             gridspec_kw={"width_ratios": [max(len(layouts), 1), 5, 4]})
     colours = [[(1, 1, 1)] * len(layouts) for _ in faults]
     for i, fault in enumerate(faults):
         for j, lay in enumerate(layouts):
@@ -123,11 +147,27 @@ def matrix_plot(specs: Mapping[str, CellSpec], reports: Sequence[CellReport], pa
             if p.fault == fault and ttv is not None:
                 times.scatter(max(ttv, 1e-3), i, color="tab:green" if r.verdict == "PASS" else "tab:red", s=18)
     times.set_xscale("log")
-    times.set_yticks(range(len(faults)), [f.replace("_", " ") for f in faults])
-    times.set_ylim(len(faults) - 0.5, -0.5)
     times.set_xlabel("time to verdict (s, log)")
-    times.set_title("time to verdict per cell")
-    times.grid(True, axis="x", alpha=0.3)
+    times.set_title("time to verdict, where the cell timed it")
+    counts: dict[tuple[int, int, bool], int] = {}  # cells at one (class, steps): one marker, labelled how many
+    for i, fault in enumerate(faults):
+        for p, r in placed:
+            n = steps_to_verdict(r)
+            if p.fault == fault and n is not None:
+                key = (i, n, r.verdict == "PASS")
+                counts[key] = counts.get(key, 0) + 1
+    for (i, n, passed), k in counts.items():
+        y = i if passed else i + 0.25  # a failed cell's marker beside, not under, the passed ones
+        steps.scatter(n, y, color="tab:green" if passed else "tab:red", s=18 + 8 * k)
+        if k > 1:
+            steps.annotate(str(k), (n, y), xytext=(7, 4), textcoords="offset points", fontsize=8)
+    steps.set_xlabel("steps from the fault's onset to the verdict")
+    steps.set_title("steps to verdict per cell")
+    steps.xaxis.get_major_locator().set_params(integer=True)
+    for ax in (times, steps):
+        ax.set_yticks(range(len(faults)), [f.replace("_", " ") for f in faults])
+        ax.set_ylim(len(faults) - 0.5, -0.5)
+        ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     parent = os.path.dirname(os.fspath(path))
     if parent:

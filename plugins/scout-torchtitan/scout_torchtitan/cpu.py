@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import sys
 import types
@@ -95,6 +96,7 @@ def use_cpu() -> None:
     # (it warns once per process and runs in float32 anyway, which is what the router wants).
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
                             category=UserWarning)
+    _quiet_host_notices()
     _use_host_grouped_mm()
     host = _host_device_module()
     for name in _DEVICE_TYPE_HOLDERS:
@@ -103,6 +105,36 @@ def use_cpu() -> None:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = host
+
+
+HOST_NOTICES = (
+    "Peak flops undefined for",  # no GPU model to look up: the MFU it logs is meaningless here anyway
+    "Error running lspci",  # the GPU probe, on a host without PCI tools
+    "initial_load_model_only=True has no effect without an initial_load_path",
+    "model.safetensors.index.json not found at hf_assets_path",  # the synthetic tokenizer has no HF assets
+    "torch.distributed is already initialized",  # the cells join gloo before TorchTitan's trainer does
+)
+"""TorchTitan's log lines about this host or the test jobs, not the training: :func:`use_cpu` drops them."""
+
+
+class _DropHostNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(notice in message for notice in HOST_NOTICES)
+
+
+def _quiet_host_notices() -> None:
+    """TorchTitan's warnings about running on a CPU mesh (DTensor's RNG, torchdata's deprecated vital signs) and
+    its log lines in ``HOST_NOTICES`` say nothing about a test job's training: each printed once per rank, they
+    buried a cell's own output."""
+    for message in ("DTensor random operators may not have complete support on cpu device mesh",
+                    r"DTensor manual_seed\(\) may not have complete support on cpu device mesh",
+                    "'set_vital' is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    from torchtitan.tools.logging import logger
+
+    if not any(isinstance(f, _DropHostNotices) for f in logger.filters):
+        logger.addFilter(_DropHostNotices())
 
 
 def _use_host_grouped_mm() -> None:
