@@ -118,6 +118,10 @@ def test_the_cell_table_summarises_what_was_reported():
     table = format_cell_table([report], width=200)
     assert "sdc/rank r9 x3 layers.1.x0.1.output; straggler/machine r8,9 node1 s; restore verified gen 4" in table
     assert max(len(line) for line in format_cell_table([report], width=40).splitlines()) < 130
+    machine = CellReport(name="hang-machine-lost", verdict="PASS", world_size=16, reported=slow * 2,
+                         injected=[{"kind": "kill", "rank": r, "surface": "step.start"} for r in range(8, 16)])
+    assert "kill@r8-15:step.start  straggler/machine r8,9 node1 x2" in format_cell_table([machine], width=120)
+    assert max(len(line) for line in format_cell_table([report, machine], width=100).splitlines()) <= 100
 
 
 def test_faults_a_cell_injects_through_its_parameters_are_no_false_positive():

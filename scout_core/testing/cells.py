@@ -302,18 +302,40 @@ def _reported_text(reported: Sequence[dict[str, Any]]) -> str:
     return "; ".join(parts) or "nothing"
 
 
-def format_cell_table(reports: Sequence[CellReport], *, width: int = 80) -> str:
-    """One row per cell; the injected and reported columns are summarised and clipped to ``width`` characters
-    each (every record is in the JSON ``--json`` writes)."""
+def _injected_text(injected: Sequence[dict[str, Any]]) -> str:
+    """What a cell injected, one entry per (kind, surface) with the ranks it hit: ``kill@r8-15:step.start``."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for f in injected:
+        groups.setdefault((f["kind"], f["surface"]), []).append(f["rank"])
+    return "; ".join(f"{kind}@r{ranks_text(ranks)}:{surface}" for (kind, surface), ranks in groups.items()) or "nothing"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_cell_table(reports: Sequence[CellReport], *, width: int | None = None) -> str:
+    """One row per cell, at most ``width`` characters wide (default: the terminal's, else 120): the injected and
+    reported columns are summarised (one entry per kind and surface or scope, with the ranks) and share what the
+    other columns leave, clipped (every record is in the JSON ``--json`` writes)."""
+    if width is None:
+        width = shutil.get_terminal_size(fallback=(120, 24)).columns
     headers = ("cell", "verdict", "ranks", "injected", "reported", "verdict_s", "wall_s")
     rows = []
     for r in reports:
-        inj = "; ".join(f"{f['kind']}@r{f['rank']}:{f['surface']}" for f in r.injected) or "nothing"
-        rep = _reported_text(r.reported)
-        inj, rep = (t if len(t) <= width else t[: width - 3] + "..." for t in (inj, rep))
         ttv = "-" if r.time_to_verdict_s is None else f"{r.time_to_verdict_s:.3f}"
-        rows.append((r.name, r.verdict, str(r.world_size), inj, rep, ttv, f"{r.wall_s:.1f}"))
+        rows.append([r.name, r.verdict, str(r.world_size), _injected_text(r.injected), _reported_text(r.reported),
+                     ttv, f"{r.wall_s:.1f}"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    inj, rep = headers.index("injected"), headers.index("reported")
+    room = width - sum(w for i, w in enumerate(widths) if i not in (inj, rep)) - 2 * (len(headers) - 1)
+    if widths[inj] + widths[rep] > room:  # the injected column takes up to 40 % of the room, reported the rest
+        widths[inj] = max(min(widths[inj], room * 2 // 5), 12)
+        widths[rep] = max(min(widths[rep], room - widths[inj]), 12)
+        for row in rows:
+            row[inj], row[rep] = _clip(row[inj], widths[inj]), _clip(row[rep], widths[rep])
+        widths[inj] = max(len(headers[inj]), *(len(row[inj]) for row in rows))
+        widths[rep] = max(len(headers[rep]), *(len(row[rep]) for row in rows))
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in rows]
     return "\n".join(line.rstrip() for line in out)
