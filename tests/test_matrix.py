@@ -210,11 +210,35 @@ def test_steps_to_verdict_counts_from_the_fault_onset_to_the_first_verdict_at_or
 
     onset = [{"kind": "bitflip", "rank": 9, "surface": "x", "schedule": {"start": 4, "stop": None}}]
     early = dict(_record("sdc", "rank", [3]), step=2)  # before the fault: not its verdict
-    named = [early, dict(_record("sdc", "rank", [9]), step=6), dict(_record("sdc", "rank", [9]), step=7),
+    wrong = dict(_record("sdc", "rank", [4]), step=5)  # a wrong rank: a false positive, not a detection
+    named = [early, wrong, dict(_record("sdc", "rank", [9]), step=6), dict(_record("sdc", "rank", [9]), step=7),
              {"kind": "decision", "scope": "verified", "ranks": [], "step": 4}]
     report = CellReport(name="c", verdict="PASS", world_size=16, injected=onset, reported=named)
     assert steps_to_verdict(report) == 2
     assert steps_to_verdict(CellReport(name="c", verdict="PASS", world_size=16, injected=onset, reported=[])) is None
     assert steps_to_verdict(CellReport(name="c", verdict="PASS", world_size=16, injected=[], reported=named)) is None
     summary = matrix_summary({"c": _spec("c", "ddp", "sdc")}, [report])
-    assert "| sdc | 1/1 | 1/1 | sdc/rank | 2 | 1 |" in summary  # steps 2; the early record is a false positive
+    assert "| sdc | 1/1 | 1/1 | sdc/rank | 2 | 2 |" in summary  # steps 2; the early and the wrong are false positives
+
+
+def test_a_handler_a_framework_keeps_on_stdout_still_writes_in_the_next_cell(tmp_path):
+    """DeepSpeed's logger keeps a StreamHandler on the sys.stdout it saw at import, which happens inside the first
+    cell's capture: the next cell's output must still reach its own log, not a closed file."""
+    import subprocess
+    import sys
+
+    script = f'''
+import logging, sys
+from pathlib import Path
+from scout_core.testing.cells import _output_to
+log = logging.getLogger("framework")
+with _output_to(Path({str(tmp_path / "a.log")!r})):
+    log.addHandler(logging.StreamHandler(sys.stdout))
+    log.warning("first cell")
+with _output_to(Path({str(tmp_path / "b.log")!r})):
+    log.warning("second cell")
+'''
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "first cell" in (tmp_path / "a.log").read_text()
+    assert (tmp_path / "b.log").read_text() == "second cell\n"  # not a "--- Logging error ---" about a closed file

@@ -225,23 +225,39 @@ OUTPUT_TAIL_LINES = 40
 @contextlib.contextmanager
 def _output_to(path: Path) -> Iterator[None]:
     """Point this process's stdout and stderr at ``path`` for the duration: file descriptors 1 and 2, which the
-    ranks forked meanwhile and any process they start inherit, and ``sys.stdout`` / ``sys.stderr``, which may not
-    write through them (a caller's own capture)."""
+    ranks forked meanwhile and any process they start inherit. ``sys.stdout`` / ``sys.stderr`` normally write
+    through them and stay as they are: a framework imported during the cell keeps a handler on them (DeepSpeed's
+    logger does), and it must still write, to the next cell's log, once this one's file is closed. Only a stream
+    that bypasses the descriptor (a caller's own capture, as pytest's) is swapped for the cell's duration."""
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = (os.dup(1), os.dup(2))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    saved = (os.dup(1), os.dup(2))
     try:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-        with open(os.dup(fd), "w", buffering=1) as log, contextlib.redirect_stdout(log), \
-                contextlib.redirect_stderr(log):
+        with contextlib.ExitStack() as stack:
+            bypassing = [name for name, number in (("stdout", 1), ("stderr", 2))
+                         if _descriptor(getattr(sys, name)) != number]
+            if bypassing:
+                log = stack.enter_context(open(os.dup(fd), "w", buffering=1))
+                for name in bypassing:
+                    stack.enter_context(getattr(contextlib, f"redirect_{name}")(log))
             yield
     finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for f in (fd, *saved):
             os.close(f)
+
+
+def _descriptor(stream: Any) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _tail(path: Path, lines: int) -> str:

@@ -45,21 +45,24 @@ def time_to_verdict(report: CellReport) -> float | None:
     return min(times) if times else None
 
 
-def steps_to_verdict(report: CellReport) -> int | None:
-    """Training steps from the first injected fault's onset to the first verdict at or after it (0: named in the
-    step the fault began), where both carry a step: every replay and hang cell, not only those that time it."""
+def steps_to_verdict(report: CellReport, spec: CellSpec | None = None) -> int | None:
+    """Training steps from the first injected fault's onset to the first verdict at or after it that names the
+    ranks the faults touched (0: named in the step the fault began; a verdict on a wrong rank is a false positive,
+    not a detection), where both carry a step: every replay and hang cell, not only those that time it."""
     starts = [f["schedule"]["start"] for f in report.injected
               if isinstance(f.get("schedule"), dict) and f["schedule"].get("start") is not None]
     if not starts:
         return None
     onset = min(starts)
+    wrong = false_positives(report, spec)
     steps = [r["step"] for r in report.reported
-             if r.get("kind") in VERDICT_KINDS and isinstance(r.get("step"), int) and r["step"] >= onset]
+             if r.get("kind") in VERDICT_KINDS and isinstance(r.get("step"), int) and r["step"] >= onset
+             and not any(r is w for w in wrong)]
     return min(steps) - onset if steps else None
 
 
-def _steps_text(reports: Sequence[CellReport]) -> str:
-    steps = sorted(s for r in reports if (s := steps_to_verdict(r)) is not None)
+def _steps_text(reports: Sequence[CellReport], specs: Mapping[str, CellSpec]) -> str:
+    steps = sorted(s for r in reports if (s := steps_to_verdict(r, specs.get(r.name))) is not None)
     if not steps:
         return "-"
     return str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
@@ -95,7 +98,7 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
         passed = sum(r.verdict == "PASS" for r in runs)
         fps = sum(len(false_positives(r, specs.get(r.name))) for r in runs)
         lines.append(f"| {fault.replace('_', ' ')} | " + " | ".join(cols)
-                     + f" | {passed}/{len(runs)} | {_named(runs)} | {_steps_text(runs)} | {fps} |")
+                     + f" | {passed}/{len(runs)} | {_named(runs)} | {_steps_text(runs, specs)} | {fps} |")
     total = sum(r.verdict == "PASS" for _, r in placed)
     lines += ["", f"{total} of {len(placed)} cells passed; `-`: no cell of that layout and fault class. Steps to "
               "verdict: from the fault's first step to the step of the first verdict, over the cells (a recovery "
@@ -152,7 +155,7 @@ def matrix_plot(specs: Mapping[str, CellSpec], reports: Sequence[CellReport], pa
     counts: dict[tuple[int, int, bool], int] = {}  # cells at one (class, steps): one marker, labelled how many
     for i, fault in enumerate(faults):
         for p, r in placed:
-            n = steps_to_verdict(r)
+            n = steps_to_verdict(r, specs.get(r.name))
             if p.fault == fault and n is not None:
                 key = (i, n, r.verdict == "PASS")
                 counts[key] = counts.get(key, 0) + 1
