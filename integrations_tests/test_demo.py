@@ -21,4 +21,6 @@ def test_the_demo_tells_the_whole_story(tmp_path):
     assert run.returncode == 0, tail
     assert "restart 1: restored the verified checkpoint of step 30" in run.stdout
     assert "sdc   rank   3" in run.stdout and "Machines to drain: node0" in run.stdout
-    assert (out / "report.html").read_text().count("<circle") == 1
+    page = (out / "report.html").read_text()
+    assert page.count("<circle") == 1
+    assert page.count("<rect") == 4 and page.count('stroke="#000"') == 1  # the SDC check's round, rank 3 outlined

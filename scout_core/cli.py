@@ -12,24 +12,31 @@ from typing import TextIO
 __all__ = ["main"]
 
 
-def _read_records(paths: Sequence[str], command: str) -> list | None:
-    """Every record of ``paths``, or None after saying on stderr which file or line is wrong."""
+def _read_records(paths: Sequence[str], command: str) -> tuple[list, int] | None:
+    """Every readable record of ``paths`` and how many bad lines were skipped (each named on stderr with its
+    file and line), or None after saying on stderr which file cannot be read."""
     from scout_core.report import read_incidents
+
+    bad = [0]
 
     def truncated(message: str) -> None:
         print(f"scout {command}: warning: {message}", file=sys.stderr)
 
+    def skipped(message: str) -> None:  # RecordError names the file and line
+        bad[0] += 1
+        print(f"scout {command}: {message}; the line was skipped", file=sys.stderr)
+
     incidents = []
     for path in paths:
         try:
-            incidents += read_incidents(path, on_truncated=truncated)
+            incidents += read_incidents(path, on_truncated=truncated, on_bad=skipped)
         except FileNotFoundError:
             print(f"scout {command}: {path}: no such file", file=sys.stderr)
             return None
-        except (OSError, ValueError) as exc:  # RecordError names the file and line
-            print(f"scout {command}: {exc}", file=sys.stderr)
+        except (OSError, ValueError) as exc:
+            print(f"scout {command}: {path}: {exc}", file=sys.stderr)
             return None
-    return incidents
+    return incidents, bad[0]
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -37,16 +44,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     from scout_core.report import format_table
 
-    incidents = _read_records([args.path], "report")
-    if incidents is None:
+    read = _read_records([args.path], "report")
+    if read is None:
         return 2
+    incidents, bad = read
     if args.kind:
         incidents = [i for i in incidents if i.kind.value in args.kind]
     if args.html:
-        return _write_html(args, incidents)
+        return _write_html(args, incidents) or (1 if bad else 0)
     width = None if args.wide else shutil.get_terminal_size((160, 24)).columns
     print(format_table(incidents, width=width, group=not args.every))
-    return 0
+    return 1 if bad else 0
 
 
 def _write_html(args: argparse.Namespace, incidents: list) -> int:
@@ -72,9 +80,13 @@ def _write_html(args: argparse.Namespace, incidents: list) -> int:
         return 2
     page = render_html(incidents, decisions=decisions, source=os.path.abspath(args.path))
     tmp = f"{args.html}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(page)
-    os.replace(tmp, args.html)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(page)
+        os.replace(tmp, args.html)
+    except OSError as exc:
+        print(f"scout report: cannot write {args.html}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"wrote {args.html} ({len(incidents)} records, {len(decisions)} decisions)")
     return 0
 
@@ -82,12 +94,13 @@ def _write_html(args: argparse.Namespace, incidents: list) -> int:
 def _cmd_hosts_to_exclude(args: argparse.Namespace) -> int:
     from scout_core.report import hosts_to_exclude
 
-    incidents = _read_records(args.paths, "hosts-to-exclude")
-    if incidents is None:
+    read = _read_records(args.paths, "hosts-to-exclude")
+    if read is None:
         return 2
-    for host in hosts_to_exclude(incidents):
+    incidents, bad = read
+    for host in hosts_to_exclude(incidents):  # the machines the readable records name, even past a bad line
         print(host)
-    return 0
+    return 1 if bad else 0
 
 
 PLUGIN_GROUP = "scout.plugins"

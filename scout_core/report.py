@@ -113,6 +113,8 @@ class Incident:
             self.ranks = [operator.index(r) for r in self.ranks]  # ints of any kind (numpy's too), never 1.5
         except TypeError:
             raise ValueError(f"ranks must be a list of rank numbers, got {self.ranks!r}") from None
+        if any(r < 0 for r in self.ranks):
+            raise ValueError(f"ranks must be a list of rank numbers (0 or more), got {self.ranks!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -269,12 +271,14 @@ def parse_incident(line: str, where: str = "record") -> Incident:
 
 
 def read_incidents(path: str | os.PathLike[str], *,
-                   on_truncated: Callable[[str], None] | None = None) -> Iterator[Incident]:
+                   on_truncated: Callable[[str], None] | None = None,
+                   on_bad: Callable[[str], None] | None = None) -> Iterator[Incident]:
     """Parse a JSON-lines incident file.
 
     A final line without its newline that does not parse is a writer killed mid-record (whole-line writes
     make this rare): it is skipped, and ``on_truncated`` hears about it with its line number. Any other bad
-    line raises :class:`RecordError` naming the file and line."""
+    line raises :class:`RecordError` naming the file and line, or, with ``on_bad``, is skipped and named to
+    it (a torn append in a file several machines write must not hide the records around it)."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         text = fh.read()
     lines = text.split("\n")
@@ -289,7 +293,9 @@ def read_incidents(path: str | os.PathLike[str], *,
                 if on_truncated is not None:
                     on_truncated(f"{where}: a truncated last record was skipped ({exc})")
                 continue
-            raise
+            if on_bad is None:
+                raise
+            on_bad(str(exc))
 
 
 def ranks_text(ranks: Sequence[int]) -> str:

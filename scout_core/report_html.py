@@ -38,19 +38,34 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+def _when(t: Any) -> str:
+    """A record's time, or "-" for one the clock cannot show (decision records are not validated as incidents
+    are: a hand-edited or foreign line may carry anything)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(t)))
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "-"
+
+
+def _timed_surfaces(inc: Incident) -> list[tuple[str, Any, bool]]:
+    """(surface, result, flags from the record's ranks): a timing verdict's compared timings (its own bitmap
+    flags), and the round's timings an SDC record keeps beside its signatures (the record's ranks are flagged)."""
+    evidence = inc.evidence if isinstance(inc.evidence, dict) else {}
+    out = []
+    for key, by_ranks in (("surfaces", False), ("timing", True)):
+        found = evidence.get(key)
+        if isinstance(found, dict):
+            out += [(str(name), res, by_ranks) for name, res in found.items()]
+    return out
 
 
 def timing_rounds(incidents: Iterable[Incident]) -> list[dict[str, Any]]:
     """The timing rounds the records carry: per record and timing surface (every peer's value a number), the
-    step, surface, each peer's time over the round's median, and the flagged peers."""
+    step, surface, each peer's time over the round's median, and the flagged peers (a timing verdict's outliers;
+    an SDC record's named ranks)."""
     rounds = []
     for inc in incidents:
-        surfaces = inc.evidence.get("surfaces") if isinstance(inc.evidence, dict) else None
-        if not isinstance(surfaces, dict):
-            continue
-        for name, res in surfaces.items():
+        for name, res, by_ranks in _timed_surfaces(inc):
             if not isinstance(res, dict) or not str(name).endswith("_s"):  # timings (replay.compute_s ...), never
                 continue  # signatures, which are numbers too
             values, peers, bitmap = res.get("evidence"), res.get("peer_ranks"), res.get("bitmap")
@@ -62,7 +77,8 @@ def timing_rounds(incidents: Iterable[Incident]) -> list[dict[str, Any]]:
             ordered = sorted(values)
             median = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1:
                                                                                  len(ordered) // 2 + 1]) / 2
-            flagged = {p for p, b in zip(peers, bitmap if isinstance(bitmap, list) else [], strict=False) if b}
+            flagged = ({p for p in peers if p in inc.ranks} if by_ranks else
+                       {p for p, b in zip(peers, bitmap if isinstance(bitmap, list) else [], strict=False) if b})
             rounds.append({"step": inc.step, "surface": str(name), "kind": inc.kind.value,
                            "ratio": {p: (v / median if median > 0 else 1.0) for p, v in zip(peers, values,
                                                                                             strict=True)},
@@ -116,8 +132,8 @@ def _heatmap(rounds: Sequence[dict[str, Any]]) -> str:
         note = f'<p class="muted">the latest {MAX_HEAT_ROUNDS} of {len(rounds)} rounds</p>'
         rounds = rounds[-MAX_HEAT_ROUNDS:]
     if not rounds:
-        return ('<p class="muted">no record carries per-rank timings (they come with straggler verdicts: each '
-                'keeps the round\'s time of every peer)</p>')
+        return ('<p class="muted">no record carries per-rank timings (straggler verdicts, and SDC verdicts of a '
+                'timed check, keep the round\'s time of every peer)</p>')
     ranks = sorted({p for r in rounds for p in r["ratio"]})
     cell, left, top = max(6, min(22, 1100 // max(len(ranks), 1))), 260, 30
     width, height = left + cell * len(ranks) + 10, top + cell * len(rounds) + 10
@@ -155,7 +171,7 @@ def _certification(decisions: Sequence[dict[str, Any]]) -> str:
         cert = d.get("certifier") if isinstance(d.get("certifier"), dict) else {}
         t = d.get("time_unix")
         rows.append("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in (
-            _when(t) if isinstance(t, (int, float)) and math.isfinite(t) else "-", d.get("record", "-"),
+            _when(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else "-", d.get("record", "-"),
             d.get("source", "-"), d.get("generation", "-"),
             " / ".join(str(cert.get(k, "-")) for k in ("latest", "candidate", "verified")),
             d.get("failure", "-"), d.get("binding", "-"), d.get("reason", ""))) + "</tr>")
@@ -199,8 +215,8 @@ def render_html(incidents: Sequence[Incident], *, decisions: Sequence[dict[str, 
          "machine-scoped straggler)</p>"),
         "<h2>Timeline</h2>", _timeline(incidents),
         "<h2>Replay timings per rank</h2>",
-        '<p class="muted">each row is a round a timing verdict was recorded in; colour: time over the round\'s '
-        "median (red slower, blue faster); outlined: the ranks the round flagged</p>",
+        '<p class="muted">each row is a round a verdict was recorded in; colour: replay time over the round\'s '
+        "median (red slower, blue faster); outlined: the ranks the record names</p>",
         _heatmap(timing_rounds(sdc_or_slow)),
         "<h2>Certification and retrieval</h2>", _certification(decisions),
         "<h2>Incidents</h2>", "<table>" + "".join(table_rows) + "</table>",

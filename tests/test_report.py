@@ -155,15 +155,20 @@ def test_empty_table():
     ('{"kind": "sdc", "scope": "rank", "ranks": [1], "time_unix": 1e300}', "time_unix must be a Unix time"),
     ('{"kind": "sdc", "scope": "rank", "ranks": [1], "time_to_verdict_s": "1"}', "time_to_verdict_s must be"),
     ('{"kind": "sdc", "scope": "rank", "ranks": [true]}', "ranks must be a list of rank numbers"),
+    ('{"kind": "sdc", "scope": "rank", "ranks": [-5]}', "ranks must be a list of rank numbers (0 or more)"),
 ])
 def test_scout_report_names_the_bad_line_without_a_traceback(tmp_path, capsys, line, message):
+    """The bad line is named and skipped; the records around it still count (exit status 1: something was
+    skipped). A torn append must not hide a machine to drain."""
     path = tmp_path / "i.jsonl"
-    path.write_text(_incident().to_json() + "\n" + line + "\n" + _incident().to_json() + "\n")
-    assert main(["report", str(path)]) == 2
-    err = capsys.readouterr().err
-    assert f"{path}:2: " in err and message in err and "Traceback" not in err
-    assert main(["hosts-to-exclude", str(path)]) == 2
-    assert f"{path}:2: " in capsys.readouterr().err
+    path.write_text(_incident().to_json() + "\n" + line + "\n" + _incident(hosts=["node2"]).to_json() + "\n")
+    assert main(["report", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert f"{path}:2: " in err and message in err and "skipped" in err and "Traceback" not in err
+    assert "node1" in out and "node2" in out
+    assert main(["hosts-to-exclude", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out.split() == ["node1", "node2"] and f"{path}:2: " in err
 
 
 def test_a_truncated_last_record_is_reported_with_its_line(tmp_path, capsys):

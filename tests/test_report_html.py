@@ -31,7 +31,9 @@ def _records(t0: float = 1_764_000_000.0) -> list[Incident]:
         Incident(kind="sdc", scope="rank", ranks=[9], hosts=["node1"], step=5, surface=f"layers.1.x1.output{HOSTILE}",
                  evidence={"surfaces": {"layers.1.x1.output": {  # signatures are numbers, never timings
                      "status": "attributed", "bitmap": [0, 1], "evidence": [11400714819323199225, 42],
-                     "peer_ranks": [8, 9]}}},
+                     "peer_ranks": [8, 9]}},
+                     # the check's round of timings, kept beside the signatures: nobody slow, rank 9 named
+                     "timing": {"replay.compute_s": _timing([0.010] * 16, -1)["surfaces"]["replay.compute_s"]}},
                  reason=f"signature differs {HOSTILE}", run_id="job-7", time_unix=t0),
         Incident(kind="sdc", scope="rank", ranks=[9], hosts=["node1"], step=8, surface="layers.1.x1.output",
                  reason="signature differs", run_id="job-7", time_unix=t0 + 30),
@@ -57,14 +59,17 @@ def test_the_page_shows_every_part_and_escapes_every_record_string():
     for part in ("Timeline", "Replay timings per rank", "Certification and retrieval", "Machines to drain"):
         assert f"<h2>{part}</h2>" in page
     assert page.count("<circle") == 4  # one marker per record on the timeline
-    assert page.count('stroke="#000"') == 1  # rank 9 outlined in its flagged round
+    assert page.count('stroke="#000"') == 2  # rank 9 outlined in the SDC check's round and its slow round
+    assert page.count("<rect") == 32
     assert "<p>node1</p>" in page  # the SDC's machine is the one to drain; the hang's is not
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
 
 
 def test_timing_rounds_read_only_numeric_peer_timings():
     rounds = timing_rounds(_records())
-    assert len(rounds) == 1 and rounds[0]["flagged"] == {9} and round(rounds[0]["ratio"][9], 2) == 3.1
+    assert [r["kind"] for r in rounds] == ["sdc", "straggler"]
+    assert rounds[0]["flagged"] == {9} and rounds[0]["ratio"][9] == 1.0  # the SDC record names rank 9
+    assert rounds[1]["flagged"] == {9} and round(rounds[1]["ratio"][9], 2) == 3.1
 
 
 def test_scout_report_html_writes_the_page_with_the_decisions_beside_it(tmp_path, capsys):
@@ -102,10 +107,17 @@ def test_the_page_renders_in_headless_chromium(tmp_path):
     dom = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "SCOUT render check" in dom.stdout and dom.stdout.count("<circle") == 4
+    assert dom.stdout.count("<rect") == 32  # the heatmap's two rounds of 16 ranks
     assert "<script" not in dom.stdout  # the hostile strings stayed text after parsing
     run = subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1400,1600", page.as_uri()],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", run.stderr[-2000:]
+    from matplotlib.image import imread  # the bench extra, installed with the tests
+
+    pixels = imread(shot)[..., :3]
+    assert pixels.std() > 0.05, "a blank page"
+    sdc_red = (abs(pixels - [0xD6 / 255, 0x27 / 255, 0x28 / 255]).max(axis=-1) < 0.05).sum()
+    assert sdc_red > 20, "the timeline's SDC markers were not drawn"
     keep = os.environ.get("SCOUT_SCREENSHOT_DIR")
     if keep:  # for a person to look at
         shutil.copy(shot, Path(keep) / "report.png")

@@ -719,6 +719,9 @@ class ReplayEngine:
         if timing is None:  # no timing round in this check
             self._report(incidents)
             return incidents
+        for inc in incidents:  # the round's replay time of every peer, for the report's per-rank heatmap
+            if inc.kind is IncidentKind.SDC:
+                inc.evidence["timing"] = {timing.surface: timing.to_dict()}
         new = tuple(r for r in timing.outlier_ranks if r in self.confirm.newly)
         if new:
             straggler = self._incident(
