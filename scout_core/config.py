@@ -241,8 +241,9 @@ class PrometheusConfig:
     """Address the endpoint binds to: loopback by default (a scraper or node agent on the same machine);
     ``0.0.0.0`` exposes the job's state to the network."""
     textfile_dir: str = ""
-    """A node exporter's textfile-collector directory: each rank rewrites ``scout_rank<R>.prom`` there
-    (atomically, at most every ``textfile_interval_s``). Empty: none."""
+    """A node exporter's textfile-collector directory: each rank rewrites ``scout_<job>_rank<R>.prom`` there
+    (atomically, at most every ``textfile_interval_s``; ``<job>``: ``report.run_id``, else the Slurm / torchrun
+    job id, so a restart rewrites the same files). Empty: none."""
     textfile_interval_s: float = _range(15.0, gt=0)
     """Least seconds between two rewrites of the textfile."""
 

@@ -362,6 +362,8 @@ class ScoutHandle:
             self.stopped = True
             if self.tracker is not None:  # a deliberate end: the observer need not answer for a dead trainer
                 self.tracker.mark(Phase.CLOSED)
+            if self.metrics is not None:  # the verdict stays readable; no stall alert for a job that stopped
+                self.metrics.stopped()
             raise ScoutStop(self._stop_code)
 
     def _caller_state(self) -> dict[str, Any]:

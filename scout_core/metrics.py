@@ -15,6 +15,7 @@ a failure inside never reaches training (the boundary logs it once and goes on).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any
 from scout_core.config import PrometheusConfig
 from scout_core.report import Incident, IncidentKind, IncidentScope
 
-__all__ = ["LOCAL_RANK_ENV", "ScoutMetrics", "local_rank", "start_metrics"]
+__all__ = ["JOB_ID_ENV", "LOCAL_RANK_ENV", "ScoutMetrics", "job_name", "local_rank", "start_metrics"]
 
 _log = logging.getLogger("scout")
 
@@ -90,11 +91,15 @@ class ScoutMetrics:
                                    "Unix time of this rank's last step boundary (stops moving when training stalls)",
                                    ["rank"], registry=reg)
         self.step = Gauge("scout_step", "The optimizer step of the last boundary", ["rank"], registry=reg)
+        self.running = Gauge("scout_running", "1 while this rank trains with SCOUT on; 0 once it stopped (a "
+                             "verdict's stop, an exit): a stall alert reads only running ranks", ["rank"],
+                             registry=reg)
+        self.running.labels(self.rank).set(1)
         self._start = time.time()
         self._last_clean: float | None = None
         self._verified: int | None = None
         self._counted: Any = None
-        self._run_id = ""
+        self._job = ""
         self._last_textfile = 0.0
         self._failed = False
         self.server: Any = None
@@ -114,12 +119,15 @@ class ScoutMetrics:
         for state in CERT_STATES:
             self.cert_step.labels(self.rank, state).set(-1)
 
-    def describe(self, *, run_id: str, host: str) -> None:
-        """What the start-up exchange decided: the run id and this rank's machine (``scout_info``)."""
+    def describe(self, *, run_id: str, host: str, configured_run_id: bool = False) -> None:
+        """What the start-up exchange decided: the run id and this rank's machine (``scout_info``). The textfile
+        is named after the job (:func:`job_name`), so a restart of the job rewrites its files, never adds more."""
         from scout_core import __version__
 
-        self._run_id = run_id
+        self._job = job_name(run_id, configured=configured_run_id)
         self.info.labels(self.rank).info({"run_id": run_id, "host": host, "version": __version__})
+        if self.cfg.textfile_dir:
+            atexit.register(self._at_exit)
 
     # -- the sink and the boundary (trainer thread) ---------------------------------------------------------
 
@@ -181,9 +189,23 @@ class ScoutMetrics:
 
     @property
     def textfile_path(self) -> str:
-        """One file per job and rank (two jobs on one machine never share one)."""
-        run = f"{self._run_id}_" if self._run_id else ""
-        return os.path.join(self.cfg.textfile_dir, f"scout_{run}rank{self.rank}.prom")
+        """One file per job and rank (two jobs on one machine never share one; a job's restarts share it)."""
+        job = f"{self._job}_" if self._job else ""
+        return os.path.join(self.cfg.textfile_dir, f"scout_{job}rank{self.rank}.prom")
+
+    def stopped(self) -> None:
+        """This rank stops training (a verdict's stop, or the process exits without :meth:`close`): the last
+        textfile says so (``scout_running`` 0) and keeps the counts, the verdict that stopped the job included,
+        for the scrape to read; the job's next launch rewrites it. Never raises."""
+        try:
+            self.running.labels(self.rank).set(0)
+            if self.cfg.textfile_dir and self._job:
+                self.write_textfile()
+        except Exception as exc:  # noqa: BLE001 - on the way out: a metrics failure must not mask the stop
+            _log.warning("SCOUT metrics: the final textfile was not written: %s", exc)
+
+    def _at_exit(self) -> None:  # the process ends without close(): a stop, an exception, sys.exit
+        self.stopped()
 
     def write_textfile(self) -> None:
         """Rewrite this rank's textfile atomically (node exporter reads whole files only)."""
@@ -209,8 +231,26 @@ class ScoutMetrics:
             self.server.server_close()
             self.server = None
         if self.cfg.textfile_dir:
+            atexit.unregister(self._at_exit)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.textfile_path)
+
+
+JOB_ID_ENV = {"SLURM_JOB_ID": "slurm", "TORCHELASTIC_RUN_ID": "torchrun", "PBS_JOBID": "pbs", "LSB_JOBID": "lsf"}
+"""Where a job's id is found when ``report.run_id`` is not set (the same in every launch of the job: Slurm's
+job, torchrun's rendezvous id, PBS, LSF), and the prefix its files get; SCOUT's own run id is new at every
+launch."""
+
+
+def job_name(run_id: str, *, configured: bool = False) -> str:
+    """The name a job's textfiles carry: ``report.run_id`` where the user set it, else the scheduler's or
+    torchrun's job id, else the run id (then each launch writes files of its own)."""
+    if not configured:
+        for env, prefix in JOB_ID_ENV.items():
+            value = os.environ.get(env, "")
+            if value and value != "none":  # "none": torchrun's --rdzv-id default, the same for every job
+                return "".join(c if c.isalnum() or c in "-." else "-" for c in f"{prefix}-{value}")
+    return run_id
 
 
 def start_metrics(cfg: PrometheusConfig, *, rank: int) -> ScoutMetrics | None:

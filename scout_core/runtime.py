@@ -185,7 +185,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         if cfg.report.jsonl_path:
             sinks.append(JsonlSink(cfg.report.jsonl_path, fsync=cfg.report.fsync))
         if metrics is not None:
-            metrics.describe(run_id=run_id, host=hosts[rank])
+            metrics.describe(run_id=run_id, host=hosts[rank], configured_run_id=bool(cfg.report.run_id))
             sinks.append(metrics)
         reporter = Reporter(sinks, run_id=run_id, rank=rank)
     except BaseException:

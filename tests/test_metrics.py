@@ -150,3 +150,56 @@ def test_the_documented_dashboard_and_alerts_read_metrics_that_exist():
     exprs.append((docs / "metrics.md").read_text())
     named = {m for e in exprs for m in re.findall(r"\b(scout_[a-z_]+)", e)} - {"scout_rank"}  # the textfile
     assert named and named <= exported, named - exported
+
+
+def test_the_textfile_is_named_after_the_job_so_a_restart_rewrites_it(monkeypatch):
+    from scout_core.metrics import job_name
+
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "PBS_JOBID", "LSB_JOBID"):
+        monkeypatch.delenv(name, raising=False)
+    assert job_name("a1b2") == "a1b2"  # nothing stable: each launch its own files
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default rendezvous id names no job
+    assert job_name("a1b2") == "a1b2"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/7")
+    assert job_name("a1b2") == "torchrun-job-7" and job_name("c3d4") == "torchrun-job-7"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert job_name("a1b2") == "slurm-4242"
+    assert job_name("mine", configured=True) == "mine"  # report.run_id set by the user wins
+
+
+_EXIT_WITHOUT_CLOSE = '''
+import sys
+from scout_core.config import PrometheusConfig
+from scout_core.metrics import ScoutMetrics
+from scout_core.report import Incident
+m = ScoutMetrics(PrometheusConfig(textfile_dir=sys.argv[1]), rank=3)
+m.describe(run_id="r1", host="h")
+m.emit(Incident(kind="sdc", scope="rank", ranks=[5], hosts=["h"], step=4, reason="x"))
+raise SystemExit(75)  # a verdict's stop that never reached close()
+'''
+
+
+def test_a_rank_that_exits_without_close_leaves_a_textfile_that_says_it_stopped(tmp_path, monkeypatch):
+    """The verdict that stopped the job stays readable, and scout_running 0 keeps a stall alert quiet; close()
+    (a clean end) removes the file."""
+    import subprocess
+    import sys
+
+    from scout_core.config import PrometheusConfig
+    from scout_core.metrics import ScoutMetrics
+
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
+    run = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 75, run.stderr
+    text = (tmp_path / "scout_r1_rank3.prom").read_text()
+    assert 'scout_running{rank="3"} 0.0' in text
+    assert 'scout_incidents_total{kind="sdc",rank="3",scope="rank"} 1.0' in text
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    metrics = ScoutMetrics(PrometheusConfig(textfile_dir=str(tmp_path)), rank=3)
+    metrics.describe(run_id="r1", host="h")  # the job's next launch: the same file
+    metrics.write_textfile()
+    assert 'scout_running{rank="3"} 1.0' in (tmp_path / "scout_r1_rank3.prom").read_text()
+    metrics.close()
+    assert not (tmp_path / "scout_r1_rank3.prom").exists()
