@@ -24,21 +24,12 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and property tests, the torchrun tests and the cells of fewer than 16 ranks (the guards run in
-    ``nox -s guards``); then the whole fault matrix (every 16-rank cell, runs/matrix.{json,md,png}); then the
-    plugins' tests. ``nox -s tests -- ARGS``
-    passes ARGS to the first pytest run only and skips the matrix."""
+    """docker/test.sh (what CI and docker/Dockerfile.cpu run): unit and property tests, the torchrun tests and the
+    cells of fewer than 16 ranks (the guards run in ``nox -s guards``); then the whole fault matrix (every
+    16-rank cell, runs/matrix.{json,md,png}); then the plugins' tests. ``nox -s tests -- ARGS`` passes ARGS to
+    the first pytest run only and skips the rest."""
     _install(session, "dev,bench", frameworks=True)
-    session.run("python", "-m", "pytest", "-m", "not cells and not matrix and not guards", "-q", "--durations=40",
-                *session.posargs, env={"OMP_NUM_THREADS": "1"})
-    if not session.posargs:
-        session.run("scout", "cells", "matrix", "--out", "runs", "--workdir", "runs/cells",
-                    env={"OMP_NUM_THREADS": "1"})
-    # The plugins' tests in processes of their own (their tests import the frameworks at module level). The
-    # first pytest run above imports them into its parent too, once its plugin cells have run: the core cells
-    # before them fork from a parent without them; the matrix runs the core cells first for the same reason.
-    for plugin in ("scout-torchtitan", "scout-megatron", "scout-deepspeed"):
-        session.run("python", "-m", "pytest", "-q", f"plugins/{plugin}/tests", env={"OMP_NUM_THREADS": "1"})
+    session.run("bash", str(ROOT / "docker" / "test.sh"), *session.posargs, external=True)
 
 
 @nox.session

@@ -32,6 +32,19 @@ def test_both_images_install_through_the_script():
                        for s, a in steps if s == "RUN"), f"{name}: torch installed without the pin"
 
 
+def test_the_cpu_image_runs_what_ci_runs():
+    """One test script: nox's tests session (CI) and the CPU image's command both run docker/test.sh, and the
+    image has the browser the render test requires there."""
+    steps = _instructions(ROOT / "docker" / "Dockerfile.cpu")
+    assert ("CMD", '["bash", "docker/test.sh"]') in steps
+    assert any(s == "ENV" and "SCOUT_REQUIRE_BROWSER=1" in a for s, a in steps)
+    assert any(s == "RUN" and "chromium" in a for s, a in steps)
+    tests_session = (ROOT / "noxfile.py").read_text().split("def tests(")[1].split("@nox.session")[0]
+    assert 'ROOT / "docker" / "test.sh"' in tests_session and "pytest" not in tests_session.split('"""')[-1]
+    script = (ROOT / "docker" / "test.sh").read_text()
+    assert '-m "not cells and not matrix and not guards"' in script and "scout cells matrix" in script
+
+
 def test_ci_runs_the_install_script_in_a_fresh_environment():
     noxfile = (ROOT / "noxfile.py").read_text()
     assert 'ROOT / "docker" / "install.sh"' in noxfile and "frameworks=True" in noxfile

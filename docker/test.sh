@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test suite CI runs, in the active Python environment (installed by docker/install.sh): what `nox -s tests`
+# runs in its virtual environment and what docker/Dockerfile.cpu runs in the image. One definition for both.
+#
+#   docker/test.sh            unit and property tests, the torchrun tests, the cells of fewer than 16 ranks; then
+#                             the whole fault matrix (runs/matrix.{json,md,png}); then the plugins' tests
+#   docker/test.sh ARGS...    the first pytest run only, with ARGS
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export OMP_NUM_THREADS=1
+
+python -m pytest -m "not cells and not matrix and not guards" -q --durations=40 "$@"
+[ $# -eq 0 ] || exit 0
+scout cells matrix --out runs --workdir runs/cells
+# The plugins' tests in processes of their own (their tests import the frameworks at module level). The first
+# pytest run above imports them into its parent too, once its plugin cells have run: the core cells before them
+# fork from a parent without them; the matrix runs the core cells first for the same reason.
+for plugin in scout-torchtitan scout-megatron scout-deepspeed; do
+  python -m pytest -q "plugins/$plugin/tests"
+done
