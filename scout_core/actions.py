@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from scout_core.config import ScoutConfig
-from scout_core.report import Incident, IncidentKind, IncidentScope
+from scout_core.report import Incident, IncidentKind, IncidentScope, drains_machine
 
 __all__ = ["ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions", "verdict_summary"]
 
@@ -65,6 +65,9 @@ def actionable(incidents: Iterable[Incident]) -> list[Incident]:
 def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Merge rank- and machine-scoped verdicts into the hosts file; fsync'ed, atomic. Returns its content.
 
+    ``hosts`` / ``ranks``: what the job's restart leaves out (every rank- or machine-scoped verdict: a hung or
+    stalled machine is not where to restart at once). ``drain``: the machines a scheduler should take out of
+    service, the same as ``scout hosts-to-exclude`` prints (:func:`~scout_core.report.drains_machine`).
     Group- and job-scoped verdicts name no culprit machine, so they exclude nothing
     (they are still listed under ``verdicts`` for the operator).
     """
@@ -75,6 +78,7 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
             current = json.load(fh)
     except (FileNotFoundError, json.JSONDecodeError):
         current = {"hosts": [], "ranks": [], "verdicts": []}
+    current.setdefault("drain", [])
     seen = {_key(v) for v in current["verdicts"]}
     for v in verdicts:
         if _key(v) in seen:
@@ -82,8 +86,11 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
         seen.add(_key(v))
         current["verdicts"].append(v)
         if v["scope"] in (IncidentScope.RANK.value, IncidentScope.MACHINE.value):
-            current["hosts"] = sorted(set(current["hosts"]) | {h for h in v["hosts"] if h and h != "?"})
+            named = {h for h in v["hosts"] if h and h != "?"}
+            current["hosts"] = sorted(set(current["hosts"]) | named)
             current["ranks"] = sorted(set(current["ranks"]) | set(v["ranks"]))
+            if drains_machine(v["kind"], v["scope"]):
+                current["drain"] = sorted(set(current["drain"]) | named)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     atomic_write(path, json.dumps(current, indent=1, sort_keys=True).encode())

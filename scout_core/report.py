@@ -398,14 +398,19 @@ def format_table(incidents: Sequence[Incident], *, width: int | None = 160, grou
     return "\n".join(line.rstrip() for line in lines)
 
 
+def drains_machine(kind: str, scope: str) -> bool:
+    """Whether a verdict of this kind and scope names machines to drain: silent data corruption on a rank or a
+    machine, and a straggler localized to a machine. A group-scoped verdict names no culprit; a hang, a stall
+    or a one-rank straggler is for a restart to clear or confirm (that restart leaves its machines out:
+    ``actions.exclude_hosts_path``'s ``hosts``)."""
+    return ((kind == IncidentKind.SDC.value and scope in (IncidentScope.RANK.value, IncidentScope.MACHINE.value))
+            or (kind == IncidentKind.STRAGGLER.value and scope == IncidentScope.MACHINE.value))
+
+
 def hosts_to_exclude(incidents: Iterable[Incident]) -> list[str]:
-    """Machines a scheduler should drain: those of silent data corruption named on a rank or a machine, and
-    of stragglers localized to a machine. A group-scoped verdict names no culprit; a hang or a one-rank
-    straggler is for a restart to clear or confirm (the restart's own exclusions are ``actions.exclude_hosts_path``)."""
+    """Machines a scheduler should drain (:func:`drains_machine`), sorted."""
     hosts: dict[str, None] = {}
     for inc in incidents:
-        sdc = inc.kind is IncidentKind.SDC and inc.scope in (IncidentScope.RANK, IncidentScope.MACHINE)
-        slow_machine = inc.kind is IncidentKind.STRAGGLER and inc.scope is IncidentScope.MACHINE
-        if sdc or slow_machine:
+        if drains_machine(inc.kind.value, inc.scope.value):
             hosts.update((h, None) for h in inc.hosts if h and h != "?")
     return sorted(hosts)

@@ -249,3 +249,18 @@ def test_scout_plugins_lists_each_plugin_and_why_one_is_unusable(monkeypatch, ca
                    "other: unusable: ImportError: scout-other supports other >=2; other 1.0 is installed"]
     monkeypatch.setattr(metadata, "entry_points", lambda group: [])
     assert cli.main(["plugins"]) == 0 and "no SCOUT plugins installed" in capsys.readouterr().out
+
+
+def test_the_restart_list_and_the_drain_list_agree_on_what_to_drain(tmp_path):
+    """exclude_hosts.json's ``drain`` is what ``scout hosts-to-exclude`` prints; its ``hosts`` also keep the
+    machines of a hang or stall, which the restart leaves out but a scheduler need not drain."""
+    from scout_core.actions import record_exclusions, verdict_summary
+    from scout_core.report import hosts_to_exclude
+
+    records = [_incident(hosts=["node1"]), _incident(kind="hang", ranks=[3], hosts=["node0"]),
+               _incident(kind="data_stall", ranks=[5], hosts=["node2"]),
+               _incident(kind="straggler", scope="machine", ranks=[8, 9], hosts=["node4", "node4"]),
+               _incident(kind="sdc", scope="peer_group", ranks=[0, 1], hosts=["node0", "node0"])]
+    current = record_exclusions(str(tmp_path / "exclude_hosts.json"), [verdict_summary(i) for i in records])
+    assert current["drain"] == hosts_to_exclude(records) == ["node1", "node4"]
+    assert current["hosts"] == ["node0", "node1", "node2", "node4"]

@@ -184,7 +184,7 @@ def test_log_action_keeps_training_and_writes_decision_and_hosts_to_exclude(tmp_
     assert [v["steps"] for v in result.values()] == [6] * 4  # log: training goes on
     assert {v["decision"] for v in result.values()} == {("verified", 4)}
     excluded = json.loads((tmp_path / "ckpt" / "exclude_hosts.json").read_text())
-    assert excluded["hosts"] == ["host1"] and excluded["ranks"] == [2]
+    assert excluded["hosts"] == ["host1"] and excluded["ranks"] == [2] and excluded["drain"] == ["host1"]
     assert [v["kind"] for v in excluded["verdicts"]] == ["sdc"]
 
 
