@@ -129,6 +129,10 @@ class ScoutHandle:
         self.framework_checkpoints: FrameworkCheckpoints | None = None
         """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
         self._labels_certifier: Certifier | None = None  # certifies the framework's checkpoints alone
+        # A recovery verdict before the labels exist (their folder is known only at the first save): what the
+        # labels must start from (newer than this step is rejected; the failure the job stops for).
+        self._unlabelled_rejected_above: int | None = None
+        self._unlabelled_stopped_for: FailureKind | None = None
         self.stopped = False
         self.stop_on_verdict = config.actions.on_verdict == "stop"
         self.exit_code = config.actions.exit_code
@@ -507,13 +511,19 @@ class ScoutHandle:
         else:
             job, action = combine_evidence(local, self.groups.world_control), None
         verdict = job.sdc or job.inconclusive or job.straggler
+        failure = (FailureKind.SDC if job.sdc or job.inconclusive else FailureKind.STRAGGLER) if verdict else None
         if self.framework_checkpoints is not None and cert is not None:
-            failure = (FailureKind.SDC if job.sdc or job.inconclusive else FailureKind.STRAGGLER) if verdict else None
             try:
                 self.framework_checkpoints.on_boundary(result.step, action, cert,
                                                        failure=failure, stopping=self.stop_on_verdict)
             except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
                 self.guard.report(result.step, "checkpoint", exc, "framework checkpoint labels")
+        elif self._labels_certifier is not None and action is Action.RECOVER:  # no save yet: remembered
+            verified = -1 if cert is None or cert.verified is None else cert.verified
+            before = self._unlabelled_rejected_above
+            self._unlabelled_rejected_above = verified if before is None else min(before, verified)
+            if failure is not None and self.stop_on_verdict:
+                self._unlabelled_stopped_for = failure
         if verdict:
             self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
@@ -529,10 +539,21 @@ class ScoutHandle:
             _log.warning("SCOUT: replay is off, so nothing certifies the framework's checkpoints in %s: they are "
                          "not labelled and a restart loads what the framework chooses", folder)
             return None
-        if self.checkpoint is None and self._labels_certifier is None:
+        self.certify_framework_checkpoints()
+        labels = FrameworkCheckpoints(folder, writer=self.rank == 0)
+        if self._unlabelled_rejected_above is not None:  # a verdict came before the folder was known
+            labels.reject_above(self._unlabelled_rejected_above, stopped_for=self._unlabelled_stopped_for)
+        self.framework_checkpoints = labels
+        return labels
+
+    def certify_framework_checkpoints(self) -> None:
+        """Start certifying for the framework's checkpoints now, where their folder is known only at the first
+        save (DeepSpeed's ``save_checkpoint(save_dir)``): a verdict before that save must still reject what the
+        job saves after it, and nothing may be verified on evidence that began after the corruption spread.
+        :meth:`label_framework_checkpoints` calls it too. Nothing where SCOUT's own snapshots certify, or replay
+        is off."""
+        if self.replay is not None and self.checkpoint is None and self._labels_certifier is None:
             self._labels_certifier = self._new_certifier()
-        self.framework_checkpoints = FrameworkCheckpoints(folder, writer=self.rank == 0)
-        return self.framework_checkpoints
 
     def continue_from(self, step: int, *, verified: int | None, abandon_newer: bool = True) -> None:
         """The framework restored its own checkpoint of ``step`` (not one of SCOUT's snapshots): SCOUT's step

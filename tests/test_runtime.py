@@ -568,3 +568,42 @@ def test_replica_groups_must_be_unions_of_peer_groups_that_partition_the_ranks()
         _check_replica_groups([[0, 1], [2, 3]], peers, 4)
     with pytest.raises(ValueError, match="partition ranks 0..3"):
         _check_replica_groups([[0, 1, 2]], peers, 4)
+
+
+def _verdict_before_the_first_save(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import batches, install_block_faults, start_rank
+    from scout_core.config import load
+
+    a, injector, par, opt = start_rank(ctx)
+    state = {"step": 0}
+    install_block_faults(par, injector, ctx.rank, state)
+    cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
+                      "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=false",
+                      "report.log_level=ERROR", "actions.on_verdict=log"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    handle.certify_framework_checkpoints()  # what a plugin that learns the folder at the first save does
+    labels = None
+    for step, (x, y) in enumerate(batches(ctx.rank, 8), start=1):
+        state["step"] = step
+        torch.nn.functional.mse_loss(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 6:  # the framework's first save, after the verdict of step 2
+            labels = handle.label_framework_checkpoints(a["dir"])
+            labels.saved(step, os.path.join(a["dir"], f"global_step{step}"), handle.certifier)
+    handle.close()
+    return {s: e["label"] for s, e in labels.entries.items()}
+
+
+def test_a_verdict_before_the_first_framework_save_rejects_what_is_saved_after_it(tmp_path):
+    """A one-off bit flip at step 2 reaches every replica through the gradient all-reduce; the checks after it
+    agree again. A framework checkpoint saved at step 6 must not be verified by them (DeepSpeed learns its folder
+    only at the first save: the verdict came before the labels existed)."""
+    from scout_core.testing.inject import Fault
+
+    faults = [Fault.from_dict({"surface": "layers.1.output", "rank": 2, "kind": "bitflip", "bit": 22, "step": 2})]
+    result = launch(_verdict_before_the_first_save, 4, timeout_s=120,
+                    args={"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    assert [v for v in result.values()] == [{6: "rejected"}] * 4

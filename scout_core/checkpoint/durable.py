@@ -252,6 +252,17 @@ class FrameworkCheckpoints:
         if before != {k: v["label"] for k, v in self.entries.items()} or (failure is not None and stopping):
             self._write()
 
+    def reject_above(self, step: int, *, stopped_for: FailureKind | None = None) -> None:
+        """A recovery verdict came before these labels existed: everything newer than ``step`` (the newest
+        verified one then, -1: none) is rejected, and the restart follows ``stopped_for`` where the job stops."""
+        self._rejected_above = int(step) if self._rejected_above is None else min(self._rejected_above, int(step))
+        if stopped_for is not None:
+            self.stopped_for = FailureKind(stopped_for).value
+        for s, entry in self.entries.items():
+            if s > self._rejected_above and s != 0:
+                entry["label"] = "rejected"
+        self._write()
+
     def _relabel(self, certifier: Certifier) -> None:
         """Labels only rise (latest, candidate, verified) or fall to rejected: a restarted job's certifier
         starts empty, and must not take back what the run before it verified."""

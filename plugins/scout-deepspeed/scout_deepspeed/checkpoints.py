@@ -85,6 +85,9 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
     puts DeepSpeed's own methods back."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
     folders: dict[str, FrameworkCheckpoints | None] = {}
+    # The folder is known only at the first save_checkpoint; certification starts now, so an SDC verdict before
+    # that save still rejects what is saved after it (the corruption reached every replica by then).
+    handle.certify_framework_checkpoints()
 
     def labels_for(save_dir: str) -> FrameworkCheckpoints | None:
         key = os.path.realpath(save_dir)
