@@ -113,6 +113,9 @@ class FrameworkAdapter:
     moe: Any = None
     """A :class:`scout_core.moe.replay.MoEBinding` (MoE layers and the groups holding the same experts), or
     None: the expert recipe runs only with one."""
+    pinned: dict[str, str] = field(default_factory=dict)
+    """Live configuration keys the adapter fixed at attach, and why (``scout ctl set`` refuses them): e.g. the
+    optimizer check turned off for an optimizer replay cannot reproduce."""
 
     def __post_init__(self) -> None:
         if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):

@@ -441,6 +441,8 @@ class ScoutHandle:
             value = check_live(key, str(command.get("value", "")), self.config)
         except ControlError as exc:
             return "refused", str(exc)
+        if key in self.adapter.pinned:
+            return "refused", f"{key} was fixed when SCOUT attached to this job: {self.adapter.pinned[key]}"
         if key.startswith(("replay.", "consensus.")) and self.replay is None:
             return "refused", "replay is off in this job: nothing reads that key"
         if key == "replay.cadence.expert" and self.experts is None:

@@ -124,3 +124,18 @@ def test_every_rank_applies_the_commands_at_the_same_step(tmp_path):
     assert all(o["observers_see"] == ("stop", None) for o in out)  # not only rank 0's trainer
     assert "cannot change in a running job" in answers[1]["reason"]
     assert out[0]["gone"]  # the folder and its secret go with the job
+
+
+def test_a_key_the_framework_adapter_fixed_at_attach_is_refused():
+    """DeepSpeed's adapter turns the optimizer check off for an optimizer replay cannot reproduce: `scout ctl set`
+    must not turn it back on (each check would fail, or start a subprocess in the optimizer's constructor)."""
+    from types import SimpleNamespace
+
+    from scout_core.config import ScoutConfig
+    from scout_core.handle import ScoutHandle
+
+    fake = SimpleNamespace(config=ScoutConfig(), replay=object(), experts=None,
+                           adapter=SimpleNamespace(pinned={"replay.cadence.optimizer": "off: DeepSpeedCPUAdam"}))
+    status, reason = ScoutHandle._apply_command(fake, {"op": "set", "key": "replay.cadence.optimizer", "value": "1"})
+    assert status == "refused" and "fixed when SCOUT attached" in reason and "DeepSpeedCPUAdam" in reason
+    assert fake.config.replay.cadence.optimizer == ScoutConfig().replay.cadence.optimizer

@@ -186,6 +186,11 @@ def test_a_run_that_ended_normally_is_relaunched_from_its_newest_checkpoint(tmp_
     labels.ended()
     choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()
     assert (choice.step, choice.label) == (5, "latest")
+    again = FrameworkCheckpoints(str(tmp_path), writer=True)
+    again.restarted_from(5)  # a load is repeatable: a second job loading the folder (an evaluation) finds 5 too,
+    for _ in range(2):  # and so does a relaunch whose run failed before its first save
+        assert FrameworkCheckpoints(str(tmp_path), writer=False).choose().step == 5
+    labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     labels.saved(6, "", cert)  # the run goes on: an unexplained stop now goes back to the newest verified
     assert FrameworkCheckpoints(str(tmp_path), writer=False).choose().step == 2
 

@@ -279,9 +279,14 @@ class FrameworkCheckpoints:
     def ended(self) -> None:
         """The run ended normally (SCOUT closed after its last step, neither failing nor stopped by a verdict):
         a relaunch goes on from its newest checkpoint not rejected (a job's last save, at the end of its iterations,
-        a planned exit or a preemption's save, usually comes between two checks, unverified)."""
+        a planned exit or a preemption's save, usually comes between two checks, unverified). That checkpoint keeps
+        the mark (``ended``) through restarts: a second load of the folder, or a relaunch whose run fails before
+        its first save, still finds it."""
         if self.stopped_for is None:
             self.ended_normally = True
+            live = [s for s, e in self.entries.items() if e["label"] != "rejected"]
+            if live:
+                self.entries[max(live)]["ended"] = True
             self._write()
 
     # -- at restart -----------------------------------------------------------------------------------
@@ -292,7 +297,8 @@ class FrameworkCheckpoints:
         overrides the recorded one; ``exists(step)``: the checkpoint is still there (not purged, complete)."""
         kind = FailureKind(failure or self.stopped_for or FailureKind.OTHER)
         live = {s: e for s, e in self.entries.items() if e["label"] != "rejected" and exists(s)}
-        if failure is None and self.stopped_for is None and self.ended_normally and live:
+        if failure is None and self.stopped_for is None and live and (self.ended_normally
+                                                                      or live[max(live)].get("ended")):
             step = max(live)
             return LoadChoice(step, live[step]["label"], "none",
                               "the last run ended normally: its newest checkpoint not rejected")

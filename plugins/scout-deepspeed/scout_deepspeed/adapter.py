@@ -98,21 +98,70 @@ def _wrapper_steps(engine: Any, inner: list[torch.optim.Optimizer]) -> Any:
     return wrapper
 
 
-_REPLAYED_OPTIMIZERS = ("deepspeed.ops.adam.fused_adam.FusedAdam", "deepspeed.ops.lion.fused_lion.FusedLion")
-"""DeepSpeed's optimizers whose update optimizer replay reproduces on a slice (elementwise, their step count in
-the parameter group), beside torch's own."""
+_REPLAYED_OPTIMIZERS = frozenset({
+    *(f"torch.optim.{n}" for n in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
+                                   "Adadelta", "Rprop", "ASGD")),
+    "deepspeed.ops.adam.fused_adam.FusedAdam", "deepspeed.ops.lion.fused_lion.FusedLion"})
+"""The optimizers whose update optimizer replay reproduces on a slice: elementwise, every state a tensor of the
+parameter's shape or a count a fresh instance is given (torch's elementwise ones; DeepSpeed's fused Adam and
+Lion)."""
 
 
 def _unreplayable(opt: torch.optim.Optimizer) -> str | None:
     """Why optimizer replay cannot check ``opt`` (None: it can). Replay steps a fresh instance of the optimizer's
-    class on a slice: DeepSpeed's CPU optimizers (offload) keep their step count in C++ and compute the bias
-    correction otherwise than a fresh instance does (and start a subprocess in every constructor); LAMB's trust
-    ratio spans the whole tensor; the 1-bit optimizers communicate inside their step."""
+    class on a slice, so only the optimizers in ``_REPLAYED_OPTIMIZERS`` pass: DeepSpeed's CPU optimizers
+    (offload) keep their step count in C++ and compute the bias correction otherwise than a fresh instance does
+    (and start a subprocess in every constructor); LAMB's trust ratio and Adafactor's update scale span the whole
+    tensor; Muon orthogonalizes whole matrices (a slice makes it raise); the 1-bit optimizers communicate inside
+    their step; LBFGS needs a closure. A subclass is not the class it extends: it may change the update."""
     cls = type(opt)
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    if cls.__module__.startswith("torch.optim") or name in _REPLAYED_OPTIMIZERS:
+    names = {f"{cls.__module__}.{cls.__qualname__}", f"torch.optim.{cls.__qualname__}"
+             if cls.__module__.startswith("torch.optim.") and getattr(torch.optim, cls.__qualname__, None) is cls
+             else ""}
+    if names & _REPLAYED_OPTIMIZERS:
         return None
     return f"{cls.__qualname__} ({cls.__module__})"
+
+
+def _unsupported_layout(engine: Any) -> str | None:
+    """A parallel layout the adapter cannot diagnose safely (None: data parallelism, ZeRO, MoE). Under tensor
+    (an ``mpu``, AutoTP), sequence (Ulysses) or pipeline parallelism a replayed block runs collectives with
+    ranks in other peer groups, which replay here does not pair: the replay could leave them waiting."""
+    try:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError:  # pragma: no cover - another deepspeed layout
+        PipelineEngine = ()  # noqa: N806
+    if isinstance(engine, PipelineEngine):
+        return "pipeline parallelism (PipelineEngine)"
+    if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
+        return f"tensor parallelism (model-parallel size {engine.mp_world_size}: an mpu, or AutoTP)"
+    if int(getattr(engine, "sequence_parallel_size", 1) or 1) > 1:
+        return f"sequence parallelism (Ulysses, size {engine.sequence_parallel_size})"
+    return None
+
+
+def snapshots_refused(keeper: str) -> ConfigError:
+    """The error for ``checkpoint.enabled`` where DeepSpeed keeps master weights SCOUT's snapshots do not hold."""
+    return ConfigError('DeepSpeed config "scout.checkpoint.enabled": SCOUT\'s in-memory snapshots keep the model '
+                       f"and the torch optimizer's state, not the master weights {keeper} keeps beside them: "
+                       "certification labels DeepSpeed's own checkpoints (engine.save_checkpoint) and the restart "
+                       "loads the one it chose; set it to false")
+
+
+def master_weights_keeper(ds_config: Any) -> str | None:
+    """What keeps master weights beside the model, read from the DeepSpeed config before the engine exists
+    (ZeRO stage 1-3, bf16 or fp16), or None."""
+    if not isinstance(ds_config, Mapping):
+        return None
+    zero = ds_config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if isinstance(stage, int) and stage > 0:
+        return f"ZeRO stage {stage}"
+    for dtype in ("bf16", "bfloat16", "fp16"):
+        section = ds_config.get(dtype)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            return dtype
+    return None
 
 
 def _partitions(wrapper: Any) -> bool:
@@ -133,6 +182,10 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
 
     if config is None:
         config = config_from_deepspeed(getattr(engine, "config", None)) or ScoutConfig()
+    layout = _unsupported_layout(engine)
+    if layout is not None:
+        raise ConfigError(f'DeepSpeed config "scout.enabled": SCOUT does not diagnose {layout} under DeepSpeed yet '
+                          "(a replayed block's collectives would span ranks it does not pair); set it to false")
     stage = int(engine.zero_optimization_stage())
     model: nn.Module = engine.module
     inner = find_inner_optimizers(engine.optimizer) if engine.optimizer is not None else []
@@ -147,11 +200,7 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
         config = copy.deepcopy(config)
         config.replay.cadence.optimizer = 0
     if config.checkpoint.enabled and wrapper is not None:
-        raise ConfigError('DeepSpeed config "scout.checkpoint.enabled": SCOUT\'s in-memory snapshots keep the model '
-                          f"and the torch optimizer's state, not the master weights {type(wrapper).__name__} (ZeRO "
-                          f"stage {stage}, or bf16/fp16) keeps beside them: certification labels DeepSpeed's own "
-                          "checkpoints (engine.save_checkpoint) and the restart loads the one it chose; set it to "
-                          "false")
+        raise snapshots_refused(f"{type(wrapper).__name__} (ZeRO stage {stage}, or bf16/fp16)")
     kept = dict(state or {})
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and hasattr(scheduler, "state_dict"):
@@ -166,6 +215,8 @@ def attach(engine: Any, *, config: ScoutConfig | None = None, state: Mapping[str
         adapter.layers, adapter.layer_names = dense_parts(adapter.layers or [], adapter.layer_names or [],
                                                           bound=moe is not None)
     adapter.name = "deepspeed"
+    if unreplayable is not None:  # not back on with `scout ctl set` either
+        adapter.pinned["replay.cadence.optimizer"] = f"off: optimizer replay cannot reproduce {unreplayable}"
     # ZeRO (stages 1-3) and BF16_Optimizer (under a pipeline engine) give each data-parallel rank its own partition
     # of the master weights and optimizer state: nothing to compare among peers. Elsewhere (the torch optimizer
     # itself, FP16_Optimizer) the replicas hold the same state and are compared.

@@ -55,12 +55,22 @@ def _plan(folder: str) -> dict[str, Any] | None:
     if not labels.entries:
         return None
     tag_of = {step: _tag_of(e) for step, e in labels.entries.items()}
+    named = _latest(folder)
+    if named is not None and named not in tag_of.values() and os.path.isdir(os.path.join(folder, named)):
+        # DeepSpeed's newest tag carries no label (saved while SCOUT was off, or its labelling failed): nothing
+        # says it is bad unless the job stopped for SDC; abandoning it silently would let a later save overwrite it.
+        if labels.stopped_for != "sdc":
+            log.warning("scout_deepspeed: latest names %s, which SCOUT did not label: DeepSpeed's own choice is "
+                        "loaded", named)
+            return None
+        tag_of[-1] = named  # after an SDC stop it may hold the corruption: set aside with the newer tags
     choice = labels.choose(exists=lambda step: os.path.isdir(os.path.join(folder, tag_of[step])))
     # Newest first: the rejected tag leaves DeepSpeed's reach before anything else can fail. The labels change only
     # once everything moved: a plan that fails half-way still knows why the job stopped.
     after = choice.step if choice.step is not None else -1
-    aside = [set_aside(folder, tag_of[step]) for step in sorted(tag_of, reverse=True)
-             if step > after and os.path.isdir(os.path.join(folder, tag_of[step]))]
+    newest_first = sorted(tag_of, key=lambda step: (step != -1, -step))  # -1: the unlabelled tag latest names
+    aside = [set_aside(folder, tag_of[step]) for step in newest_first
+             if (step > after or step == -1) and os.path.isdir(os.path.join(folder, tag_of[step]))]
     point_tracker(folder, LATEST, None if choice.step is None else tag_of[choice.step])
     labels.restarted_from(choice.step, set_aside=aside)
     log.warning("scout_deepspeed: restart from %s (%s: %s); %d newer tag(s) set aside in %s",
@@ -68,6 +78,15 @@ def _plan(folder: str) -> dict[str, Any] | None:
                 choice.label, choice.reason, len(aside), SET_ASIDE)
     return {"load": None if choice.step is None else tag_of[choice.step], "step": choice.step,
             "reason": choice.reason}
+
+
+def _latest(folder: str) -> str | None:
+    """The tag DeepSpeed's ``latest`` names, or None."""
+    try:
+        with open(os.path.join(folder, LATEST), encoding="utf-8") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
 
 
 def plan_restart(load_dir: str) -> dict[str, Any] | None:

@@ -42,9 +42,15 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     DeepSpeed config has ``"scout": {"enabled": true, ...}``."""
     import deepspeed
 
+    from scout_deepspeed.adapter import master_weights_keeper, snapshots_refused
+
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
     given = bound.arguments
-    config = config_from_deepspeed(user_config(given.get("config"), given.get("config_params"), given.get("args")))
+    ds_config = user_config(given.get("config"), given.get("config_params"), given.get("args"))
+    config = config_from_deepspeed(ds_config)
+    keeper = master_weights_keeper(ds_config)
+    if config is not None and config.checkpoint.enabled and keeper is not None:  # before DeepSpeed builds anything
+        raise snapshots_refused(keeper)
     out = deepspeed.initialize(*args, **kwargs)
     if config is not None:
         attach(out[0], config)

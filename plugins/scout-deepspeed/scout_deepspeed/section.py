@@ -9,6 +9,7 @@ or out of range fails at start-up, before DeepSpeed builds anything, naming the 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -55,9 +56,19 @@ def _mapping_keys() -> set[str]:
     return {k.key for k in schema_keys() if str(k.type).startswith("dict[")}
 
 
+@functools.cache
+def _sections() -> frozenset[str]:
+    """The dotted names of the schema's sections (``replay``, ``replay.cadence``, ...)."""
+    return frozenset(".".join(parts[:i]) for k in schema_keys() for parts in [k.key.split(".")]
+                     for i in range(1, len(parts)))
+
+
 def _flatten(section: Mapping[str, Any], prefix: str, mappings: set[str], out: dict[str, Any]) -> None:
     for name, value in section.items():
         key = f"{prefix}{name}"
+        if key in _sections() and not isinstance(value, Mapping):  # the loader's merge error would name no path
+            raise ConfigError(f'DeepSpeed config "{SECTION}.{key}": must be an object (a section of SCOUT\'s '
+                              f"configuration), got {type(value).__name__} {value!r}")
         if isinstance(value, Mapping) and key not in mappings:
             if not value:
                 out[key] = {}  # an empty object where a value belongs: the schema names it

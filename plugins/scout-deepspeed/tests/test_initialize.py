@@ -3,6 +3,7 @@ it, and SCOUT closed with the engine or at exit (a failure is not a normal end).
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import deepspeed
@@ -44,6 +45,15 @@ def test_a_bad_section_stops_the_launch_before_deepspeed_builds_anything(built):
     assert built["deepspeed"] == []
 
 
+@pytest.mark.parametrize(("ds", "keeper"), [({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
+                                            ({"bf16": {"enabled": True}}, "bf16")])
+def test_snapshots_where_deepspeed_keeps_master_weights_are_refused_before_it_builds_anything(built, ds, keeper):
+    config = {**ds, "scout": {"enabled": True, "checkpoint": {"enabled": True}}}
+    with pytest.raises(ConfigError, match=r'"scout\.checkpoint\.enabled".*' + keeper):
+        entry.initialize(model=None, config=config)
+    assert built["deepspeed"] == []
+
+
 @pytest.mark.parametrize("config", [{}, {"scout": {"enabled": False}}, {"train_batch_size": 8}])
 def test_without_an_enabled_section_nothing_is_installed(built, config):
     engine, *_ = entry.initialize(model=None, config=config)
@@ -79,6 +89,22 @@ def test_scouts_own_snapshots_are_refused_where_deepspeed_keeps_master_weights()
     config.checkpoint.enabled = True
     with pytest.raises(ConfigError, match=r'"scout\.checkpoint\.enabled".*ZeRO stage 2'):
         attach(engine, config=config)
+
+
+@pytest.mark.parametrize(("layout", "named"), [({"mp_world_size": 2}, "tensor parallelism"),
+                                               ({"sequence_parallel_size": 4}, "sequence parallelism (Ulysses")])
+def test_layouts_whose_replay_would_span_other_peer_groups_are_refused(layout, named):
+    """Tensor (an mpu, AutoTP) and sequence parallelism: a replayed block's collectives would span ranks in other
+    peer groups, which the adapter does not pair; refused at attach rather than risk a hang."""
+    import torch
+
+    from scout_deepspeed.adapter import attach
+
+    model = torch.nn.Linear(2, 2)
+    engine = SimpleNamespace(module=model, optimizer=torch.optim.AdamW(model.parameters()),
+                             zero_optimization_stage=lambda: 0, config={}, **layout)
+    with pytest.raises(ConfigError, match=re.escape(f'"scout.enabled": SCOUT does not diagnose {named}')):
+        attach(engine, config=ScoutConfig())
 
 
 def test_only_the_scripts_own_destroy_is_a_normal_end(monkeypatch):
@@ -149,3 +175,9 @@ def test_optimizers_replay_cannot_reproduce_turn_the_optimizer_check_off():
     fused = FusedAdam.__new__(FusedAdam)  # its constructor builds the CUDA op; only the class matters here
     assert _unreplayable(fused) is None
     assert _unreplayable(torch.optim.AdamW(params)) is None and _unreplayable(torch.optim.SGD(params, lr=1)) is None
+    # torch's own whose update spans the whole tensor (a fresh instance on a slice fails its self-check, or raises)
+    assert "Adafactor" in _unreplayable(torch.optim.Adafactor(params))
+    if hasattr(torch.optim, "Muon"):
+        assert "Muon" in _unreplayable(torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))]))
+    mine = type("MyAdamW", (torch.optim.AdamW,), {"__module__": "my_trainer"})  # may change the update
+    assert "MyAdamW" in _unreplayable(mine(params))

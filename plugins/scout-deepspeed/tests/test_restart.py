@@ -8,6 +8,7 @@ from scout_deepspeed import checkpoints
 
 def job(tmp_path, labels, stopped_for=None, latest="global_step3"):
     folder = str(tmp_path)
+    os.makedirs(folder, exist_ok=True)
     for step in labels:
         os.makedirs(os.path.join(folder, f"global_step{step}"))
     with open(os.path.join(folder, "latest"), "w") as fh:
@@ -30,6 +31,29 @@ def test_after_an_sdc_stop_latest_names_the_newest_verified_tag(tmp_path):
     assert os.listdir(os.path.join(folder, SET_ASIDE))[0].startswith("global_step3-")
     labels = FrameworkCheckpoints(folder, writer=False)
     assert sorted(labels.entries) == [1, 2] and labels.stopped_for is None
+
+
+def test_a_newer_tag_without_a_label_is_deepspeeds_choice_unless_the_job_stopped_for_sdc(tmp_path):
+    """A tag SCOUT did not label (saved while it was off, or its labelling failed) that latest names is not
+    abandoned to be overwritten by the next save; after an SDC stop it is set aside with the newer tags."""
+    folder = job(tmp_path / "a", {10: "verified", 20: "latest"}, latest="global_step30")
+    os.makedirs(os.path.join(folder, "global_step30"))
+    assert checkpoints._plan(folder) is None and open(os.path.join(folder, "latest")).read() == "global_step30"
+    folder = job(tmp_path / "b", {10: "verified", 20: "rejected"}, stopped_for="sdc", latest="global_step30")
+    os.makedirs(os.path.join(folder, "global_step30"))
+    assert checkpoints._plan(folder)["load"] == "global_step10"
+    assert sorted(p.split("-")[0] for p in os.listdir(os.path.join(folder, SET_ASIDE))) == [
+        "global_step20", "global_step30"]
+
+
+def test_a_load_is_repeatable(tmp_path):
+    """A second load of the folder (an evaluation job with the same config, or a relaunch that failed before
+    its first save) loads what the first did, and moves nothing."""
+    folder = job(tmp_path, {950: "verified", 1000: "latest"}, latest="global_step1000")
+    labels = FrameworkCheckpoints(folder, writer=True)
+    labels.ended()
+    assert [checkpoints._plan(folder)["load"] for _ in range(2)] == ["global_step1000"] * 2
+    assert not os.path.exists(os.path.join(folder, SET_ASIDE))
 
 
 def test_nothing_safe_sets_latest_aside(tmp_path):
@@ -69,7 +93,8 @@ def test_an_explicit_tag_labelled_rejected_is_refused_unless_the_config_allows_i
     loaded = []
     for allowed in (False, True):
         config = load(values={"checkpoint.load_rejected": allowed})
-        handle = SimpleNamespace(config=config, rank=0, checkpoint_io=lambda _what: contextlib.nullcontext())
+        handle = SimpleNamespace(config=config, rank=0, checkpoint_io=lambda _what: contextlib.nullcontext(),
+                                 certify_framework_checkpoints=lambda: None)
         engine = SimpleNamespace(save_checkpoint=None, load_checkpoint=lambda d, tag=None, **_k: loaded.append(tag),
                                  load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: False)
         checkpoints.install(handle, engine)

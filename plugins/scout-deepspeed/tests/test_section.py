@@ -33,6 +33,8 @@ def test_enabled_section_becomes_scouts_config():
     ({"enabled": "yes"}, '"scout.enabled"'),
     ({"enabled": False, "observer": {"silence_threshold_s": 0}}, '"scout.observer.silence_threshold_s"'),
     ([1, 2], '"scout"'),
+    ({"enabled": True, "replay": {"cadence": 5}}, '"scout.replay.cadence": must be an object'),
+    ({"enabled": True, "replay": [1]}, '"scout.replay": must be an object'),
 ])
 def test_a_bad_key_or_value_names_its_json_path(section, path):
     with pytest.raises(ConfigError) as err:
