@@ -331,9 +331,9 @@ def _clip(text: str, width: int) -> str:
 
 
 def format_cell_table(reports: Sequence[CellReport], *, width: int | None = None) -> str:
-    """One row per cell, at most ``width`` characters wide (default: the terminal's, else 160 as in a CI log): the injected and
-    reported columns are summarised (one entry per kind and surface or scope, with the ranks) and share what the
-    other columns leave, clipped (every record is in the JSON ``--json`` writes)."""
+    """One row per cell, at most ``width`` characters wide (default: the terminal's, else 160, as in a CI log):
+    the injected and reported columns are summarised (one entry per kind and surface or scope, with the ranks)
+    and share what the other columns leave, clipped (every record is in the JSON ``--json`` writes)."""
     if width is None:
         width = shutil.get_terminal_size(fallback=(160, 24)).columns
     headers = ("cell", "verdict", "ranks", "injected", "reported", "verdict_s", "wall_s")
