@@ -78,7 +78,9 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
             current = json.load(fh)
     except (FileNotFoundError, json.JSONDecodeError):
         current = {"hosts": [], "ranks": [], "verdicts": []}
-    current.setdefault("drain", [])
+    if "drain" not in current:  # a file from before the list existed: its verdicts name the machines too
+        current["drain"] = sorted({h for v in current["verdicts"] if drains_machine(v["kind"], v["scope"])
+                                   for h in v["hosts"] if h and h != "?"})
     seen = {_key(v) for v in current["verdicts"]}
     for v in verdicts:
         if _key(v) in seen:

@@ -129,10 +129,11 @@ class ScoutHandle:
         self.framework_checkpoints: FrameworkCheckpoints | None = None
         """Labels of the framework's own checkpoints (:meth:`label_framework_checkpoints`), or None."""
         self._labels_certifier: Certifier | None = None  # certifies the framework's checkpoints alone
-        # A recovery verdict before the labels exist (their folder is known only at the first save): what the
-        # labels must start from (newer than this step is rejected; the failure the job stops for).
-        self._unlabelled_rejected_above: int | None = None
-        self._unlabelled_stopped_for: FailureKind | None = None
+        # Every recovery verdict of this run, for labels made after it (their folder is known only at the first
+        # save, or the run saves to another folder than it loaded from): newer than this step is rejected, and
+        # the failure the job stops for.
+        self._rejected_above: int | None = None
+        self._stopped_for: FailureKind | None = None
         self.stopped = False
         self.stop_on_verdict = config.actions.on_verdict == "stop"
         self.exit_code = config.actions.exit_code
@@ -520,12 +521,12 @@ class ScoutHandle:
                                                        failure=failure, stopping=self.stop_on_verdict)
             except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
                 self.guard.report(result.step, "checkpoint", exc, "framework checkpoint labels")
-        elif self._labels_certifier is not None and action is Action.RECOVER:  # no save yet: remembered
-            verified = -1 if cert is None or cert.verified is None else cert.verified
-            before = self._unlabelled_rejected_above
-            self._unlabelled_rejected_above = verified if before is None else min(before, verified)
+        if cert is not None and action is Action.RECOVER:  # remembered for labels made later
+            verified = -1 if cert.verified is None else cert.verified
+            before = self._rejected_above
+            self._rejected_above = verified if before is None else min(before, verified)
             if failure is not None and self.stop_on_verdict:
-                self._unlabelled_stopped_for = failure
+                self._stopped_for = failure
         if verdict:
             self._act(result, verdicts, job, action, expert=actionable(expert.incidents) if expert else [])
         return result
@@ -543,8 +544,8 @@ class ScoutHandle:
             return None
         self.certify_framework_checkpoints()
         labels = FrameworkCheckpoints(folder, writer=self.rank == 0)
-        if self._unlabelled_rejected_above is not None:  # a verdict came before the folder was known
-            labels.reject_above(self._unlabelled_rejected_above, stopped_for=self._unlabelled_stopped_for)
+        if self._rejected_above is not None:  # a verdict of this run came before these labels
+            labels.reject_above(self._rejected_above, stopped_for=self._stopped_for)
         self.framework_checkpoints = labels
         return labels
 
@@ -805,8 +806,9 @@ class ScoutHandle:
             if self.tracker is not None:
                 self._quietly(self.tracker.record.unlink, "progress record")
                 self._quietly(self.tracker.record.close, "progress record")
-            if self.metrics is not None:
-                self._quietly(self.metrics.close, "metrics endpoint")
+            if self.metrics is not None:  # a rank that stopped or failed keeps its last textfile (scout_running 0)
+                keep = failing or pending is not None or self.stopped
+                self._quietly(lambda: self.metrics.close(keep_textfile=keep), "metrics endpoint")
             if self.control is not None:
                 self._quietly(self.control.close, "control folder")
             for g in {self.groups.world_control, self.groups.peer, self.groups.peer_control,

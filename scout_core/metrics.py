@@ -223,20 +223,27 @@ class ScoutMetrics:
     def port(self) -> int | None:
         return None if self.server is None else int(self.server.server_address[1])
 
-    def close(self) -> None:
+    def close(self, *, keep_textfile: bool = False) -> None:
         """Stop the endpoint and remove the textfile: a finished job's series must not linger in the node
-        exporter (its frozen boundary time would read as a stalled job)."""
+        exporter (its frozen boundary time would read as a stalled job). ``keep_textfile``: the rank stopped
+        for a verdict or failed: its last textfile stays, saying so (:meth:`stopped`)."""
+        if self.cfg.textfile_dir:
+            atexit.unregister(self._at_exit)
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
         if self.cfg.textfile_dir:
-            atexit.unregister(self._at_exit)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.textfile_path)
+            if keep_textfile:
+                self.stopped()
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.textfile_path)
 
 
 JOB_ID_ENV = {"SLURM_JOB_ID": "slurm", "TORCHELASTIC_RUN_ID": "torchrun", "PBS_JOBID": "pbs", "LSB_JOBID": "lsf"}
+# Slurm's job id is shared by the steps of one allocation (several srun in a sweep): the step is part of the
+# name (a requeued job numbers its steps from 0 again, so its restart still rewrites its own files).
 """Where a job's id is found when ``report.run_id`` is not set (the same in every launch of the job: Slurm's
 job, torchrun's rendezvous id, PBS, LSF), and the prefix its files get; SCOUT's own run id is new at every
 launch."""
@@ -249,6 +256,8 @@ def job_name(run_id: str, *, configured: bool = False) -> str:
         for env, prefix in JOB_ID_ENV.items():
             value = os.environ.get(env, "")
             if value and value != "none":  # "none": torchrun's --rdzv-id default, the same for every job
+                if env == "SLURM_JOB_ID" and os.environ.get("SLURM_STEP_ID"):
+                    value = f"{value}.{os.environ['SLURM_STEP_ID']}"
                 return "".join(c if c.isalnum() or c in "-." else "-" for c in f"{prefix}-{value}")
     return run_id
 

@@ -155,7 +155,7 @@ def test_the_documented_dashboard_and_alerts_read_metrics_that_exist():
 def test_the_textfile_is_named_after_the_job_so_a_restart_rewrites_it(monkeypatch):
     from scout_core.metrics import job_name
 
-    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "PBS_JOBID", "LSB_JOBID"):
+    for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "PBS_JOBID", "LSB_JOBID"):
         monkeypatch.delenv(name, raising=False)
     assert job_name("a1b2") == "a1b2"  # nothing stable: each launch its own files
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default rendezvous id names no job
@@ -164,6 +164,8 @@ def test_the_textfile_is_named_after_the_job_so_a_restart_rewrites_it(monkeypatc
     assert job_name("a1b2") == "torchrun-job-7" and job_name("c3d4") == "torchrun-job-7"
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     assert job_name("a1b2") == "slurm-4242"
+    monkeypatch.setenv("SLURM_STEP_ID", "3")  # the steps of one allocation (a sweep) never share a file
+    assert job_name("a1b2") == "slurm-4242.3"
     assert job_name("mine", configured=True) == "mine"  # report.run_id set by the user wins
 
 
@@ -203,3 +205,48 @@ def test_a_rank_that_exits_without_close_leaves_a_textfile_that_says_it_stopped(
     assert 'scout_running{rank="3"} 1.0' in (tmp_path / "scout_r1_rank3.prom").read_text()
     metrics.close()
     assert not (tmp_path / "scout_r1_rank3.prom").exists()
+    metrics = ScoutMetrics(PrometheusConfig(textfile_dir=str(tmp_path)), rank=3)
+    metrics.describe(run_id="r1", host="h")
+    metrics.close(keep_textfile=True)  # what handle.close() does for a rank that stopped for a verdict or failed
+    assert 'scout_running{rank="3"} 0.0' in (tmp_path / "scout_r1_rank3.prom").read_text()
+
+
+def _stopped_rank(ctx: RankContext) -> dict[str, Any]:
+    from scout_core.actions import ScoutStop
+
+    a, injector, par, opt = start_rank(ctx)
+    state = {"step": 0}
+    install_block_faults(par, injector, ctx.rank, state)
+    cfg = load(None, ["replay.cadence.hidden=1", "actions.on_verdict=stop", "observer.enabled=false",
+                      f"report.prometheus.textfile_dir={a['dir']}/prom", "report.run_id=stopjob",
+                      "report.log_level=ERROR"])
+    handle = scout_core.enable(par.model, opt, config=cfg)
+    stopped_at = None
+    try:
+        for step, (x, y) in enumerate(batches(ctx.rank, STEPS, seed=0), start=1):
+            state["step"] = step
+            torch.nn.functional.mse_loss(par.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except ScoutStop:
+        stopped_at = state["step"]
+    finally:
+        handle.close()  # as every plugin does on the way out
+    with open(os.path.join(a["dir"], "prom", f"scout_stopjob_rank{ctx.rank}.prom")) as fh:
+        return {"stopped_at": stopped_at, "textfile": fh.read()}
+
+
+def test_a_rank_stopped_by_a_verdict_keeps_its_last_textfile_through_close(tmp_path):
+    """close() after a verdict's stop (every plugin closes on the way out) keeps the file with scout_running 0 and
+    the verdict counted, rather than removing it with the evidence."""
+    faults = [Fault(surface="layers.1.output", rank=SDC_RANK, kind=FaultKind.BITFLIP, bit=12,
+                    schedule=Schedule(start=SDC_STEP))]
+    result = launch(_stopped_rank, WORLD, timeout_s=120,
+                    args={"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    out = result.values()
+    assert all(o["stopped_at"] is not None for o in out)
+    assert all(f'scout_running{{rank="{r}"}} 0.0' in o["textfile"] for r, o in enumerate(out))
+    counted = [f'scout_incidents_total{{kind="sdc",rank="{r}",scope="rank"}} 1.0' in o["textfile"]
+               for r, o in enumerate(out)]
+    assert sum(counted) == 1

@@ -264,3 +264,6 @@ def test_the_restart_list_and_the_drain_list_agree_on_what_to_drain(tmp_path):
     current = record_exclusions(str(tmp_path / "exclude_hosts.json"), [verdict_summary(i) for i in records])
     assert current["drain"] == hosts_to_exclude(records) == ["node1", "node4"]
     assert current["hosts"] == ["node0", "node1", "node2", "node4"]
+    old = tmp_path / "old.json"  # a file from before the drain list: its verdicts still name the machines
+    old.write_text(json.dumps({"hosts": ["node1"], "ranks": [9], "verdicts": [verdict_summary(records[0])]}))
+    assert record_exclusions(str(old), [verdict_summary(records[1])])["drain"] == ["node1"]

@@ -231,9 +231,10 @@ def _output_to(path: Path) -> Iterator[None]:
     that bypasses the descriptor (a caller's own capture, as pytest's) is swapped for the cell's duration."""
     sys.stdout.flush()
     sys.stderr.flush()
+    saved: list[int] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    saved = (os.dup(1), os.dup(2))
     try:
+        saved += [os.dup(1), os.dup(2)]
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         with contextlib.ExitStack() as stack:
@@ -247,8 +248,8 @@ def _output_to(path: Path) -> Iterator[None]:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
+        for number, copy in enumerate(saved, start=1):
+            os.dup2(copy, number)
         for f in (fd, *saved):
             os.close(f)
 

@@ -103,21 +103,29 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
     """Wrap this engine's ``save_checkpoint`` and ``load_checkpoint`` (see the module's docstring); returns what
     puts DeepSpeed's own methods back."""
     save, load = engine.save_checkpoint, engine.load_checkpoint
-    folders: dict[str, FrameworkCheckpoints | None] = {}
-    # The folder is known only at the first save_checkpoint; certification starts now, so an SDC verdict before
-    # that save still rejects what is saved after it (the corruption reached every replica by then).
+    # The folder SCOUT labels: the one the job loaded a labelled checkpoint from (so a verdict before the run's
+    # first save marks that folder's labels: the relaunch must not go back to the state the run started from
+    # as if nothing had happened), then the first folder the job saves to, for good.
+    live: dict[str, Any] = {"folder": None, "labels": None, "from_load": False}
+    unlabelled: set[str] = set()
+    # Certification starts now, so an SDC verdict before the first save still rejects what is saved after it
+    # (the corruption reached every replica by then).
     handle.certify_framework_checkpoints()
 
     def labels_for(save_dir: str) -> FrameworkCheckpoints | None:
         key = os.path.realpath(save_dir)
-        if key not in folders:
-            if folders:  # one job, one folder: SCOUT labels the first one it sees
-                log.warning("scout_deepspeed: checkpoints in %s are not labelled (SCOUT labels %s)", save_dir,
-                            next(iter(folders)))
-                folders[key] = None
-            else:
-                folders[key] = handle.label_framework_checkpoints(save_dir)
-        return folders[key]
+        if live["folder"] == key:
+            if live["from_load"]:
+                live["from_load"] = False  # the job saves where it loaded from: its folder for good
+            return live["labels"]
+        if live["folder"] is None or live["from_load"]:
+            live.update(folder=key, labels=handle.label_framework_checkpoints(save_dir), from_load=False)
+            return live["labels"]
+        if key not in unlabelled:  # one job, one folder: SCOUT labels the first one it saves to
+            unlabelled.add(key)
+            log.warning("scout_deepspeed: checkpoints in %s are not labelled (SCOUT labels %s)", save_dir,
+                        live["folder"])
+        return None
 
     @functools.wraps(save)
     def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -146,6 +154,9 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
         with handle.checkpoint_io("read"):
             out = load(load_dir, tag, *args, **kwargs)
         if out and out[0] is not None:
+            if live["folder"] is None and FrameworkCheckpoints(load_dir, writer=False).entries:
+                live.update(folder=os.path.realpath(load_dir), from_load=True,
+                            labels=handle.label_framework_checkpoints(load_dir))
             _continue_after_load(handle, int(engine.global_steps), load_dir)
         return out
 

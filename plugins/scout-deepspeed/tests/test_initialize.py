@@ -48,7 +48,7 @@ def test_a_bad_section_stops_the_launch_before_deepspeed_builds_anything(built):
 @pytest.mark.parametrize(("ds", "keeper"), [({"zero_optimization": {"stage": 3}}, "ZeRO stage 3"),
                                             ({"bf16": {"enabled": True}}, "bf16")])
 def test_snapshots_where_deepspeed_keeps_master_weights_are_refused_before_it_builds_anything(built, ds, keeper):
-    config = {**ds, "scout": {"enabled": True, "checkpoint": {"enabled": True}}}
+    config = {**ds, "optimizer": {"type": "AdamW"}, "scout": {"enabled": True, "checkpoint": {"enabled": True}}}
     with pytest.raises(ConfigError, match=r'"scout\.checkpoint\.enabled".*' + keeper):
         entry.initialize(model=None, config=config)
     assert built["deepspeed"] == []
@@ -105,6 +105,14 @@ def test_layouts_whose_replay_would_span_other_peer_groups_are_refused(layout, n
                              zero_optimization_stage=lambda: 0, config={}, **layout)
     with pytest.raises(ConfigError, match=re.escape(f'"scout.enabled": SCOUT does not diagnose {named}')):
         attach(engine, config=ScoutConfig())
+
+
+def test_a_pipeline_engine_is_refused():
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from scout_deepspeed.adapter import _unsupported_layout
+
+    assert "pipeline parallelism" in _unsupported_layout(PipelineEngine.__new__(PipelineEngine))
 
 
 def test_only_the_scripts_own_destroy_is_a_normal_end(monkeypatch):

@@ -105,3 +105,58 @@ def test_an_explicit_tag_labelled_rejected_is_refused_unless_the_config_allows_i
             with pytest.raises(RejectedCheckpointError, match="tag global_step3 is labelled rejected"):
                 engine.load_checkpoint(folder, "global_step3")
     assert loaded == ["global_step2", "global_step2", "global_step3"]
+
+
+class _Handle:
+    """What install() uses of a ScoutHandle, with the real labels."""
+
+    def __init__(self):
+        from scout_core.checkpoint.certify import Certifier
+        from scout_core.config import ScoutConfig
+
+        self.config, self.rank, self.framework_checkpoints = ScoutConfig(), 0, None
+        self.certifier = Certifier(recipes_per_cycle=1, static=True)
+        self.continued = []
+
+    def checkpoint_io(self, _what):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def certify_framework_checkpoints(self):
+        pass
+
+    def label_framework_checkpoints(self, folder):
+        self.framework_checkpoints = FrameworkCheckpoints(folder, writer=True)
+        return self.framework_checkpoints
+
+    def continue_from(self, step, *, verified):
+        self.continued.append((step, verified))
+
+
+def test_the_folder_a_run_loaded_from_is_labelled_until_it_saves_elsewhere(tmp_path):
+    """A relaunch from a normal end (1000, unverified) stopped by an SDC verdict before its first save: the
+    verdict must reach the folder it loaded from, or the next relaunch loads 1000 again as a normal end."""
+    from types import SimpleNamespace
+
+    from scout_core.checkpoint.certify import Action, FailureKind
+
+    folder = job(tmp_path / "run", {950: "verified", 1000: "latest"}, latest="global_step1000")
+    FrameworkCheckpoints(folder, writer=True).ended()
+    handle = _Handle()
+    engine = SimpleNamespace(save_checkpoint=lambda d, tag=None, **_k: None, global_steps=1000,
+                             load_checkpoint=lambda d, tag=None, **_k: ("global_step1000", {}),
+                             load_universal_checkpoint=lambda: False, use_node_local_storage=lambda: False)
+    checkpoints.install(handle, engine)
+    engine.load_checkpoint(folder)
+    assert handle.framework_checkpoints.folder == folder and handle.continued == [(1000, 950)]
+    cert = handle.certifier
+    cert.verified = 950  # what continue_from sets: the trust of the state loaded
+    handle.framework_checkpoints.on_boundary(1005, Action.RECOVER, cert, failure=FailureKind.SDC, stopping=True)
+    assert checkpoints._plan(folder)["load"] == "global_step950"
+    other = str(tmp_path / "elsewhere")  # a run that saves to another folder than it loaded from labels that one
+    engine.global_steps = 1010
+    engine.save_checkpoint(other)
+    assert handle.framework_checkpoints.folder == other
+    engine.save_checkpoint(str(tmp_path / "third"))
+    assert handle.framework_checkpoints.folder == other  # one folder for good
