@@ -363,6 +363,8 @@ def format_table(incidents: Sequence[Incident], *, width: int | None = 160, grou
     for g in groups:
         inc = g.first
         surface = g.surfaces[0] if g.surfaces else "-"
+        if width is not None:  # a check's many surfaces: the first two and how many more (--wide: all of them)
+            surface = surfaces_text(surface)
         if len(g.surfaces) > 1:
             surface = f"{_clip(surface, 40)} (+{len(g.surfaces) - 1})"
         hosts = list(dict.fromkeys(inc.hosts))  # each machine once, in order

@@ -15,7 +15,15 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from scout_core.report import Incident, IncidentKind, format_table, group_repeats, hosts_to_exclude, ranks_text
+from scout_core.report import (
+    Incident,
+    IncidentKind,
+    format_table,
+    group_repeats,
+    hosts_to_exclude,
+    ranks_text,
+    surfaces_text,
+)
 
 __all__ = ["render_html", "timing_rounds"]
 
@@ -201,8 +209,8 @@ def render_html(incidents: Sequence[Incident], *, decisions: Sequence[dict[str, 
         table_rows.append("<tr>" + "".join(f"<td>{_e(v)}</td>" for v in (
             _when(inc.time_unix), inc.kind.value, inc.scope.value, ranks_text(inc.ranks) or "-",
             ", ".join(dict.fromkeys(inc.hosts)) or "-", g.count, steps,
-            "; ".join(s[:200] for s in g.surfaces[:5]) + (f" (+{len(g.surfaces) - 5})" if len(g.surfaces) > 5
-                                                          else ""),
+            "; ".join(surfaces_text(s)[:200] for s in g.surfaces[:5]) + (f" (+{len(g.surfaces) - 5})"
+                                                                        if len(g.surfaces) > 5 else ""),
             inc.reason)) + "</tr>")
     sdc_or_slow = [i for i in incidents if i.kind in (IncidentKind.SDC, IncidentKind.STRAGGLER)]
     return "\n".join([
