@@ -194,7 +194,8 @@ def test_rows_fit_the_terminal_and_the_json_keeps_the_detail():
                      ranks=list(range(64)), hosts=[f"node{i // 8}" for i in range(64)])
     table = format_table([long], width=120)
     assert max(len(line) for line in table.splitlines()) <= 120
-    assert "node0,node1 (+6)" in table and "0-63" in table and "grad_param (+38 more)" in table
+    assert "node0,node1 (+6)" in table and "0-63" in table
+    assert "layers.0.x10.grad_param;layers.1.x10.grad_param (+38 more)" in format_table([long], width=200)
     assert len(format_table([long], width=None).splitlines()[2]) > 1000
     scattered = _incident(kind="checkpoint_stall", scope="machine", ranks=list(range(0, 128, 2)),
                           hosts=[f"a-very-long-hostname-{i}.cluster.example" for i in range(64)], reason="x" * 300)
