@@ -33,6 +33,26 @@ def _torchrun(out: Path, *extra: str, model: str, layout: str) -> subprocess.Com
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=out.parent)
 
 
+def _kill_job(proc: subprocess.Popen, out: Path) -> None:
+    """Kill torchrun and every process of its job. torchrun starts each worker in a session of its own, so killing
+    torchrun's group leaves a frozen rank (and the observer it forked) running for good: they are found by the
+    job's output folder on their command line."""
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    marker = str(out).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if marker in fh.read() and int(pid) != os.getpid():
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def _why(run: subprocess.CompletedProcess) -> str:
     """A failed launch, readably: the ranks' own error lines (a worker's C++ abort message comes long before
     torchrun's summary), then the end of the output."""
@@ -80,7 +100,6 @@ def test_torchrun_bit_flip_names_that_rank_and_stops(tmp_path, model, layout):
 def test_torchrun_hang_is_diagnosed_through_the_agents_store(tmp_path):
     """Under torchrun the observers talk through the elastic agent's rendezvous store (no daemon, no rank
     serves it); a rank whose training thread stops is named with the shipped observer defaults."""
-    import signal
     import time
 
     out = tmp_path / "hang"
@@ -99,8 +118,7 @@ def test_torchrun_hang_is_diagnosed_through_the_agents_store(tmp_path):
             time.sleep(0.5)
         time.sleep(1.0)  # a duplicate would show by now
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_job(proc, out)
     incidents = list(read_incidents(jsonl)) if jsonl.exists() else []
     assert [(i.kind.value, i.scope.value, i.ranks, i.evidence["class"]) for i in incidents] == [
         ("hang", "rank", [2], "lagging")]
@@ -111,8 +129,6 @@ def test_torchrun_hang_stop_ends_trainers_whose_sigterm_handler_only_sets_a_flag
     """``actions.on_verdict=stop`` on a hang: every observer terminates its trainer. A trainer whose SIGTERM
     handler only sets a flag read between steps (Megatron's ``--exit-signal-handler``) never reads it while it
     waits inside a collective: its observer kills it after the grace, and the launcher sees the job end."""
-    import contextlib
-    import signal
 
     from scout_core.progress.observer import STOP_GRACE_S
 
@@ -129,12 +145,10 @@ def test_torchrun_hang_stop_ends_trainers_whose_sigterm_handler_only_sets_a_flag
         # The verdict comes within the shipped thresholds (well inside a minute here), then the grace.
         proc.wait(timeout=120 + STOP_GRACE_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        _kill_job(proc, out)
         raise AssertionError("the trainers were still there: the stop action did not end them") from None
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_job(proc, out)
     incidents = list(read_incidents(out / "incidents.jsonl"))
     assert [(i.kind.value, i.scope.value, i.ranks) for i in incidents][:1] == [("hang", "rank", [2])]
     assert proc.returncode != 0  # the launcher saw its workers end by a signal, not a finished job
