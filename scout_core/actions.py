@@ -80,7 +80,7 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
         current = {"hosts": [], "ranks": [], "verdicts": []}
     if "drain" not in current:  # a file from before the list existed: its verdicts name the machines too
         current["drain"] = sorted({h for v in current["verdicts"] if drains_machine(v["kind"], v["scope"])
-                                   for h in v["hosts"] if h and h != "?"})
+                                   for h in _named_hosts(v)})
     seen = {_key(v) for v in current["verdicts"]}
     for v in verdicts:
         if _key(v) in seen:
@@ -88,15 +88,19 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
         seen.add(_key(v))
         current["verdicts"].append(v)
         if v["scope"] in (IncidentScope.RANK.value, IncidentScope.MACHINE.value):
-            named = {h for h in v["hosts"] if h and h != "?"}
-            current["hosts"] = sorted(set(current["hosts"]) | named)
+            current["hosts"] = sorted(set(current["hosts"]) | _named_hosts(v))
             current["ranks"] = sorted(set(current["ranks"]) | set(v["ranks"]))
             if drains_machine(v["kind"], v["scope"]):
-                current["drain"] = sorted(set(current["drain"]) | named)
+                current["drain"] = sorted(set(current["drain"]) | _named_hosts(v))
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     atomic_write(path, json.dumps(current, indent=1, sort_keys=True).encode())
     return current
+
+
+def _named_hosts(v: dict[str, Any]) -> set[str]:
+    """The machines a verdict summary names (not an unknown one)."""
+    return {h for h in v["hosts"] if h and h != "?"}
 
 
 def _key(v: dict[str, Any]) -> tuple[Any, ...]:

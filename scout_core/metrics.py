@@ -242,11 +242,10 @@ class ScoutMetrics:
 
 
 JOB_ID_ENV = {"SLURM_JOB_ID": "slurm", "TORCHELASTIC_RUN_ID": "torchrun", "PBS_JOBID": "pbs", "LSB_JOBID": "lsf"}
-# Slurm's job id is shared by the steps of one allocation (several srun in a sweep): the step is part of the
-# name (a requeued job numbers its steps from 0 again, so its restart still rewrites its own files).
 """Where a job's id is found when ``report.run_id`` is not set (the same in every launch of the job: Slurm's
 job, torchrun's rendezvous id, PBS, LSF), and the prefix its files get; SCOUT's own run id is new at every
-launch."""
+launch. Slurm's job id is shared by the steps of one allocation (several srun in a sweep), so its step is part
+of the name (a requeued job numbers its steps from 0 again: its restart still rewrites its own files)."""
 
 
 def job_name(run_id: str, *, configured: bool = False) -> str:

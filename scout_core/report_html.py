@@ -87,13 +87,12 @@ def timing_rounds(incidents: Iterable[Incident]) -> list[dict[str, Any]]:
                                                                                  len(ordered) // 2 + 1]) / 2
             flagged = ({p for p in peers if p in inc.ranks} if by_ranks else
                        {p for p, b in zip(peers, bitmap if isinstance(bitmap, list) else [], strict=False) if b})
-            if any(r["step"] == inc.step and r["surface"] == str(name) and r["seconds"] == dict(zip(peers, values))
-                   for r in rounds):  # one check's round, kept by its SDC record and its straggler record alike
-                continue
+            seconds = dict(zip(peers, values, strict=True))
+            if any((r["step"], r["surface"], r["seconds"]) == (inc.step, str(name), seconds) for r in rounds):
+                continue  # one check's round, kept by its SDC record and its straggler record alike
             rounds.append({"step": inc.step, "surface": str(name), "kind": inc.kind.value,
-                           "ratio": {p: (v / median if median > 0 else 1.0) for p, v in zip(peers, values,
-                                                                                            strict=True)},
-                           "seconds": dict(zip(peers, values, strict=True)), "flagged": flagged})
+                           "ratio": {p: (v / median if median > 0 else 1.0) for p, v in seconds.items()},
+                           "seconds": seconds, "flagged": flagged})
     return rounds
 
 

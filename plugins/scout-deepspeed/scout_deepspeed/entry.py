@@ -18,7 +18,7 @@ import inspect
 import logging
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from scout_core.config import ScoutConfig
@@ -49,7 +49,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     ds_config = user_config(given.get("config"), given.get("config_params"), given.get("args"))
     config = config_from_deepspeed(ds_config)
     keeper = master_weights_keeper(ds_config)
-    trains = given.get("optimizer") is not None or (isinstance(ds_config, dict) and "optimizer" in ds_config)
+    trains = given.get("optimizer") is not None or (isinstance(ds_config, Mapping) and "optimizer" in ds_config)
     if config is not None and config.checkpoint.enabled and keeper is not None and trains:  # before DeepSpeed builds
         raise snapshots_refused(keeper)
     out = deepspeed.initialize(*args, **kwargs)
