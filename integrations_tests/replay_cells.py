@@ -107,10 +107,10 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     state: dict[str, Any] = {"step": 0}
     _install_faults(par, opt, injector, ctx.rank, state)
     if ctx.rank == a["other_env_rank"]:  # this rank runs another torch build than its peers
-        from scout_core.replay import engine as engine_mod
+        from scout_core.replay import trust
 
-        real = engine_mod.environment_fingerprint
-        engine_mod.environment_fingerprint = lambda device: real(device).replace("torch=", "torch=0.0-other+")
+        real = trust.environment_fingerprint
+        trust.environment_fingerprint = lambda device: real(device).replace("torch=", "torch=0.0-other+")
     others = 1 if a["all_recipes"] else 0  # the defaults cells time the hidden recipe only (their cost is CPU)
     cfg = load(None, [f"replay.cadence.embedding={others}", "replay.cadence.hidden=1",
                       f"replay.cadence.output={others}", f"replay.cadence.optimizer={others}",

@@ -34,9 +34,9 @@ from scout_core.testing.launcher import RankContext, launch
 def _fail_scratch_allocation(injector: Any, rank: int, state: dict[str, int]) -> None:
     """Surface ``replay.scratch``: this rank runs out of device memory reserving what a check's collectives
     need (FSDP2's unshard, the timed all-reduce, HSDP's reduce-scatter), as a rank short of memory would."""
-    import scout_core.replay.engine as engine_module
+    import scout_core.replay.recipe as recipe_module
 
-    real = engine_module.reserve
+    real = recipe_module.reserve
 
     def reserve(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -45,7 +45,7 @@ def _fail_scratch_allocation(injector: Any, rank: int, state: dict[str, int]) ->
             raise torch.OutOfMemoryError(f"out of memory reserving replay scratch ({exc})") from None
         return real(*args, **kwargs)
 
-    engine_module.reserve = reserve
+    recipe_module.reserve = reserve
 
 
 def _rank(ctx: RankContext) -> dict[str, Any]:

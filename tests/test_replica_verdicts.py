@@ -1,11 +1,12 @@
-"""The replica comparison's verdicts (engine._replica_verdicts), decided from one exchange's results alone."""
+"""The replica comparison's verdicts (verdicts.replica_verdicts), decided from one exchange's results alone."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from scout_core.consensus import C3Result, C3Status
-from scout_core.replay.engine import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult, ReplayEngine
+from scout_core.replay.engine import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult
+from scout_core.replay.verdicts import VerdictContext, replica_verdicts
 
 RANKS = (0, 1, 2, 3)
 
@@ -22,20 +23,18 @@ def result(surface: str, values: tuple, ranks: tuple[int, ...] = RANKS) -> C3Res
 
 
 def engine(rank: int, peers: tuple[tuple[int, ...], ...] = ((0, 2), (1, 3)), untrusted=()):
-    emitted: list = []
-    fake = SimpleNamespace(
-        _untrusted=dict.fromkeys(untrusted, "nondeterministic"), rank=rank,
-        groups=SimpleNamespace(all_peers=peers, replica_ranks=RANKS),
-        peers=next(g for g in peers if rank in g), emitted=emitted,
-        _incident=lambda kind, scope, ranks, rs, reason: (kind.value, scope.value, tuple(ranks)),
-        _emit=emitted.extend)
-    return fake
+    ctx = VerdictContext(rank=rank, step=3, peers=next(g for g in peers if rank in g), world_size=len(RANKS),
+                         all_peers=peers, replica_ranks=RANKS)
+    return SimpleNamespace(ctx=ctx, untrusted=set(untrusted), emitted=[])
 
 
 def verdicts(fake, surfaces):
     res = BoundaryResult(step=3, replica_surfaces=list(surfaces))
-    resolved = ReplayEngine._replica_verdicts(fake, res)
-    return resolved, res.incidents_global
+    resolved, records = replica_verdicts(fake.ctx, res, fake.untrusted)
+    named = [(i.kind.value, i.scope.value, tuple(i.ranks)) for i in records.incidents]
+    if fake.ctx.rank == records.writer:
+        fake.emitted.extend(named)
+    return resolved, named
 
 
 OUT = "layers.1.x1.output"

@@ -1,0 +1,65 @@
+"""The timing judge: one round's replay times through noise floors and confirmation into straggler findings.
+
+Compute times are compared across peers (job-wide under HSDP) beyond each kind of work's noise floor and
+confirmed over consecutive rounds; communication is judged by :class:`~scout_core.replay.timing.CommTiming`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from scout_core.consensus import C3Result, Confirmation, NoiseFloor
+from scout_core.replay.recipe import Replayed
+from scout_core.replay.result import BoundaryResult
+from scout_core.replay.timing import CommTiming
+from scout_core.replay.verdicts import TimingFindings
+
+__all__ = ["TimingJudge"]
+
+
+class TimingJudge:
+    """Noise floors and straggler confirmation of one rank's replay engine (identical on every peer)."""
+
+    def __init__(self, comm: CommTiming, *, confirm_rounds: int, noise_window: int) -> None:
+        self.comm = comm
+        self.confirm = Confirmation(rounds=confirm_rounds)
+        # A compute straggler must also stray further than healthy ranks lately did (a host clock's heavy
+        # tail would otherwise confirm healthy ranks now and then): one noise floor per kind of work.
+        self.noise_window = noise_window
+        self.noise: dict[Any, NoiseFloor] = {}
+
+    def judge(self, result: BoundaryResult, times: C3Result, comm: C3Result, replayed: Replayed,
+              peers: Sequence[int]) -> None:
+        """Judge one timing round (``times``: replayed compute, ``comm``: the timed collective) into ``result``."""
+        work = replayed.work
+        # Communication time is a property of a synchronizing group, not of one member (paper
+        # Figure 2c): it is never attributed to a rank. It feeds the group's temporal check and,
+        # where a rank sits in groups of two dimensions (HSDP), the cross-group intersection.
+        if replayed.hsdp_comm is not None:
+            # HSDP: compute is judged job-wide in every round (a round whose ranks replayed different
+            # work is "no measurement" for all), so every rank keeps the same confirmation counts.
+            result.localization, times = self.comm.cross_group(*replayed.hsdp_comm, work=(work, replayed.compute_s))
+            result.timing_world = True
+        # One floor per layer class and parameter shapes: the rotation's layers of one class are one
+        # work, and input shapes may change every step (ratios to the median cancel their size).
+        floor = self.noise.setdefault(work[1:3] if work else None, NoiseFloor(self.noise_window))
+        times, result.noise_floor = floor.apply(times)
+        result.timing, result.comm_timing = times, comm
+        # Counted per kind of work too: checks that alternate kinds (an MoE block's attention and router)
+        # must not reset the streak of a rank slow in only one of them.
+        result.stragglers = self.confirm.update(times, kind=work[1:3] if work else None)
+        # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
+        # timed unshard spans the shard group, not the peers (a replica group): its slowness is the
+        # cross-group intersection's to place, never this group's.
+        if replayed.comm_ranks == tuple(peers):
+            result.group_slowdown = self.comm.group_slowdown(comm)
+
+    def findings(self, result: BoundaryResult) -> TimingFindings | None:
+        """What is confirmed after the round judged into ``result`` (None: no timing round in this check)."""
+        if result.timing is None:
+            return None
+        return TimingFindings(
+            new_stragglers=tuple(r for r in result.timing.outlier_ranks if r in self.confirm.newly),
+            rounds=self.confirm.rounds, machine_confirmed=self.comm.loc_rounds == self.confirm.rounds,
+            group_slowdown_confirmed=self.comm.slow_group_rounds == self.comm.temporal_rounds)
