@@ -122,15 +122,15 @@ def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch):
 
 
 def test_recovery_cell_fails_when_the_restore_is_not_bitwise(monkeypatch):
-    from scout_core import handle as handle_mod
+    from scout_core.checkpoint import restart as restart_mod
 
-    real = handle_mod.restore_state
+    real = restart_mod.restore_state
 
     def forgetful(chunks, optimizers, snap, **kwargs):  # restores the model but drops optimizer state
         real(chunks, optimizers, {**snap, "optim": [{"state": {}, "param_groups": o["param_groups"]}
                                                     for o in snap["optim"]]}, **kwargs)
 
-    monkeypatch.setattr(handle_mod, "restore_state", forgetful)
+    monkeypatch.setattr(restart_mod, "restore_state", forgetful)
     (report,) = run_cells([SPECS["ddp-recovery-straggler"]], root=ROOT)
     assert report.verdict == "FAIL" and "not bitwise" in report.details
 
@@ -167,9 +167,9 @@ def test_replay_error_cell_fails_when_a_diagnosis_error_reaches_training(monkeyp
 
 
 def test_replay_cell_fails_when_blame_shifts(monkeypatch):
-    from scout_core.replay import engine as engine_mod
+    from scout_core.replay import protocol
 
-    monkeypatch.setattr(engine_mod, "c3_exchange", _shift_blame(engine_mod.c3_exchange))
+    monkeypatch.setattr(protocol, "c3_exchange", _shift_blame(protocol.c3_exchange))
     (report,) = run_cells([SPECS["ddp-sdc-output"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks" in report.details
 
@@ -291,9 +291,9 @@ def test_straggler_at_defaults_cell_fails_with_a_blind_rule(monkeypatch):
 
 def test_hsdp_straggler_cell_fails_without_the_job_wide_comparison(monkeypatch):
     """HSDP compute compared only within a replica group (8 ranks, not 16): red."""
-    from scout_core.replay import engine
+    from scout_core.replay import recipe
 
-    monkeypatch.setattr(engine, "time_hsdp_collectives", lambda *a, **k: None)  # no cross-group timing round
+    monkeypatch.setattr(recipe, "time_hsdp_collectives", lambda *a, **k: None)  # no cross-group timing round
     (report,) = run_cells([SPECS["hsdp-straggler-defaults"]], root=ROOT)
     assert report.verdict == "FAIL" and "compared among [8] ranks, expected 16" in report.details
 
@@ -302,11 +302,11 @@ def test_clean_at_defaults_cell_fails_on_a_false_straggler(monkeypatch):
     """A rule too tight for this machine's noise (no ratio or absolute floor, no noise floor) names healthy
     ranks: red."""
     from scout_core.consensus import NoiseFloor, StatisticalRule
-    from scout_core.replay import engine
+    from scout_core.replay import judge
 
     monkeypatch.setattr(StatisticalRule, "from_config",
                         classmethod(lambda cls, cfg: cls(kappa=0.5, min_ratio=1.0, min_delta=0.0)))
-    monkeypatch.setattr(engine, "NoiseFloor", lambda window: NoiseFloor(0))  # the rule alone
+    monkeypatch.setattr(judge, "NoiseFloor", lambda window: NoiseFloor(0))  # the rule alone
     spec = SPECS["ddp-clean-defaults"]
     short = dataclasses.replace(spec, params={**spec.params, "steps": 12})
     (report,) = run_cells([short], root=ROOT)
@@ -315,24 +315,24 @@ def test_clean_at_defaults_cell_fails_on_a_false_straggler(monkeypatch):
 
 def test_nondeterministic_cell_fails_without_vetting(monkeypatch):
     """Without the determinism check, a nondeterministic rank is reported as SDC."""
-    from scout_core.replay import engine
+    from scout_core.replay import trust
 
-    monkeypatch.setattr(engine, "vet_due", lambda *a, **k: False)
+    monkeypatch.setattr(trust, "vet_due", lambda *a, **k: False)
     (report,) = run_cells([SPECS["ddp-nondeterministic"]], root=ROOT)
     assert report.verdict == "FAIL" and "sdc" in report.details
 
 
 def test_environment_mismatch_cell_fails_without_the_environment_check(monkeypatch):
     """Without the fingerprint, a rank whose different kernels give consistently different bits is SDC."""
-    from scout_core.replay import engine
+    from scout_core.replay import trust
 
-    real = engine.split_vetting
+    real = trust.split_vetting
 
     def no_environment(results):
         kept, untrusted = real(results)
         return kept, {r: why for r, why in untrusted.items() if why != "environment"}
 
-    monkeypatch.setattr(engine, "split_vetting", no_environment)
+    monkeypatch.setattr(trust, "split_vetting", no_environment)
     (report,) = run_cells([SPECS["ddp-environment-mismatch"]], root=ROOT)
     assert report.verdict == "FAIL" and "sdc" in report.details
 
@@ -524,9 +524,9 @@ def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
     on every rank, so no peer disagrees) must leave training in another state, and the cell must say so."""
     import torch
 
-    from scout_core.replay import engine
+    from scout_core.replay import recipe
 
-    real = engine.replay_layer
+    real = recipe.replay_layer
 
     def meddling(forward, layer, *args, **kwargs):
         done = real(forward, layer, *args, **kwargs)
@@ -534,7 +534,7 @@ def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
             next(layer.parameters()).add_(1e-3)
         return done
 
-    monkeypatch.setattr(engine, "replay_layer", meddling)
+    monkeypatch.setattr(recipe, "replay_layer", meddling)
     (report,) = run_cells([SPECS["megatron-tp2-dp2-clean"]], root=ROOT)
     assert report.verdict == "FAIL" and "ended in another state than without it" in report.details, report.details
 

@@ -32,13 +32,26 @@ import torch
 import torch.distributed as dist
 
 from scout_core.adapter import FrameworkAdapter, torch_adapter
+from scout_core.assembly import (
+    build_checkpoint,
+    build_experts,
+    build_labels,
+    build_replay,
+    build_snapshots,
+    install_step_hooks,
+    new_handle,
+    register_live_keys,
+    start_observer,
+)
 from scout_core.config import ScoutConfig, TopologyConfig, validate
 from scout_core.control import RunControl
-from scout_core.groups import build_groups
+from scout_core.groups import ScoutGroups, build_groups
 from scout_core.handle import ScoutHandle
 from scout_core.metrics import start_metrics
 from scout_core.moe.replay import MoEBinding
+from scout_core.parts import ScoutParts
 from scout_core.progress.control import ControlPlane, choose_control_plane
+from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
 from scout_core.report import Incident, JsonlSink, LoggingSink, Reporter
@@ -130,17 +143,47 @@ def enable(
 
 def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
                 on_incident: Callable[[Incident], None] | None = None) -> ScoutHandle:
-    """Install SCOUT from a framework adapter (what plugins call)."""
+    """Install SCOUT from a framework adapter (what plugins call): resolve the groups, build each part the
+    configuration turns on, hand them to the handle."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scout_core.enable() needs an initialized default process group")
     ScoutHandle.claim()
-    metrics = control = None
     try:
         cfg = validate(config or ScoutConfig())
-        rank, world = dist.get_rank(), dist.get_world_size()
+        world = dist.get_world_size()
         peers = _resolve_peer_groups(adapter, cfg.topology, world)
         groups = build_groups(peers, _check_replica_groups(adapter.replica_groups, peers, world))
-        # One start-up exchange while the job is healthy: hosts, devices, run id, the control store's port.
+        parts, plane = _join_job(adapter, cfg, groups)
+    except BaseException:
+        ScoutHandle.release_claim()
+        raise
+    handle = new_handle(parts)
+    try:
+        if cfg.observer.enabled:
+            assert plane is not None
+            start_observer(parts, plane, on_incident)
+        if cfg.replay.enabled:
+            parts.replay = build_replay(parts)
+            parts.experts = build_experts(parts)
+        if cfg.checkpoint.enabled:
+            parts.snapshots = build_snapshots(parts)
+            parts.checkpoint = build_checkpoint(parts)
+        parts.labels = build_labels(parts)
+        register_live_keys(handle.live, parts, handle.boundary)
+        install_step_hooks(parts, handle)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _join_job(adapter: FrameworkAdapter, cfg: ScoutConfig,
+              groups: ScoutGroups) -> tuple[ScoutParts, ControlPlane | None]:
+    """One start-up exchange while the job is healthy: hosts, devices, run id, the control store's port, and each
+    rank's start-up errors, raised on every rank alike. Who the rank is, and the observers' control plane."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    metrics = control = None
+    try:
         # Rank 0 picks the observers' control plane (starting a store daemon where no launcher serves one).
         plane, plane_error = None, ""
         if cfg.observer.enabled and rank == 0:
@@ -168,9 +211,6 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
                 "launch": uuid.uuid4().hex[:8], "start_error": start_error, "control_folder_error": control_error}
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine, group=groups.world_control)
-        hosts = {r: e["host"] for r, e in enumerate(everyone)}
-        devices = {r: e["device"] for r, e in enumerate(everyone)}
-        run_id = everyone[0]["run_id"]
         if everyone[0]["control_error"]:
             raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")
         if everyone[0]["control_folder_error"]:
@@ -181,35 +221,32 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         failed = [e["start_error"] for e in everyone if e["start_error"]]
         if failed:
             raise RuntimeError(f"{failed[0]}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
-        sinks: list[Any] = [LoggingSink(cfg.report.log_level)]
-        if cfg.report.jsonl_path:
-            sinks.append(JsonlSink(cfg.report.jsonl_path, fsync=cfg.report.fsync))
-        if metrics is not None:
-            metrics.describe(run_id=run_id, host=hosts[rank], configured_run_id=bool(cfg.report.run_id))
-            sinks.append(metrics)
-        reporter = Reporter(sinks, run_id=run_id, rank=rank)
+        return _rank_parts(cfg, adapter, groups, everyone, metrics, control)
     except BaseException:
         for part in (metrics, control):
             if part is not None:
                 with contextlib.suppress(Exception):  # the error that got us here is the one to raise
                     part.close()
-        ScoutHandle.release_claim()
         raise
-    handle = ScoutHandle(config=cfg, adapter=adapter, rank=rank, world_size=world, run_id=run_id, groups=groups,
-                         hosts=hosts, devices=devices, reporter=reporter)
-    handle.metrics = metrics
-    handle.control = control
-    handle.launch_id = everyone[0]["launch"]
-    try:
-        if cfg.observer.enabled:
-            handle.start_observer(ControlPlane(**everyone[0]["control"]), on_incident)
-        handle.start_replay()
-        handle.start_checkpointing()
-        handle.install_step_hooks()
-    except BaseException:
-        handle.close()
-        raise
-    return handle
 
 
-
+def _rank_parts(cfg: ScoutConfig, adapter: FrameworkAdapter, groups: ScoutGroups, everyone: list[Any],
+                metrics: Any, control: RunControl | None) -> tuple[ScoutParts, ControlPlane | None]:
+    """Who this rank is, from the exchange (rank 0's run id and launch are the job's), with its reporter."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hosts = {r: e["host"] for r, e in enumerate(everyone)}
+    devices = {r: e["device"] for r, e in enumerate(everyone)}
+    run_id = everyone[0]["run_id"]
+    sinks: list[Any] = [LoggingSink(cfg.report.log_level)]
+    if cfg.report.jsonl_path:
+        sinks.append(JsonlSink(cfg.report.jsonl_path, fsync=cfg.report.fsync))
+    if metrics is not None:
+        metrics.describe(run_id=run_id, host=hosts[rank], configured_run_id=bool(cfg.report.run_id))
+        sinks.append(metrics)
+    reporter = Reporter(sinks, run_id=run_id, rank=rank)
+    parts = ScoutParts(config=cfg, adapter=adapter, rank=rank, world_size=world, run_id=run_id, groups=groups,
+                       hosts=hosts, devices=devices, reporter=reporter, launch_id=everyone[0]["launch"],
+                       guard=DiagnosisGuard(groups.world_control, rank=rank, reporter=reporter, hosts=hosts),
+                       metrics=metrics, control=control)
+    plane = ControlPlane(**everyone[0]["control"]) if cfg.observer.enabled else None
+    return parts, plane

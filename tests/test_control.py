@@ -132,10 +132,11 @@ def test_a_key_the_framework_adapter_fixed_at_attach_is_refused():
     from types import SimpleNamespace
 
     from scout_core.config import ScoutConfig
-    from scout_core.handle import ScoutHandle
+    from scout_core.live_control import LiveControl
 
-    fake = SimpleNamespace(config=ScoutConfig(), replay=object(), experts=None,
+    fake = SimpleNamespace(config=ScoutConfig(),
                            adapter=SimpleNamespace(pinned={"replay.cadence.optimizer": "off: DeepSpeedCPUAdam"}))
-    status, reason = ScoutHandle._apply_command(fake, {"op": "set", "key": "replay.cadence.optimizer", "value": "1"})
+    live = LiveControl(fake.config, pinned=fake.adapter.pinned)
+    status, reason = live.apply({"op": "set", "key": "replay.cadence.optimizer", "value": "1"})
     assert status == "refused" and "fixed when SCOUT attached" in reason and "DeepSpeedCPUAdam" in reason
     assert fake.config.replay.cadence.optimizer == ScoutConfig().replay.cadence.optimizer

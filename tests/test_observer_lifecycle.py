@@ -12,7 +12,7 @@ import types
 import pytest
 import torch.distributed as dist
 
-from scout_core.handle import ScoutHandle
+from scout_core.observer_link import ObserverLink
 from scout_core.progress.control import CLOSED_KEY, ControlPlane, daemon_key
 from scout_core.progress.episode import CLOSED_LIST
 from scout_core.progress.observer import ObserverSpec, _Closing, _Observer, _release_inherited_files
@@ -50,7 +50,7 @@ def _reap(pid: int, record: ProgressRecord) -> tuple[int, float]:
     os.waitpid = recording_waitpid
     start = time.monotonic()
     try:
-        ScoutHandle._reap_observer(stub)  # type: ignore[arg-type]
+        ObserverLink.reap(stub)  # type: ignore[arg-type]
     finally:
         os.waitpid = real_waitpid
     return status[pid], time.monotonic() - start

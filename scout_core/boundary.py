@@ -1,0 +1,192 @@
+"""The step boundary's state machine: replay, certification evidence, the actions on a verdict, settle and stop.
+
+At each optimizer step (the LAST inner optimizer's post-hook) :meth:`StepBoundary.on_step` runs the replay
+boundary, turns its result into certification evidence, combines the evidence job-wide, lets the coordinator
+capture and persist what the certifier asks for, and acts on verdicts (``actions.*``). The training step ends at
+the next settle point (:meth:`StepBoundary.settle`): the caller's state joins the snapshot, and a stop a verdict
+asked for is carried out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, record_exclusions, verdict_summary
+from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
+from scout_core.checkpoint.coordinator import combine_evidence
+from scout_core.live_control import LiveControl
+from scout_core.parts import ScoutParts
+from scout_core.progress.record import Phase
+from scout_core.replay.engine import BoundaryResult
+from scout_core.report import Incident, IncidentKind
+
+__all__ = ["StepBoundary"]
+
+_log = logging.getLogger("scout")
+
+
+class StepBoundary:
+    """What happens at each step boundary, and what it leaves for the end of the step."""
+
+    def __init__(self, parts: ScoutParts, live: LiveControl) -> None:
+        self.parts = parts
+        self.live = live
+        self.last_result: BoundaryResult | None = None
+        self.last_expert: Any = None  # the expert check of the last boundary (scout_core.moe.replay.ExpertCheck)
+        self.last_decision: Any = None
+        self.stopped = False
+        self.stop_on_verdict = parts.config.actions.on_verdict == "stop"
+        self.exit_code = parts.config.actions.exit_code
+        self._stop_code: int | None = None  # a verdict asked to stop: raised at the next settle point
+        self._settle_extra = False  # a capture waits for the caller's end-of-step state
+        self._dense_in_cycle = False  # a hidden-layer check ran since the last completed recipe cycle
+
+    def set_stop_on_verdict(self, _key: str, value: Any) -> None:
+        """``scout ctl set actions.on_verdict=...``: what the next verdict does."""
+        self.stop_on_verdict = value == "stop"
+
+    # -- every optimizer step ------------------------------------------------------------------------
+
+    def on_step(self) -> BoundaryResult | None:
+        """The boundary, then rank 0's ``scout ctl`` commands where this boundary looks for them."""
+        result = self._boundary()
+        control = self.parts.control
+        if control is not None and control.tick():
+            self.live.steer(control, self.parts.step() or control.steps)
+        return result
+
+    def _boundary(self) -> BoundaryResult | None:
+        p = self.parts
+        self.settle()  # a previous step's snapshot is complete before this boundary (manual callers too)
+        if p.observer is not None:
+            p.observer.check()
+        if p.replay is None:
+            return None
+        if p.snapshots is not None:
+            p.snapshots.reserve_host_memory()  # once, now that the optimizer state exists
+        # SCOUT's local work is guarded stage by stage inside the boundary; what is left are collectives,
+        # and a collective that fails means the job's communication failed: that propagates, as the
+        # training job's own next collective would.
+        result = self.last_result = p.replay.boundary()
+        paused = p.control is not None and p.control.paused
+        expert = self.last_expert = (p.experts.boundary(result.step) if p.experts is not None and not paused
+                                     else None)
+        if expert is not None:
+            result.incidents_global += expert.incidents  # each expert-peer group's own verdicts
+        if not result.checked and expert is None:
+            return result
+        verdicts = actionable(result.incidents + result.incidents_global)
+        local = BoundaryEvidence(sdc=result.sdc or bool(expert and expert.sdc),
+                                 inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
+                                 missing=result.missing or bool(expert and expert.skipped),
+                                 straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
+        cert = p.certifier
+        job, action = self._certify(cert, result, expert, local)
+        verdict = job.sdc or job.inconclusive or job.straggler
+        failure = (FailureKind.SDC if job.sdc or job.inconclusive else FailureKind.STRAGGLER) if verdict else None
+        if cert is not None and p.labels is not None:
+            p.labels.on_boundary(result.step, action, cert, failure=failure, stopping=self.stop_on_verdict,
+                                 on_error=lambda exc: p.guard.report(result.step, "checkpoint", exc,
+                                                                     "framework checkpoint labels"))
+        if verdict:
+            self._act(result, verdicts, job, expert=actionable(expert.incidents) if expert else [])
+        return result
+
+    def _certify(self, cert: Certifier | None, result: BoundaryResult, expert: Any,
+                 local: BoundaryEvidence) -> tuple[BoundaryEvidence, Action | None]:
+        """This rank's evidence combined job-wide, and what the certifier makes of it (None: nothing certifies).
+        SCOUT's coordinator also captures or persists what the certifier asks for."""
+        p = self.parts
+        if cert is None:
+            return combine_evidence(local, p.groups.world_control), None
+        self._dense_in_cycle = self._dense_in_cycle or "hidden" in result.recipes
+        certify = self._certifies(result, expert)
+        if p.checkpoint is not None:
+            action, job = p.checkpoint.on_boundary(result.step, local, certify=certify)
+            self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
+        else:  # certification of the framework's checkpoints alone: nothing to capture
+            job = combine_evidence(local, p.groups.world_control, at_cycle_boundary=cert.at_cycle_boundary)
+            action = (cert.on_boundary(result.step, job) if certify or job.sdc or job.inconclusive
+                      else cert.skip_uncertified(job))
+        if action in (Action.CAPTURE_AND_PERSIST, Action.RECOVER):
+            self._dense_in_cycle = False
+        return job, action
+
+    def _certifies(self, result: BoundaryResult, expert: Any) -> bool:
+        """Whether this boundary's checks can vouch for the state (the same on every rank).
+
+        With the expert recipe, the recipe cycle K counts expert checks (every layer, local expert and
+        catalog representative once), so the boundaries with an expert check certify; a dense check between
+        them still reports SDC. The boundary that would complete a cycle certifies only if a hidden-layer
+        check also ran in that cycle (the dense parts are vouched for too). Otherwise only a check that
+        replayed a layer vouches (an LM-head or optimizer check on its own cadence does not), unless the layer
+        recipe is configured off (not switched off by replay's health: then nothing is vouched for)."""
+        p = self.parts
+        hidden_off = p.config.replay.cadence.hidden == 0 and "hidden" not in p.replay.health.disabled
+        if p.experts is not None:
+            closes = p.certifier.at_cycle_boundary
+            return expert is not None and (not closes or self._dense_in_cycle or hidden_off)
+        return result.checked and ("hidden" in result.recipes or hidden_off)
+
+    def _act(self, result: BoundaryResult, verdicts: list[Incident], job: BoundaryEvidence,
+             expert: list[Incident] | None = None) -> None:
+        """A verdict somewhere in the job: decision, hosts to exclude, and maybe stop. Same on every rank.
+        Each peer group's lowest rank contributes its group's verdicts, and each expert-peer group's lowest rank
+        its expert verdicts (an expert SDC is known only inside the expert's replicas)."""
+        p = self.parts
+        everyone: list[Any] = [None] * p.world_size
+        expert_ids = {id(i) for i in expert or []}
+        dense = [i for i in verdicts if id(i) not in expert_ids]
+        mine = [verdict_summary(i) for i in dense] if p.rank == min(p.groups.peer_ranks) else []
+        if expert and p.experts is not None and p.rank == min(p.experts.peers):
+            mine += [verdict_summary(i) for i in expert]
+        dist.all_gather_object(everyone, mine, group=p.groups.world_control)
+        summaries = list({(v["kind"], v["scope"], tuple(v["ranks"]), v["step"]): v
+                          for vs in everyone for v in vs}.values())
+        failure = FailureKind.SDC if (job.sdc or job.inconclusive) else FailureKind.STRAGGLER
+        try:
+            if p.checkpoint is not None:
+                self.last_decision = p.checkpoint.decide(failure, incident=summaries[0] if summaries else None,
+                                                         binding=self.stop_on_verdict)
+            path = exclude_hosts_path(p.config)
+            if p.rank == 0 and path is not None:
+                record_exclusions(path, summaries)
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            p.guard.report(result.step, "actions", exc, "verdict actions")
+        if self.stop_on_verdict:
+            self._stop_code = self.exit_code  # at the end of this step (see settle)
+
+    # -- the end of the training step ----------------------------------------------------------------
+
+    def settle(self) -> None:
+        """End of the training step, as seen from the next data fetch or the next optimizer step: the
+        caller's state joins the snapshot taken at the boundary, then a pending stop is carried out."""
+        p = self.parts
+        self.complete_caller_state()
+        if self._stop_code is not None and not self.stopped:
+            if p.checkpoint is not None:
+                with p.own_checkpoint_io("write"):  # the observer sees a checkpoint write, not a silent rank
+                    p.checkpoint.flush()  # the snapshot of this boundary is written and replicated
+            dist.barrier(group=p.groups.world_control)  # rank 0's records are durable before anyone exits
+            self.stopped = True
+            if p.tracker is not None:  # a deliberate end: the observer need not answer for a dead trainer
+                p.tracker.mark(Phase.CLOSED)
+            if p.metrics is not None:  # the verdict stays readable; no stall alert for a job that stopped
+                p.metrics.stopped()
+            raise ScoutStop(self._stop_code)
+
+    def flush(self) -> None:
+        """The training step is over: complete the snapshot with the caller's state and wait until it is
+        written and replicated (a pending stop is carried out here too)."""
+        self.settle()
+        if self.parts.checkpoint is not None:
+            with self.parts.own_checkpoint_io("write"):
+                self.parts.checkpoint.flush()
+
+    def complete_caller_state(self) -> None:
+        if self._settle_extra and self.parts.snapshots is not None:
+            self._settle_extra = False
+            self.parts.snapshots.complete_extra({"caller": self.parts.caller_state()})
