@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scout_core.consensus import C3Status, exact
+from scout_core.consensus import C3Result, C3Status, exact
 from scout_core.progress.record import Phase
 
 __all__ = ["Evidence", "HangClass", "HangVerdict", "classify", "classify_group", "deferred", "merge"]
@@ -196,6 +196,37 @@ def _named(cls: HangClass, ranks: list[int], group: Sequence[int], evidence: Map
     return HangVerdict(cls, tuple(ranks), tuple(group), f"{cls.value.replace('_', ' ')}: {where}; {peers}", facts)
 
 
+def _member_facts(ev: Sequence[Evidence], ranks: list[int]) -> dict[str, Any]:
+    """What a group's verdict shows of its live members, one list entry per member."""
+    return {
+        "peer_ranks": ranks,
+        "coordinates": [list(e.coordinate) for e in ev],
+        "phases": [Phase(e.phase).name.lower() for e in ev],
+        "pending": [e.pending for e in ev],
+        "silent": [e.silent for e in ev],
+        "silent_s": [e.silent_s for e in ev],
+        "fingerprints": [e.fingerprint if e.pending else "" for e in ev],
+    }
+
+
+def _progress_minority_verdicts(progress: C3Result, ev: Sequence[Evidence], group: Sequence[int],
+                                evidence: Mapping[int, Evidence], facts: dict[str, Any]) -> list[HangVerdict]:
+    """One verdict per class of the ranks off the progress majority. A protocol mismatch whose every rank waits
+    inside a collective behind the majority ``waits_behind`` it (:func:`merge` reads that)."""
+    majority = progress.reference
+    by_class: dict[HangClass, list[int]] = {}
+    for e in ev:
+        if e.rank in progress.outlier_ranks:
+            by_class.setdefault(_minority_class(e, majority), []).append(e.rank)
+    out: list[HangVerdict] = []
+    for cls, named in by_class.items():
+        v = _named(cls, named, group, evidence, facts, f"peers wait at {tuple(majority)[:2]}")
+        behind = cls is HangClass.PROTOCOL_MISMATCH and all(
+            evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in named)
+        out.append(HangVerdict(v.hang_class, v.ranks, v.peer_group, v.reason, v.evidence, waits_behind=behind))
+    return out
+
+
 def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> list[HangVerdict]:
     members = [r for r in group if r in evidence]
     live = [evidence[r] for r in members if evidence[r].alive]
@@ -216,31 +247,13 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         return out
     ev = live
     ranks = [e.rank for e in ev]
-    facts: dict[str, Any] = {
-        "peer_ranks": ranks,
-        "coordinates": [list(e.coordinate) for e in ev],
-        "phases": [Phase(e.phase).name.lower() for e in ev],
-        "pending": [e.pending for e in ev],
-        "silent": [e.silent for e in ev],
-        "silent_s": [e.silent_s for e in ev],
-        "fingerprints": [e.fingerprint if e.pending else "" for e in ev],
-    }
+    facts = _member_facts(ev, ranks)
     progress = exact([e.coordinate for e in ev], peer_ranks=ranks, surface="progress")
     facts["progress_c3"] = _compact(progress.to_dict(), len(ev))
     if len(ev) > _LISTED_MEMBERS:
         facts = _compact(facts, len(ev))
     if progress.status is C3Status.ATTRIBUTED:
-        majority = progress.reference
-        by_class: dict[HangClass, list[int]] = {}
-        for e in ev:
-            if e.rank in progress.outlier_ranks:
-                by_class.setdefault(_minority_class(e, majority), []).append(e.rank)
-        for cls, named in by_class.items():
-            v = _named(cls, named, group, evidence, facts, f"peers wait at {tuple(majority)[:2]}")
-            behind = cls is HangClass.PROTOCOL_MISMATCH and all(
-                evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in named)
-            out.append(HangVerdict(v.hang_class, v.ranks, v.peer_group, v.reason, v.evidence, waits_behind=behind))
-        return out
+        return out + _progress_minority_verdicts(progress, ev, group, evidence, facts)
     if progress.status is C3Status.INCONCLUSIVE and len(ev) == 2:
         # Two peers (HSDP with 2 replicas, DP 2 under TP/PP) have no majority, but one that waits silently
         # in a collective while the other is behind it outside any collective waits for that other one.
@@ -254,7 +267,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
     stuck = [e.rank for e in waiting if not e.pending]
     if len(waiting) < len(ev) and stuck:
         # Same point, but some peers keep working while these are silent outside any collective.
-        by_class = {}
+        by_class: dict[HangClass, list[int]] = {}
         for r in stuck:
             by_class.setdefault(_stopped_class(evidence[r]), []).append(r)
         return out + [_named(cls, named, group, evidence, facts, "peers at the same point keep working")

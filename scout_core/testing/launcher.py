@@ -190,21 +190,8 @@ def launch(
     stopped = False
     try:
         for rank in range(world_size):
-            reader, writer = Pipe(duplex=False)
             ctx = RankContext(rank=rank, world_size=world_size, master_port=port, args=dict(args or {}))
-            pid = os.fork()
-            if pid == 0:  # child: never returns
-                reader.close()
-                for other in readers:
-                    other.close()
-                _worker(fn, ctx, writer)
-            writer.close()
-            pids[rank] = pid
-            readers[reader] = rank
-            try:
-                os.setpgid(pid, pid)  # also done in the child; whichever runs first wins
-            except (ProcessLookupError, PermissionError):
-                pass
+            _fork_rank(fn, ctx, pids, readers)
         next_beat = time.monotonic() + HEARTBEAT_S
         while readers or (keep_groups and stop_when is not None):
             remaining = deadline - time.monotonic()
@@ -229,29 +216,60 @@ def launch(
                 continue
             for conn in wait(list(readers), timeout=wait_s):
                 rank = readers.pop(conn)
-                try:
-                    ok, value, error = pickle.loads(conn.recv_bytes())
-                    outcomes[rank] = RankOutcome(rank, ok, value, error)
-                except EOFError:
-                    outcomes[rank] = RankOutcome(rank, False, error="worker exited without a result")
-                conn.close()
+                outcomes[rank] = _receive(conn, rank)
                 if not outcomes[rank].ok:
                     # Peers of a failed rank usually block in a collective: give
                     # them a short grace period to report, not the whole timeout.
                     deadline = min(deadline, time.monotonic() + failure_grace_s)
     finally:
-        for conn, rank in readers.items():
-            why = ("killed at timeout" if timed_out else "stopped: the cell had what it waited for" if stopped
-                   else "killed after a peer failed")
-            outcomes[rank].error = outcomes[rank].error or why
-            conn.close()
-        # Ranks that never reported are killed; the others are exiting on their own and are reaped
-        # (killed only if they do not finish within _reap's grace), so their exit status is real.
-        for rank in readers.values():
-            _kill_group(pids[rank])
-        for rank, pid in pids.items():
-            _reap(pid, outcomes[rank])
+        _settle(pids, readers, outcomes, timed_out=timed_out, stopped=stopped)
     return LaunchResult(outcomes, timed_out, time.monotonic() - start, stopped)
+
+
+def _fork_rank(fn: Callable[[RankContext], Any], ctx: RankContext, pids: dict[int, int],
+               readers: dict[Connection, int]) -> None:
+    """Fork rank ``ctx.rank`` to run ``fn(ctx)``; record its pid and the read end of its result pipe."""
+    reader, writer = Pipe(duplex=False)
+    pid = os.fork()
+    if pid == 0:  # child: never returns
+        reader.close()
+        for other in readers:
+            other.close()
+        _worker(fn, ctx, writer)
+    writer.close()
+    pids[ctx.rank] = pid
+    readers[reader] = ctx.rank
+    try:
+        os.setpgid(pid, pid)  # also done in the child; whichever runs first wins
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _receive(conn: Connection, rank: int) -> RankOutcome:
+    """What a rank sent back over its result pipe, which is closed then."""
+    try:
+        ok, value, error = pickle.loads(conn.recv_bytes())
+        outcome = RankOutcome(rank, ok, value, error)
+    except EOFError:
+        outcome = RankOutcome(rank, False, error="worker exited without a result")
+    conn.close()
+    return outcome
+
+
+def _settle(pids: dict[int, int], readers: dict[Connection, int], outcomes: list[RankOutcome], *,
+            timed_out: bool, stopped: bool) -> None:
+    """Say why the ranks that never reported did not, kill them, and reap every rank."""
+    for conn, rank in readers.items():
+        why = ("killed at timeout" if timed_out else "stopped: the cell had what it waited for" if stopped
+               else "killed after a peer failed")
+        outcomes[rank].error = outcomes[rank].error or why
+        conn.close()
+    # Ranks that never reported are killed; the others are exiting on their own and are reaped
+    # (killed only if they do not finish within _reap's grace), so their exit status is real.
+    for rank in readers.values():
+        _kill_group(pids[rank])
+    for rank, pid in pids.items():
+        _reap(pid, outcomes[rank])
 
 
 def _reap(pid: int, outcome: RankOutcome) -> None:

@@ -1,0 +1,154 @@
+"""Verdict reporting for the observer: an episode's verdicts become incident records, the user's callback and,
+with ``actions.on_verdict: stop``, the end of the trainer.
+
+Mixed into the observer (:class:`VerdictReporting`): it uses the observer's spec,
+record and reporter, and its ``_critical_section`` and trainer checks. A verdict
+we reported is watched until its stall ends, which is written as a ``resolved``
+record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from scout_core.progress.classify import HangVerdict
+from scout_core.progress.episode import EpisodeOutcome
+from scout_core.progress.record import ProgressRecord, ProgressSnapshot
+from scout_core.progress.spec import ObserverSpec
+from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
+
+__all__ = ["VerdictReporting", "incident_reporter"]
+
+
+class _Stopped(Exception):
+    """The observer stopped its trainer on a verdict: a deliberate end, not a failure."""
+
+
+def incident_reporter(spec: ObserverSpec) -> Reporter:
+    """The observer's reporter: the log, and the incident file where one is configured."""
+    sinks: list[Any] = [LoggingSink(spec.log_level)]
+    if spec.jsonl_path:
+        sinks.append(JsonlSink(spec.jsonl_path, fsync=spec.fsync))
+    return Reporter(sinks, run_id=spec.run_id, rank=spec.rank)
+
+
+class VerdictReporting:
+    """The observer's reporting half: what it writes and calls once an episode has a verdict, and after."""
+
+    # Provided by the observer this is mixed into.
+    spec: ObserverSpec
+    record: ProgressRecord | None
+    reporter: Reporter
+    _watch: tuple[int, list[Incident], float] | None
+    _plane_reported: bool
+    _critical_section: Callable[..., contextlib.AbstractContextManager[None]]
+    _trainer_gone: Callable[[], bool]
+    _trainer_closing: Callable[[], bool]
+
+    def _live_settings(self) -> bool:
+        """Apply what the trainer changed live (``scout ctl set``) since our fork; whether to stop on a verdict."""
+        on_verdict, level = self.record.live() if self.record is not None else (None, None)
+        if level is not None:
+            for sink in self.reporter.sinks:
+                if isinstance(sink, LoggingSink):
+                    sink.level = level
+        return self.spec.stop_on_verdict if on_verdict is None else on_verdict == "stop"
+
+    def _deliver(self, outcome: EpisodeOutcome, snap: ProgressSnapshot, threshold: float) -> list[Incident]:
+        stop_on_verdict = self._live_settings()
+        t_verdict = time.monotonic()
+        incidents = [self._incident(v, snap, t_verdict, outcome.episode, threshold) for v in outcome.verdicts]
+        if outcome.reporter:
+            for inc in incidents:
+                self.reporter.emit(inc)
+        if self.spec.on_incident is not None:
+            for inc in incidents:
+                try:
+                    self.spec.on_incident(inc)
+                except Exception:  # a user callback must not kill the observer
+                    traceback.print_exc()
+        if stop_on_verdict and incidents and not self._trainer_gone():
+            if not self._trainer_closing():  # a trainer closing SCOUT is ending already: its close is not cut short
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.spec.trainer_pid, signal.SIGTERM)
+            raise _Stopped  # out of the critical section: _see_trainer_out answers the trainer's close, now or later
+        return incidents
+
+    def _resolved(self) -> None:
+        """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
+        if self._watch is None:
+            return
+        self._live_settings()  # logged at the level the trainer set last
+        with self._critical_section():  # a closing trainer's SIGTERM must not cut these records short
+            self._emit_resolved()
+
+    def _emit_resolved(self) -> None:
+        assert self._watch is not None
+        (episode, incidents, t_verdict), self._watch = self._watch, None
+        for inc in incidents:
+            self.reporter.emit(Incident(
+                kind=IncidentKind.RESOLVED, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
+                devices=list(inc.devices), step=inc.step,
+                evidence={"episode": episode, "verdict": inc.kind.value, "class": inc.evidence.get("class"),
+                          "after_s": round(time.monotonic() - t_verdict, 3)},
+                reason=f"progress resumed after episode {episode}'s verdict ({inc.reason})",
+            ))
+
+    def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int, threshold: float) -> Incident:
+        spec = self.spec
+        # The stall is the named ranks' silence (the reporter itself may have been working).
+        stall_s = max(_values(v.evidence.get("silent_s")) or [t_verdict - snap.t_publish])
+        return Incident(
+            kind=IncidentKind(v.kind), scope=IncidentScope(v.scope), ranks=list(v.ranks),
+            hosts=[spec.hosts.get(r, "?") for r in v.ranks], devices=[spec.devices.get(r, "?") for r in v.ranks],
+            step=snap.step,
+            surface=(_values(v.evidence.get("fingerprints")) or [""])[0] if v.scope == "peer_group" else "",
+            evidence={"class": v.hang_class.value, "peer_group": list(v.peer_group), "episode": episode,
+                      "control_plane": spec.control.kind,
+                      "stall_s": round(stall_s, 3), "threshold_s": round(threshold, 3), **v.evidence},
+            time_to_verdict_s=round(max(0.0, stall_s - threshold), 3),
+            reason=v.reason,
+        )
+
+    def _report_own_failure(self, tb: str) -> None:
+        with contextlib.suppress(Exception):
+            self.reporter.emit(Incident(
+                kind=IncidentKind.OBSERVER_FAILURE, scope=IncidentScope.RANK, ranks=[self.spec.rank],
+                hosts=[self.spec.hosts.get(self.spec.rank, socket.gethostname())],
+                devices=[self.spec.devices.get(self.spec.rank, "?")],
+                reason=f"observer of rank {self.spec.rank} failed: {tb.strip().splitlines()[-1]}",
+                evidence={"traceback": tb, "observer_pid": os.getpid()},
+            ))
+
+    def _report_control_plane_lost(self, error: str) -> None:
+        """Name the control store's machine lost, once per machine: by the observer of its lowest rank (no exchange
+        is possible)."""
+        spec = self.spec
+        mine = spec.hosts.get(spec.rank)
+        first_here = min((r for r, h in spec.hosts.items() if h == mine), default=spec.rank) == spec.rank
+        if not self._plane_reported and first_here:
+            self._plane_reported = True
+            host = spec.control.host
+            ranks = sorted(r for r, h in spec.hosts.items() if h == host)
+            self.reporter.emit(Incident(
+                kind=IncidentKind.HANG, scope=IncidentScope.MACHINE, ranks=ranks, hosts=[host] * max(1, len(ranks)),
+                devices=[spec.devices.get(r, "?") for r in ranks],
+                reason=f"the observers' control store at {host}:{spec.control.port} ({spec.control.kind}) has been "
+                       f"unreachable from {mine} for {spec.gather_timeout_s:.0f} s while the trainers there run: "
+                       f"its machine is probably lost ({error})",
+                evidence={"class": "control_plane_lost", "control": spec.control.to_dict(), "error": error},
+            ))
+
+
+def _values(facts: Any) -> list[Any]:
+    """A per-member fact list, or the distinct values (most frequent first) of a large group's summary."""
+    if isinstance(facts, dict):
+        return [value for value, _count in facts.get("distinct", [])]
+    return list(facts or [])
