@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from scout_core.boundary import StepBoundary
 from scout_core.config import ScoutConfig
-from scout_core.handle import ScoutHandle
 
 
 def _handle(catalog: object | None, experts: bool = True, *, closes: bool = False,
             dense: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(experts=SimpleNamespace(catalog=catalog) if experts else None, config=ScoutConfig(),
-                           replay=SimpleNamespace(health=SimpleNamespace(disabled=set())),
-                           certifier=SimpleNamespace(at_cycle_boundary=closes),
-                           _dense_in_cycle=dense)
+    boundary = SimpleNamespace(experts=SimpleNamespace(catalog=catalog) if experts else None, config=ScoutConfig(),
+                               replay=SimpleNamespace(health=SimpleNamespace(disabled=set())),
+                               certifier=SimpleNamespace(at_cycle_boundary=closes),
+                               _dense_in_cycle=dense)
+    boundary.parts = boundary  # the boundary reads the parts (experts, config, replay, certifier) there
+    return boundary
 
 
 HIDDEN = SimpleNamespace(checked=True, recipes=["hidden"])
@@ -27,28 +29,28 @@ def test_with_the_expert_recipe_exactly_the_expert_checks_certify():
     advance it."""
     for catalog in (object(), None):
         h = _handle(catalog=catalog)
-        assert not ScoutHandle._certifies(h, HIDDEN, None)
-        assert ScoutHandle._certifies(h, HIDDEN, EXPERT)
-        assert ScoutHandle._certifies(h, NOTHING, EXPERT)
+        assert not StepBoundary._certifies(h, HIDDEN, None)
+        assert StepBoundary._certifies(h, HIDDEN, EXPERT)
+        assert StepBoundary._certifies(h, NOTHING, EXPERT)
 
 
 def test_a_cycle_closes_only_if_a_dense_layer_check_ran_in_it():
     """Expert checks alone never vouch for attention and router: the boundary that would complete the cycle
     waits for a hidden-layer check in the cycle."""
-    assert not ScoutHandle._certifies(_handle(None, closes=True), NOTHING, EXPERT)
-    assert ScoutHandle._certifies(_handle(None, closes=True, dense=True), NOTHING, EXPERT)
+    assert not StepBoundary._certifies(_handle(None, closes=True), NOTHING, EXPERT)
+    assert StepBoundary._certifies(_handle(None, closes=True, dense=True), NOTHING, EXPERT)
     off = _handle(None, closes=True)
     off.config.replay.cadence.hidden = 0  # the layer recipe configured off: the expert cycle is the evidence
-    assert ScoutHandle._certifies(off, NOTHING, EXPERT)
+    assert StepBoundary._certifies(off, NOTHING, EXPERT)
     off.replay.health.disabled = {"hidden"}  # switched off by replay's health: nothing vouches
-    assert not ScoutHandle._certifies(off, NOTHING, EXPERT)
+    assert not StepBoundary._certifies(off, NOTHING, EXPERT)
 
 
 def test_without_experts_the_layer_checks_certify():
     h = _handle(catalog=None, experts=False)
-    assert ScoutHandle._certifies(h, HIDDEN, None)
-    assert not ScoutHandle._certifies(h, NOTHING, None)
-    assert not ScoutHandle._certifies(h, SimpleNamespace(checked=True, recipes=["output"]), None)
+    assert StepBoundary._certifies(h, HIDDEN, None)
+    assert not StepBoundary._certifies(h, NOTHING, None)
+    assert not StepBoundary._certifies(h, SimpleNamespace(checked=True, recipes=["output"]), None)
 
 
 def test_a_missing_check_starts_the_recipe_cycle_over():
@@ -91,7 +93,7 @@ def test_expert_outputs_in_library_styles_and_rows_in_the_expert_dtype():
     import pytest
     import torch
 
-    from scout_core.moe.replay import _seeded_rows, first_tensor
+    from scout_core.moe.expert_run import first_tensor, seeded_rows
 
     t = torch.ones(2)
 
@@ -104,7 +106,7 @@ def test_expert_outputs_in_library_styles_and_rows_in_the_expert_dtype():
     assert first_tensor(Out(0.1, t)) is t
     with pytest.raises(TypeError, match="no tensor"):
         first_tensor((None, 1))
-    assert _seeded_rows(0, 1, 5, 8, torch.bfloat16).dtype is torch.bfloat16
+    assert seeded_rows(0, 1, 5, 8, torch.bfloat16).dtype is torch.bfloat16
 
 
 def test_seeded_rng_scope_draws_alike_and_leaves_training_rng_alone():
@@ -125,7 +127,7 @@ def test_a_dense_layer_holding_a_bound_moe_layer_is_refused():
     import pytest
     from torch import nn
 
-    from scout_core.handle import _refuse_dense_moe
+    from scout_core.assembly import _refuse_dense_moe
 
     moe = nn.Module()
     moe.experts = nn.ModuleList([nn.Linear(4, 4)])

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core import config as config_module
+from scout_core import config_schema
 from scout_core.testing.launcher import RankContext, launch
 
 
@@ -43,14 +44,15 @@ def _section_of() -> dict[type, str]:
 
 
 def _record_reads() -> set[str]:
-    """Record config attribute reads made OUTSIDE scout_core.config (validation reads everything)."""
+    """Record config attribute reads made OUTSIDE scout_core.config and its schema (validation reads everything)."""
     reads: set[str] = set()
     sections = _section_of()
     for klass, prefix in sections.items():
         names = {f.name for f in dataclasses.fields(klass)}
 
         def getattribute(self, name, _prefix=prefix, _names=names, _orig=object.__getattribute__):
-            if name in _names and sys._getframe(1).f_globals.get("__name__") != config_module.__name__:
+            reader = sys._getframe(1).f_globals.get("__name__")
+            if name in _names and reader not in (config_module.__name__, config_schema.__name__):
                 reads.add(_prefix + name)
             return _orig(self, name)
 

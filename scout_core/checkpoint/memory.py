@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +88,19 @@ class MemorySlots:
     def _drop_other_world_sizes(self) -> None:
         """Slots of this job's earlier incarnation at another world size: no resume of this size can use
         them (shards differ), and on a RAM-backed filesystem they would hold memory for good."""
+        for d, n, m in self._slot_files():
+            if int(m.group(4)) != self.world:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(d, n))
+                    _log.warning("rank %d: deleted %s, a snapshot of this job at world size %d (now %d)",
+                                 self.rank, n, int(m.group(4)), self.world)
+
+    @property
+    def dir(self) -> str:
+        return os.path.join(self.root, self.host)
+
+    def _slot_files(self) -> Iterator[tuple[str, str, re.Match[str]]]:
+        """(folder, file name, name match) of every slot file on this machine, of a job of any size."""
         for d in self._dirs():
             try:
                 names = os.listdir(d)
@@ -95,15 +108,8 @@ class MemorySlots:
                 continue
             for n in names:
                 m = _SLOT.match(n)
-                if m and int(m.group(4)) != self.world:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(d, n))
-                        _log.warning("rank %d: deleted %s, a snapshot of this job at world size %d (now %d)",
-                                     self.rank, n, int(m.group(4)), self.world)
-
-    @property
-    def dir(self) -> str:
-        return os.path.join(self.root, self.host)
+                if m:
+                    yield d, n, m
 
     def _dirs(self) -> list[str]:
         """Where slots of this machine may be: the RAM-backed folder and the disk fallback (a previous run
@@ -178,17 +184,8 @@ class MemorySlots:
 
     def _all_slots(self) -> dict[str, tuple[str, int, int]]:
         """Path -> (kind, owner, step) of every complete slot of a job of this size on this machine."""
-        out = {}
-        for d in self._dirs():
-            try:
-                names = os.listdir(d)
-            except FileNotFoundError:  # a peer removed that (emptied) directory meanwhile
-                continue
-            for n in names:
-                m = _SLOT.match(n)
-                if m and int(m.group(4)) == self.world:
-                    out[os.path.join(d, n)] = (m.group(1), int(m.group(2)), int(m.group(3)))
-        return out
+        return {os.path.join(d, n): (m.group(1), int(m.group(2)), int(m.group(3)))
+                for d, n, m in self._slot_files() if int(m.group(4)) == self.world}
 
     def slots(self) -> dict[str, tuple[str, int, int]]:
         """File name -> (kind, owner, step) of every complete slot on this machine."""

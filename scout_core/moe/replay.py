@@ -25,28 +25,30 @@ Vetting (as the dense recipe's, :mod:`scout_core.replay.vetting`): in the first 
 ``determinism_every``-th after it each peer replays twice and compares its own runs, and every check sends
 the environment fingerprint; a rank that is not evidence is reported ``inconclusive`` once, never SDC.
 :meth:`ExpertReplay.sweep` is the restart's emergency sweep over every expert and catalog shape.
+One expert's run and signatures are in :mod:`scout_core.moe.expert_run`, the records a check makes in
+:mod:`scout_core.moe.expert_verdicts`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange, group_disagreements
+from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange
 from scout_core.moe.alltoall import AllToAllReplay
 from scout_core.moe.binding import MoEBinding, expert_width
 from scout_core.moe.catalog import Catalog
+from scout_core.moe.expert_run import SWEEP_ROWS, expert_pass, seeded_rows, signed_surfaces
+from scout_core.moe.expert_verdicts import ExpertCheck, ExpertVerdicts
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.health import FAILURES_BEFORE_OFF
 from scout_core.replay.layer import device_of
-from scout_core.replay.rng import RngProvider, seeded_rng_scope
+from scout_core.replay.rng import RngProvider
 from scout_core.replay.vetting import (
     ENVIRONMENT_SURFACE,
     REPRODUCIBLE_SURFACE,
@@ -56,39 +58,8 @@ from scout_core.replay.vetting import (
     vet_due,
 )
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
-from scout_core.signature import local_tensor, sign_many
 
 __all__ = ["ExpertCheck", "ExpertReplay", "MoEBinding"]
-
-
-@dataclass
-class ExpertCheck:
-    """One expert check on this rank."""
-
-    step: int
-    layer: str
-    expert: int
-    rows: int
-    source: int
-    surfaces: list[C3Result] = field(default_factory=list)
-    incidents: list[Incident] = field(default_factory=list)
-    skipped: str = ""
-    localization: Any = None
-    """A confirmed slow machine or group from the AllToAll replay's timings (``topology.Localization``)."""
-    transfers: list[Any] = field(default_factory=list)
-    """Endpoints of odd AllToAll transfers (``alltoall.TransferVerdict``), the same on every rank."""
-    untrusted: dict[int, str] = field(default_factory=dict)
-    """Expert peers whose replay is not evidence (``nondeterministic`` or ``environment``), found now."""
-    unreliable: list[C3Result] = field(default_factory=list)
-    """Disagreements set aside because a rank that is not evidence took part (never SDC)."""
-
-    @property
-    def sdc(self) -> bool:
-        return any(r.status is C3Status.ATTRIBUTED for r in self.surfaces)
-
-    @property
-    def inconclusive(self) -> bool:
-        return bool(self.unreliable) or any(r.status is C3Status.INCONCLUSIVE for r in self.surfaces)
 
 
 class ExpertReplay:
@@ -137,7 +108,7 @@ class ExpertReplay:
         self._failures = 0  # checks in a row skipped by a diagnosis error
         self.disabled = False
         self._untrusted: dict[int, str] = {}
-        self._untrusted_reported: set[tuple[int, str]] = set()
+        self.verdicts = ExpertVerdicts(rank=rank, peers=self.peers, hosts=hosts, reporter=reporter)
         self._env: str | None = None
         self.alltoall: AllToAllReplay | None = None
         if binding.ep_groups is not None:
@@ -178,7 +149,7 @@ class ExpertReplay:
         self.checks = int(saved.get("checks", 0))
         self._vet_always = bool(saved.get("vet_always", False))
         self._untrusted = {int(r): str(why) for r, why in saved.get("untrusted", {}).items()}
-        self._untrusted_reported = set(self._untrusted.items())
+        self.verdicts.reported = set(self._untrusted.items())
         self._vet_until = self.checks + self.cycle  # the machines may be new: vet one whole cycle again
         self._aim()
 
@@ -261,7 +232,7 @@ class ExpertReplay:
                 result.surfaces += a2a
             else:  # the AllToAll part failed somewhere (every rank alike): this check's evidence is incomplete
                 result.skipped = "AllToAll replay: diagnosis error"
-        result.incidents = self._verdicts(result)
+        result.incidents = self.verdicts.judge(result)
         return self._done(result)
 
     @contextlib.contextmanager
@@ -335,7 +306,7 @@ class ExpertReplay:
         if rows is None:  # no catalog: the training shape, or SWEEP_ROWS seeded rows if none were routed here
             rows = seen.shape[0] if seen is not None and seen.shape[0] else SWEEP_ROWS
         if seen is None or seen.shape[0] == 0:
-            return _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei))
+            return seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei))
         reps = -(-rows // seen.shape[0]) if rows else 0
         return seen.repeat(reps, 1)[:rows] if rows else seen[:0]
 
@@ -352,30 +323,10 @@ class ExpertReplay:
     def _replay_once(self, expert: nn.Module, x: torch.Tensor, check: int) -> list[tuple[str, Any]]:
         self._replaying = True
         try:
-            # The same seeded RNG on every peer (dropout masks alike), training's RNG streams untouched; autograd
-            # on even when a caller runs the boundary under no_grad (also for the parameters, which a view makes
-            # here as slices of its weights: under no_grad they would not require grad).
-            with seeded_rng_scope(7_919 * check + 101, self.rng_providers, deterministic=self.deterministic,
-                                  device=x.device), torch.enable_grad():
-                params = [p for p in expert.parameters() if p.requires_grad]
-                xi = x.detach().clone().requires_grad_(x.is_floating_point())
-                out = first_tensor(expert(xi))
-                gen = torch.Generator().manual_seed(7_919 * check + 17)
-                grad_out = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
-                grads = torch.autograd.grad([out], [xi, *params], grad_outputs=[grad_out], allow_unused=True) \
-                    if out.requires_grad else (None,) * (1 + len(params))
+            out, grads = expert_pass(expert, x, check, self.rng_providers, deterministic=self.deterministic)
         finally:
             self._replaying = False
-        # Local values of DTensors (an expert-parallel weight's gradient): signing them must not communicate.
-        groups = [("output", [local_tensor(out.detach())]),
-                  ("grad_input", [local_tensor(g) for g in grads[:1] if g is not None]),
-                  ("grad_param", [local_tensor(g) for g in grads[1:] if g is not None])]
-        out_sig = []
-        for name, tensors in groups:
-            if tensors:
-                signed = sign_many([torch.cat([t.reshape(-1) for t in tensors])])[0]
-                out_sig.append((name, (signed.signature, signed.nonfinite)))
-        return out_sig
+        return signed_surfaces(out, grads)
 
     def _environment(self, device: torch.device) -> str:
         if self._env is None:
@@ -411,7 +362,7 @@ class ExpertReplay:
                 for rows in self.representatives(li) or [SWEEP_ROWS]:
                     for ei, expert in enumerate(experts):
                         done = guard.run("expert sweep", lambda li=li, ei=ei, expert=expert, rows=rows: self._replay(
-                            expert, _seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei)).to(
+                            expert, seeded_rows(li, ei, rows, self._width(li, ei), self._dtype(li, ei)).to(
                                 device_of(expert)), (1 << 20) + rows, twice=True))  # twice: kernels not yet vetted
                         if done is not None:
                             signed, again = done
@@ -431,7 +382,7 @@ class ExpertReplay:
         # Evidence set aside (a rank not reproducible or in another environment) proves nothing either way.
         unproven = torch.tensor([1 if result.unreliable else 0], dtype=torch.int32)
         result.surfaces = bad
-        incidents = self._verdicts(result)
+        incidents = self.verdicts.judge(result)
         for inc in incidents:
             inc.step = step
             inc.reason = "emergency sweep of the latest state: " + inc.reason
@@ -439,75 +390,6 @@ class ExpertReplay:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world_control)
         dist.all_reduce(unproven, op=dist.ReduceOp.MAX, group=self.world_control)
         return "dirty" if flag.item() else "failed" if unproven.item() else "clean"
-
-    # -- verdicts ---------------------------------------------------------------------------------------
-
-    def _verdicts(self, result: ExpertCheck) -> list[Incident]:
-        """This expert group's verdicts (reported by its lowest rank not named) and the job-wide ones from the
-        AllToAll replay (reported once, by the lowest rank of the job not named)."""
-        # An odd AllToAll transfer makes its receiver the odd one among its replicas whichever endpoint did
-        # it: those are judged job-wide (result.transfers), not per receiver.
-        own = [r for r in result.surfaces
-               if not (r.surface.startswith("alltoall.") and r.status is C3Status.ATTRIBUTED)]
-        by_ranks, groupwide = group_disagreements(own)
-        rows = f" ({result.rows} rows)" if result.rows >= 0 else ""
-        out = [self._incident(IncidentScope.RANK, ranks, rs, f"expert replay: {len(rs)} surface(s) differ from "
-                              f"the strict majority of the expert's replicas{rows}")
-               for ranks, rs in by_ranks.items()]
-        if groupwide:
-            out.append(self._incident(IncidentScope.PEER_GROUP, self.peers, groupwide,
-                                      "expert replay: the expert's replicas disagree without a strict majority"))
-        out += self._vetting_verdicts(result)
-        named = {r for i in out if i.scope is IncidentScope.RANK for r in i.ranks}
-        reporter = min((r for r in self.peers if r not in named), default=min(self.peers))
-        if out and self.rank == reporter and self.reporter is not None:
-            for inc in out:
-                inc.step = result.step
-                self.reporter.emit(inc)
-        job = [Incident(kind=IncidentKind.SDC, scope=IncidentScope(t.scope), ranks=list(t.ranks),
-                        hosts=[self.hosts.get(r, "?") for r in t.ranks], step=result.step,
-                        surface="alltoall.transfers", evidence={"transfers": [list(x) for x in t.transfers]},
-                        reason=t.reason) for t in result.transfers]
-        loc = result.localization
-        if loc is not None:
-            job.append(Incident(kind=IncidentKind.STRAGGLER, scope=IncidentScope(loc.scope), ranks=list(loc.ranks),
-                                hosts=list(loc.hosts), step=result.step, surface="alltoall.comm_s",
-                                evidence={"slow_groups": [[d, list(g)] for d, g in loc.slow_groups]},
-                                reason=f"AllToAll replay with one plan: {loc.reason}"))
-        if job:  # the same on every rank: one record for the job
-            named = {r for inc in job for r in inc.ranks}
-            writer = min((r for r in range(dist.get_world_size()) if r not in named), default=0)
-            if self.rank == writer and self.reporter is not None:
-                for inc in job:
-                    self.reporter.emit(inc)
-        return out + job
-
-    _UNTRUSTED_REASON = {
-        "nondeterministic": "nondeterministic: the expert replayed twice on this rank signed differently, so its "
-                            "replay cannot be compared bitwise",
-        "environment": "environment: this rank replays the expert with other software, hardware or precision "
-                       "settings than its replicas' majority, so equal inputs need not give equal bits",
-    }
-
-    def _vetting_verdicts(self, result: ExpertCheck) -> list[Incident]:
-        """A rank that is not evidence: one ``inconclusive`` record per rank and reason, never SDC."""
-        out = []
-        for reason, text in self._UNTRUSTED_REASON.items():
-            new = tuple(sorted(r for r, why in result.untrusted.items()
-                               if why == reason and (r, reason) not in self._untrusted_reported))
-            if new:
-                self._untrusted_reported.update((r, reason) for r in new)
-                inc = self._incident(IncidentScope.RANK, new, result.unreliable, text, kind=IncidentKind.INCONCLUSIVE)
-                inc.evidence["reason"] = reason
-                out.append(inc)
-        return out
-
-    def _incident(self, scope: IncidentScope, ranks: Sequence[int], results: Sequence[C3Result],
-                  reason: str, *, kind: IncidentKind = IncidentKind.SDC) -> Incident:
-        return Incident(kind=kind, scope=scope, ranks=list(ranks), step=None,
-                        hosts=[self.hosts.get(r, "?") for r in ranks],
-                        surface=";".join(r.surface for r in results),
-                        evidence={"surfaces": {r.surface: r.to_dict() for r in results}}, reason=reason)
 
     def _done(self, result: ExpertCheck) -> ExpertCheck:
         self._health(result)
@@ -525,29 +407,3 @@ class ExpertReplay:
         self._seen.clear()
         self._want = None
 
-
-SWEEP_ROWS = 64
-"""Rows per expert in an emergency sweep without a shape catalog (a 16-row-tile kernel's interior and a
-64-row tile's: without a catalog nothing says which shapes matter, see docs/moe.md)."""
-
-
-def _seeded_rows(li: int, ei: int, rows: int, width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows for an expert that has seen none (or for the sweep): identical on every rank, no transfer."""
-    gen = torch.Generator().manual_seed(1_000_003 * li + ei)
-    return torch.randn(rows, width, generator=gen).to(dtype)
-
-
-def first_tensor(out: Any) -> torch.Tensor:
-    """An expert's output tensor: itself, or the first tensor of a tuple, list, dict or dataclass it returns
-    (Megatron's experts return ``(out, bias)``)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        out = [getattr(out, f.name) for f in dataclasses.fields(out)]
-    elif isinstance(out, dict):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for item in out:
-            if isinstance(item, torch.Tensor):
-                return item
-    raise TypeError(f"an expert returned {type(out).__name__}, with no tensor to compare")

@@ -4,6 +4,7 @@
 * :mod:`scout_core.testing.cells`: the named fault-injection cells of ``configs/cells.yaml`` and their runner
   (``scout cells run``);
 * :mod:`scout_core.testing.inject`: the fault injector the cells drive (bit flips, delays, freezes, kills).
+* :mod:`scout_core.testing.plugins`: a framework plugin's version gate and entry point, as its tests check them.
 
 They ship with scout-core so that a plugin's or a user's own cells can use them; a training job never needs them.
 """

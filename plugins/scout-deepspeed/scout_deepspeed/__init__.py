@@ -17,50 +17,27 @@ entry-point group (``plugin``) and shows its framework version and how to turn i
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
+
+from scout_core.plugin_support import UnsupportedVersion, VersionGate
 
 __all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "handle_of", "initialize", "plugin"]
 
 SUPPORTED = (">=0.19", "<0.20")
 """The deepspeed versions this plugin is tested with (``pyproject.toml`` declares the same range)."""
 
-
-class UnsupportedVersion(ImportError):
-    """The installed deepspeed is outside :data:`SUPPORTED`."""
-
-
-def check_version(installed: str | None = None) -> str:
-    """The installed deepspeed version, or :class:`UnsupportedVersion` naming it and the tested range."""
-    if installed is None:
-        try:
-            installed = metadata.version("deepspeed")
-        except metadata.PackageNotFoundError:
-            raise UnsupportedVersion("scout-deepspeed needs deepspeed >=0.19,<0.20, and none is installed (see "
-                                     "plugins/scout-deepspeed/README.md: pip install --no-build-isolation "
-                                     "'deepspeed>=0.19,<0.20' with torch pinned)") from None
-    major_minor = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
-    if not (0, 19) <= major_minor < (0, 20):
-        raise UnsupportedVersion(f"scout-deepspeed supports deepspeed >=0.19,<0.20; deepspeed {installed} is "
-                                 "installed (install a deepspeed in that range, or a scout-deepspeed for yours)")
-    return installed
-
+_GATE = VersionGate(plugin="scout-deepspeed", framework="deepspeed", supported=SUPPORTED,
+                    missing_hint="see plugins/scout-deepspeed/README.md: pip install --no-build-isolation "
+                                 "'deepspeed>=0.19,<0.20' with torch pinned")
+check_version = _GATE.check
+"""The installed deepspeed version, or :class:`UnsupportedVersion` naming it and the tested range."""
 
 DEEPSPEED_VERSION = check_version()
 
-
-class _Plugin:
-    """What scout_core learns of this plugin through the entry point."""
-
-    name = "deepspeed"
-    framework = "deepspeed"
-    framework_version = DEEPSPEED_VERSION
-    supported = ",".join(SUPPORTED)
-    how = ('add "scout": {"enabled": true, ...} to the DeepSpeed config and call scout_deepspeed.initialize(...) '
-           "instead of deepspeed.initialize(...)")
-
-
-plugin = _Plugin()
+plugin = _GATE.describe(DEEPSPEED_VERSION, name="deepspeed", how=(
+    'add "scout": {"enabled": true, ...} to the DeepSpeed config and call scout_deepspeed.initialize(...) '
+    "instead of deepspeed.initialize(...)"))
+"""What scout_core learns of this plugin through the entry point."""
 
 
 def __getattr__(name: str) -> Any:

@@ -26,14 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scout_core.checkpoint.durable import (
-    SET_ASIDE,
-    FrameworkCheckpoints,
-    agreed_restart_plan,
-    point_tracker,
-    refuse_rejected,
-    set_aside,
-)
+from scout_core.checkpoint import durable
+from scout_core.checkpoint.durable import FrameworkCheckpoints
 from scout_core.runtime import ScoutHandle
 
 __all__ = ["LATEST", "install", "plan_restart"]
@@ -69,13 +63,13 @@ def _plan(folder: str) -> dict[str, Any] | None:
     # once everything moved: a plan that fails half-way still knows why the job stopped.
     after = choice.step if choice.step is not None else -1
     newest_first = sorted(tag_of, key=lambda step: (step != -1, -step))  # -1: the unlabelled tag latest names
-    aside = [set_aside(folder, tag_of[step]) for step in newest_first
+    aside = [durable.set_aside(folder, tag_of[step]) for step in newest_first
              if (step > after or step == -1) and os.path.isdir(os.path.join(folder, tag_of[step]))]
-    point_tracker(folder, LATEST, None if choice.step is None else tag_of[choice.step])
+    durable.point_tracker(folder, LATEST, None if choice.step is None else tag_of[choice.step])
     labels.restarted_from(choice.step, set_aside=aside)
     log.warning("scout_deepspeed: restart from %s (%s: %s); %d newer tag(s) set aside in %s",
                 f"tag {tag_of[choice.step]}" if choice.step is not None else "the model's initialization",
-                choice.label, choice.reason, len(aside), SET_ASIDE)
+                choice.label, choice.reason, len(aside), durable.SET_ASIDE)
     return {"load": None if choice.step is None else tag_of[choice.step], "step": choice.step,
             "reason": choice.reason}
 
@@ -96,7 +90,7 @@ def plan_restart(load_dir: str) -> dict[str, Any] | None:
     then would restore the state the verdict rejected."""
     if not dist.is_initialized():
         return None
-    return agreed_restart_plan(load_dir, lambda: _plan(load_dir), who="scout_deepspeed", what="DeepSpeed's tag")
+    return durable.agreed_restart_plan(load_dir, lambda: _plan(load_dir), who="scout_deepspeed", what="DeepSpeed's tag")
 
 
 def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
@@ -144,7 +138,7 @@ def install(handle: ScoutHandle, engine: Any) -> Callable[[], None]:
     @functools.wraps(load)
     def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         if tag is not None:  # the user's choice is loaded, unless SCOUT labelled it rejected
-            refuse_rejected(load_dir, lambda _step, entry: _tag_of(entry) == str(tag), f"tag {tag}",
+            durable.refuse_rejected(load_dir, lambda _step, entry: _tag_of(entry) == str(tag), f"tag {tag}",
                             who="scout_deepspeed", allowed=handle.config.checkpoint.load_rejected)
         why_not = _no_plan(engine, tag)
         if why_not is None:

@@ -1,14 +1,14 @@
 """The "scout" section of a DeepSpeed config: validated by scout_core's schema, errors naming the JSON path."""
 
 import json
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 import scout_deepspeed
 from scout_core.config import ConfigError
-from scout_deepspeed.section import REFERENCE_BEGIN, REFERENCE_END, config_from_section, reference, user_config
+from scout_core.testing.plugins import check_plugin_contract, check_readme_block
+from scout_deepspeed.section import config_from_section, user_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -74,9 +74,8 @@ def test_configs_deepspeed_reads_are_read_alike(tmp_path):
 
 
 def test_readme_reference_is_current():
-    text = README.read_text()
-    start, end = text.index(REFERENCE_BEGIN), text.index(REFERENCE_END) + len(REFERENCE_END)
-    assert text[start:end] + "\n" == reference(), "regenerate with scout_deepspeed.section.reference()"
+    check_readme_block(README, "scout_deepspeed.section", begin="REFERENCE_BEGIN", end="REFERENCE_END",
+                       generate="reference")
 
 
 def test_version_gate_names_both_versions():
@@ -86,5 +85,5 @@ def test_version_gate_names_both_versions():
 
 
 def test_registered_as_a_scout_plugin():
-    (entry,) = [e for e in metadata.entry_points(group="scout.plugins") if e.name == "deepspeed"]
-    assert entry.load() is scout_deepspeed.plugin and scout_deepspeed.plugin.framework_version
+    check_plugin_contract("scout_deepspeed", "deepspeed", framework="deepspeed", supported=">=0.19,<0.20",
+                          outside="0.18.1")

@@ -16,8 +16,9 @@ entry-point group (``plugin``) and shows its framework version and how to turn i
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any
+
+from scout_core.plugin_support import UnsupportedVersion, VersionGate
 
 __all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "parse_and_validate_args", "plugin", "pretrain",
            "transformer_engine_version"]
@@ -25,43 +26,17 @@ __all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "parse_and_validate_args
 SUPPORTED = (">=0.19", "<0.20")
 """The megatron-core versions this plugin is tested with (``pyproject.toml`` declares the same range)."""
 
-
-class UnsupportedVersion(ImportError):
-    """The installed megatron-core is outside :data:`SUPPORTED`."""
-
-
-def check_version(installed: str | None = None) -> str:
-    """The installed megatron-core version, or :class:`UnsupportedVersion` naming it and the tested range."""
-    if installed is None:
-        try:
-            installed = metadata.version("megatron-core")
-        except metadata.PackageNotFoundError:
-            raise UnsupportedVersion("scout-megatron needs megatron-core >=0.19,<0.20, and none is installed "
-                                     "(pip install --no-deps --ignore-requires-python 'megatron-core>=0.19,<0.20')"
-                                     ) from None
-    major_minor = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
-    if not (0, 19) <= major_minor < (0, 20):
-        raise UnsupportedVersion(f"scout-megatron supports megatron-core >=0.19,<0.20; megatron-core {installed} "
-                                 "is installed (install a megatron-core in that range, or a scout-megatron for "
-                                 "yours)")
-    return installed
-
+_GATE = VersionGate(plugin="scout-megatron", framework="megatron-core", supported=SUPPORTED,
+                    missing_hint="pip install --no-deps --ignore-requires-python 'megatron-core>=0.19,<0.20'")
+check_version = _GATE.check
+"""The installed megatron-core version, or :class:`UnsupportedVersion` naming it and the tested range."""
 
 MEGATRON_CORE_VERSION = check_version()
 
-
-class _Plugin:
-    """What scout_core learns of this plugin through the entry point."""
-
-    name = "megatron"
-    framework = "megatron-core"
-    framework_version = MEGATRON_CORE_VERSION
-    supported = ",".join(SUPPORTED)
-    how = ("from scout_megatron import parse_and_validate_args, pretrain; launch with --scout "
-           "[--scout-config PATH] [--scout-<section>-<key> VALUE ...]")
-
-
-plugin = _Plugin()
+plugin = _GATE.describe(MEGATRON_CORE_VERSION, name="megatron", how=(
+    "from scout_megatron import parse_and_validate_args, pretrain; launch with --scout "
+    "[--scout-config PATH] [--scout-<section>-<key> VALUE ...]"))
+"""What scout_core learns of this plugin through the entry point."""
 
 
 def transformer_engine_version() -> str | None:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scout_core.actions import ScoutStop
+from scout_core.config import ScoutConfig
 from scout_core.runtime import ScoutHandle
 from scout_megatron.flags import add_scout_args, config_from_args
 
@@ -75,20 +76,19 @@ _TRAIN_DATA_ARG = 4
 opt_param_scheduler, train_data_iterator, ...)``."""
 
 
-def pretrain(*args: Any, **kwargs: Any) -> Any:
-    """Megatron's ``pretrain`` (same arguments, same result), with SCOUT attached when ``--scout`` was given."""
-    from megatron.training import get_args, training
-
-    megatron_args = get_args()
+def _scout_config(megatron_args: argparse.Namespace) -> ScoutConfig | None:
+    """SCOUT's configuration from the parsed arguments, or None: SCOUT not asked for (no ``--scout``)."""
     if not hasattr(megatron_args, "scout"):
         if any(a.startswith("--scout") for a in sys.argv[1:]):
             raise RuntimeError("scout_megatron.pretrain: --scout was given but the arguments were parsed without "
                                "SCOUT's flags: parse them with scout_megatron.parse_and_validate_args (the same "
                                "import line); --yaml-cfg replaces the parsed flags and cannot carry SCOUT's")
-        return training.pretrain(*args, **kwargs)  # SCOUT not asked for: Megatron's pretrain, untouched
-    config = config_from_args(megatron_args)
-    if config is None:
-        return training.pretrain(*args, **kwargs)
+        return None
+    return config_from_args(megatron_args)
+
+
+def _refuse_cuda_graphs(megatron_args: argparse.Namespace) -> None:
+    """Stop a launch with SCOUT and CUDA graphs, naming the graph flags given."""
     graphs = [flag for flag, on in (
         ("--optimizer-cuda-graph", getattr(megatron_args, "optimizer_cuda_graph", False)),
         ("--cuda-graph-impl", getattr(megatron_args, "cuda_graph_impl", "none") not in (None, "none")),
@@ -98,7 +98,52 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
         # the capture only, and diagnosis would silently stop.
         raise RuntimeError(f"scout_megatron: SCOUT observes training through Python hooks, which CUDA graphs skip: "
                            f"run without {', '.join(graphs)}, or without --scout")
-    from scout_megatron.attach import attach, mark_data
+
+
+def _finalize_marked(finalize: Callable[..., Any], handle: ScoutHandle, margs: argparse.Namespace
+                     ) -> Callable[..., Any]:
+    """Megatron's ``maybe_finalize_async_save``, marked as checkpoint I/O while an asynchronous save is in flight."""
+    from megatron.training.async_utils import is_empty_async_queue
+
+    @functools.wraps(finalize)
+    def finalize_marked(*fa: Any, **fk: Any) -> Any:
+        # An asynchronous save's finalization (its metadata, barriers, the tracker; at the end, waiting for
+        # the writer) is checkpoint I/O too, not a stalled job. Megatron calls this every iteration: only a
+        # save in flight is marked, so the step's hot path publishes nothing more.
+        if not getattr(margs, "async_save", False) or is_empty_async_queue():
+            return finalize(*fa, **fk)
+        with handle.checkpoint_io("write"):
+            return finalize(*fa, **fk)
+
+    return finalize_marked
+
+
+def _train_with_marked_data(train: Callable[..., Any], attached: _Attached) -> Callable[..., Any]:
+    """Megatron's ``train``, its training data iterator marked for SCOUT once SCOUT is attached."""
+    from scout_megatron.attach import mark_data
+
+    @functools.wraps(train)
+    def train_with_marked_data(*a: Any, **k: Any) -> Any:
+        if attached.handle is not None:  # a fetch of the training data marks the hang path (data stalls)
+            if len(a) > _TRAIN_DATA_ARG:
+                a = (*a[:_TRAIN_DATA_ARG], mark_data(attached.handle, a[_TRAIN_DATA_ARG]), *a[_TRAIN_DATA_ARG + 1:])
+            elif "train_data_iterator" in k:
+                k["train_data_iterator"] = mark_data(attached.handle, k["train_data_iterator"])
+        return train(*a, **k)
+
+    return train_with_marked_data
+
+
+def pretrain(*args: Any, **kwargs: Any) -> Any:
+    """Megatron's ``pretrain`` (same arguments, same result), with SCOUT attached when ``--scout`` was given."""
+    from megatron.training import get_args, training
+
+    megatron_args = get_args()
+    config = _scout_config(megatron_args)
+    if config is None:
+        return training.pretrain(*args, **kwargs)  # SCOUT not asked for: Megatron's pretrain, untouched
+    _refuse_cuda_graphs(megatron_args)
+    from scout_megatron.attach import attach
     from scout_megatron.checkpoints import continue_after_load, label_saves, plan_restart
 
     global _last
@@ -118,38 +163,15 @@ def pretrain(*args: Any, **kwargs: Any) -> Any:
         if attached.handle is None and optimizer is not None:  # --skip-train builds no optimizer: nothing to watch
             handle = attached.handle = attach(model, optimizer, config=config, opt_param_scheduler=scheduler)
             training.save_checkpoint = label_saves(handle, own)(save)
-
-            from megatron.training.async_utils import is_empty_async_queue
-
-            @functools.wraps(finalize)
-            def finalize_marked(*fa: Any, **fk: Any) -> Any:
-                # An asynchronous save's finalization (its metadata, barriers, the tracker; at the end, waiting for
-                # the writer) is checkpoint I/O too, not a stalled job. Megatron calls this every iteration: only a
-                # save in flight is marked, so the step's hot path publishes nothing more.
-                if not getattr(margs, "async_save", False) or is_empty_async_queue():
-                    return finalize(*fa, **fk)
-                with handle.checkpoint_io("write"):
-                    return finalize(*fa, **fk)
-
-            training.maybe_finalize_async_save = finalize_marked
+            training.maybe_finalize_async_save = _finalize_marked(finalize, handle, margs)
             continue_after_load(handle, int(getattr(margs, "iteration", 0) or 0), getattr(margs, "load", None))
         return model, optimizer, scheduler
 
     train = training.train
-
-    @functools.wraps(train)
-    def train_with_marked_data(*a: Any, **k: Any) -> Any:
-        if attached.handle is not None:  # a fetch of the training data marks the hang path (data stalls)
-            if len(a) > _TRAIN_DATA_ARG:
-                a = (*a[:_TRAIN_DATA_ARG], mark_data(attached.handle, a[_TRAIN_DATA_ARG]), *a[_TRAIN_DATA_ARG + 1:])
-            elif "train_data_iterator" in k:
-                k["train_data_iterator"] = mark_data(attached.handle, k["train_data_iterator"])
-        return train(*a, **k)
-
     # ``pretrain`` calls the module's ``setup_model_and_optimizer``, ``train`` and ``save_checkpoint`` by name and
     # offers no hook between building the model and training it: the names are rebound for this call only.
     training.setup_model_and_optimizer = setup_then_attach
-    training.train = train_with_marked_data
+    training.train = _train_with_marked_data(train, attached)
     planned: SystemExit | None = None
     try:
         try:

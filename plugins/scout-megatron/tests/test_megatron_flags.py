@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 
 from scout_core.config import ConfigError, ScoutConfig, schema_keys
+from scout_core.testing.plugins import check_plugin_contract, check_readme_block
 from scout_megatron.entry import scout_args_provider
 from scout_megatron.flags import add_scout_args, config_from_args, flag_of
 
@@ -90,31 +89,13 @@ def test_config_from_args_names_the_flag_outside_argparse_too():
         config_from_args(args)
 
 
-def test_an_unsupported_megatron_core_is_refused_naming_both_versions(monkeypatch):
-    real = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda name: "0.18.3" if name == "megatron-core" else real(name))
-    saved = sys.modules.pop("scout_megatron")
-    try:
-        with pytest.raises(ImportError, match=r"supports megatron-core >=0\.19,<0\.20; megatron-core 0\.18\.3 is"):
-            importlib.import_module("scout_megatron")
-    finally:
-        sys.modules["scout_megatron"] = saved
+def test_the_plugin_registers_and_refuses_an_unsupported_megatron_core():
+    check_plugin_contract("scout_megatron", "megatron", framework="megatron-core", supported=">=0.19,<0.20",
+                          outside="0.18.3")
 
 
-def test_the_plugin_is_found_through_the_entry_point_group():
-    found = {ep.name: ep for ep in metadata.entry_points(group="scout.plugins")}
-    plugin = found["megatron"].load()
-    assert plugin.framework == "megatron-core" and plugin.framework_version.startswith("0.19")
-
-
-def test_the_readme_lists_every_flag():
-    """The README's flag table is generated from scout_core's schema; regenerate with
-    ``python -c "from scout_megatron.flags import flags_reference as f; print(f(), end='')"``."""
-    from scout_megatron.flags import FLAGS_BEGIN, FLAGS_END, flags_reference
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme[readme.index(FLAGS_BEGIN):readme.index(FLAGS_END) + len(FLAGS_END)] + "\n"
-    assert block == flags_reference()
+def test_the_readme_lists_every_flag():  # generated from scout_core's schema by scout_megatron.flags
+    check_readme_block(Path(__file__).resolve().parents[1] / "README.md", "scout_megatron.flags")
 
 
 def test_a_misspelled_scout_flag_fails_even_where_megatron_ignores_unknown_flags(capsys):

@@ -7,41 +7,18 @@ Importing the package checks that the installed TorchTitan is one this plugin is
 
 from __future__ import annotations
 
-from importlib import metadata
+from scout_core.plugin_support import UnsupportedVersion, VersionGate
 
 __all__ = ["SUPPORTED", "UnsupportedVersion", "plugin"]
 
 SUPPORTED = (">=0.3", "<0.4")
 """The torchtitan versions this plugin is tested with (``pyproject.toml`` declares the same range)."""
 
+_GATE = VersionGate(plugin="scout-torchtitan", framework="torchtitan", supported=SUPPORTED,
+                    outside_hint="pip install 'torchtitan>=0.3,<0.4', or a scout-torchtitan for it")
 
-class UnsupportedVersion(ImportError):
-    """The installed torchtitan is outside :data:`SUPPORTED`."""
+TORCHTITAN_VERSION = _GATE.check()
 
-
-def _check_version() -> str:
-    try:
-        installed = metadata.version("torchtitan")
-    except metadata.PackageNotFoundError:
-        raise UnsupportedVersion("scout-torchtitan needs torchtitan >=0.3,<0.4, and none is installed") from None
-    major_minor = tuple(int(p) for p in installed.split(".")[:2] if p.isdigit())
-    if not (0, 3) <= major_minor < (0, 4):
-        raise UnsupportedVersion(f"scout-torchtitan supports torchtitan >=0.3,<0.4; torchtitan {installed} is "
-                                 "installed (pip install 'torchtitan>=0.3,<0.4', or a scout-torchtitan for it)")
-    return installed
-
-
-TORCHTITAN_VERSION = _check_version()
-
-
-class _Plugin:
-    """What scout_core learns of this plugin through the entry point."""
-
-    name = "torchtitan"
-    framework = "torchtitan"
-    framework_version = TORCHTITAN_VERSION
-    supported = ",".join(SUPPORTED)
-    how = "--module scout_torchtitan --config <config> --scout.enable [--scout.<section>.<key> VALUE ...]"
-
-
-plugin = _Plugin()
+plugin = _GATE.describe(TORCHTITAN_VERSION, name="torchtitan", how=(
+    "--module scout_torchtitan --config <config> --scout.enable [--scout.<section>.<key> VALUE ...]"))
+"""What scout_core learns of this plugin through the entry point."""

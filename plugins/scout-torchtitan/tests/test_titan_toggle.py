@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import sys
-from importlib import metadata
+from pathlib import Path
 
 import pytest
 from torchtitan.config import ConfigManager
 from torchtitan.models.llama3 import config_registry as llama3
 
 from scout_core.config import ConfigError, ScoutConfig
+from scout_core.testing.plugins import check_plugin_contract, check_readme_block
 from scout_torchtitan.config import ScoutSection, to_core
 from scout_torchtitan.config_registry import with_scout
 from scout_torchtitan.trainer import ScoutTrainer
@@ -76,34 +75,13 @@ def test_an_unknown_config_name_lists_what_there_is():
         ConfigManager().parse_args(["--module", "scout_torchtitan", "--config", "no_such_config"])
 
 
-def test_an_unsupported_torchtitan_is_refused_naming_both_versions(monkeypatch):
-    real = metadata.version
-    monkeypatch.setattr(metadata, "version", lambda name: "0.4.1" if name == "torchtitan" else real(name))
-    saved = sys.modules.pop("scout_torchtitan")
-    try:
-        with pytest.raises(ImportError, match=r"supports torchtitan >=0\.3,<0\.4; torchtitan 0\.4\.1 is installed"):
-            importlib.import_module("scout_torchtitan")
-    finally:
-        sys.modules["scout_torchtitan"] = saved
+def test_the_plugin_registers_and_refuses_an_unsupported_torchtitan():
+    check_plugin_contract("scout_torchtitan", "torchtitan", framework="torchtitan", supported=">=0.3,<0.4",
+                          outside="0.4.1")
 
 
-def test_the_plugin_is_found_through_the_entry_point_group():
-    found = {ep.name: ep for ep in metadata.entry_points(group="scout.plugins")}
-    assert "torchtitan" in found
-    plugin = found["torchtitan"].load()
-    assert plugin.framework == "torchtitan" and plugin.framework_version.startswith("0.3")
-
-
-def test_the_readme_lists_every_flag():
-    """The README's flag table is generated from scout_core's schema; regenerate with
-    ``python -c "from scout_torchtitan.config import flags_reference as f; print(f())"``."""
-    from pathlib import Path
-
-    from scout_torchtitan.config import FLAGS_BEGIN, FLAGS_END, flags_reference
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme[readme.index(FLAGS_BEGIN):readme.index(FLAGS_END) + len(FLAGS_END)] + "\n"
-    assert block == flags_reference()
+def test_the_readme_lists_every_flag():  # generated from scout_core's schema by scout_torchtitan.config
+    check_readme_block(Path(__file__).resolve().parents[1] / "README.md", "scout_torchtitan.config")
 
 
 def test_the_override_carries_scout_into_an_unchanged_config():
