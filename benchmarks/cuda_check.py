@@ -3,7 +3,7 @@
     python benchmarks/cuda_check.py --out DIR [--device cuda]
 
 CI has no GPU, so these run by hand on a machine that has one (the figures go
-in the README's "On CUDA" table). Each check records its outcome and goes on:
+in the "On CUDA" table of docs/benchmarks.md). Each check records its outcome and goes on:
 
 1. the signature fold's throughput beside ``torch.sum`` on the GPU;
 2. NCCL as the only default backend (one rank per GPU): ``enable()`` with every
@@ -71,7 +71,7 @@ def median_step(results: list[dict], skip: int) -> float:
 
 
 def check_signature(device: torch.device) -> dict:
-    from run import bench_signature  # benchmarks/run.py, beside this file
+    from primitives_bench import bench_signature  # benchmarks/primitives_bench.py, beside this file
 
     return {"rows": bench_signature(device, 1024 if device.type == "cuda" else 64, 10)}
 
