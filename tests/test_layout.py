@@ -85,3 +85,52 @@ def test_the_rule_finds_each_way_in():
     assert _violations(cli, cli.read_text() + "\nfrom scout_core.testing.cells import load_cells\n")
     plugin = next(p for p in _production_files() if "plugins" in p.parts)
     assert _violations(plugin, plugin.read_text() + "\nfrom scout_core.testing import launcher\n")
+
+
+# The size rules of the house: every room (a production module of the core, a plugin or the benchmarks) does one
+# job in under 450 lines, says that job in a docstring of at most two lines first, and no function runs past 80.
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+MAX_SUMMARY_LINES = 2
+
+
+def _rooms() -> list[Path]:
+    return _production_files() + sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def _size_violations(path: Path, source: str | None = None) -> list[str]:
+    text = source if source is not None else path.read_text()
+    rel = path.relative_to(ROOT)
+    tree = ast.parse(text, filename=str(path))
+    bad = []
+    lines = len(text.splitlines())
+    if lines >= MAX_MODULE_LINES:
+        bad.append(f"{rel}: {lines} lines (under {MAX_MODULE_LINES})")
+    doc = ast.get_docstring(tree, clean=True)
+    if not doc:
+        bad.append(f"{rel}: no module docstring saying its job")
+    elif len(doc.split("\n\n")[0].splitlines()) > MAX_SUMMARY_LINES:
+        bad.append(f"{rel}: the docstring's first paragraph is over {MAX_SUMMARY_LINES} lines")
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                bad.append(f"{rel}:{node.lineno} {node.name} is {length} lines (at most {MAX_FUNCTION_LINES})")
+    return bad
+
+
+def test_every_room_is_small_and_says_its_job():
+    rooms = _rooms()
+    assert any(p.parent.name == "benchmarks" for p in rooms) and any("plugins" in p.parts for p in rooms)
+    assert [v for path in rooms for v in _size_violations(path)] == []
+
+
+def test_the_size_rule_finds_each_breach():
+    """The check above can fail: a long module, a long function, a missing or long docstring are each named."""
+    room = PACKAGE / "signature.py"
+    text = room.read_text()
+    long_function = "\ndef _long():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    assert any("_long is" in v for v in _size_violations(room, text + long_function))
+    assert any("lines (under" in v for v in _size_violations(room, text + "\n" * MAX_MODULE_LINES))
+    assert any("no module docstring" in v for v in _size_violations(room, "x = 1\n"))
+    assert any("first paragraph" in v for v in _size_violations(room, '"""one\ntwo\nthree"""\n'))

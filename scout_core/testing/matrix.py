@@ -1,6 +1,8 @@
 """The fault matrix (``nox -s matrix``, ``scout cells matrix``): every 16-rank cell by layout and fault class,
-summarised in the style of the paper's Table 3 (markdown) and drawn (PNG: passed / failed per layout and fault
-class, and the time to verdict of each cell)."""
+summarised in the style of the paper's Table 3.
+
+Written as markdown and drawn as a PNG (passed / failed per layout and fault class, and the time to verdict of
+each cell)."""
 
 from __future__ import annotations
 
