@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import torch
-
 from primitives_bench import best
 
 

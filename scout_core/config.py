@@ -39,7 +39,17 @@ from scout_core.config_schema import (
 )
 
 __all__ = [
-    *config_schema.__all__,
+    "ActionsConfig",
+    "CheckpointConfig",
+    "ConsensusConfig",
+    "ControlConfig",
+    "ObserverConfig",
+    "PrometheusConfig",
+    "ReplayCadence",
+    "ReplayConfig",
+    "ReportConfig",
+    "ScoutConfig",
+    "TopologyConfig",
     "ConfigError",
     "SchemaKey",
     "load",

@@ -134,3 +134,15 @@ def test_the_size_rule_finds_each_breach():
     assert any("lines (under" in v for v in _size_violations(room, text + "\n" * MAX_MODULE_LINES))
     assert any("no module docstring" in v for v in _size_violations(room, "x = 1\n"))
     assert any("first paragraph" in v for v in _size_violations(room, '"""one\ntwo\nthree"""\n'))
+
+
+def test_the_architecture_picture_is_the_codes():
+    """docs/architecture.md's picture of the parts is what docs/draw_architecture.py draws from the imports now
+    (run it after moving a module), and every module belongs to a part of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("draw_architecture", ROOT / "docs" / "draw_architecture.py")
+    draw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw)
+    assert draw.current(draw.PAGE.read_text()) == draw.block(), "run python docs/draw_architecture.py"
+    assert ("step boundary", "replay/") in draw.edges()
