@@ -88,5 +88,5 @@ def campaign(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff", env=CONSTRAINTS)
-    session.run("ruff", "check", "scout_core", "tests", "integrations_tests", "benchmarks", "plugins", "examples", "docs",
-                "noxfile.py")
+    session.run("ruff", "check", "scout_core", "tests", "integrations_tests", "benchmarks", "plugins", "examples",
+                "docs", "noxfile.py")
