@@ -167,9 +167,10 @@ def test_replay_error_cell_fails_when_a_diagnosis_error_reaches_training(monkeyp
 
 
 def test_replay_cell_fails_when_blame_shifts(monkeypatch):
-    from scout_core.replay import protocol
+    from scout_core.replay import protocol, sweep
 
-    monkeypatch.setattr(protocol, "c3_exchange", _shift_blame(protocol.c3_exchange))
+    for module in (protocol, sweep):  # the check's exchanges and the emergency sweep's compare alike
+        monkeypatch.setattr(module, "c3_exchange", _shift_blame(module.c3_exchange))
     (report,) = run_cells([SPECS["ddp-sdc-output"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks" in report.details
 

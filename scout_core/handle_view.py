@@ -36,10 +36,15 @@ class _ReadThrough:
         self.holder = holder
 
     def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
         self.read = operator.attrgetter(f"{self.holder}.{name}")
 
     def __get__(self, handle: Any, owner: type | None = None) -> Any:
         return self if handle is None else self.read(handle)
+
+    def __set__(self, handle: Any, value: Any) -> None:
+        # A write here would only shadow the part's value and change nothing: say where it lives instead.
+        raise AttributeError(f"handle.{self.name} is read-only: it belongs to handle.{self.holder}")
 
 
 def _of(holder: str) -> Any:
@@ -88,6 +93,12 @@ class HandleView:
     @property
     def observer_pid(self) -> int | None:
         return self.parts.observer.observer_pid if self.parts.observer is not None else None
+
+    @property
+    def ddp_buckets_visible(self) -> bool | None:
+        """Whether DDP's gradient buckets publish to the hang path (False: the model had its own comm hook);
+        None without the observer (docs/hangs.md)."""
+        return self.parts.observer.ddp_buckets_visible if self.parts.observer is not None else None
 
     @property
     def observer_startup_s(self) -> float | None:

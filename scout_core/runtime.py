@@ -148,16 +148,19 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scout_core.enable() needs an initialized default process group")
     ScoutHandle.claim()
+    parts: ScoutParts | None = None
     try:
         cfg = validate(config or ScoutConfig())
         world = dist.get_world_size()
         peers = _resolve_peer_groups(adapter, cfg.topology, world)
         groups = build_groups(peers, _check_replica_groups(adapter.replica_groups, peers, world))
         parts, plane = _join_job(adapter, cfg, groups)
+        handle = new_handle(parts)
     except BaseException:
+        if parts is not None:  # built but not yet held by a handle: what _join_job started closes here
+            _close_quietly(parts.metrics, parts.control)
         ScoutHandle.release_claim()
         raise
-    handle = new_handle(parts)
     try:
         if cfg.observer.enabled:
             assert plane is not None
@@ -223,10 +226,7 @@ def _join_job(adapter: FrameworkAdapter, cfg: ScoutConfig,
             raise RuntimeError(f"{failed[0]}" + (f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""))
         return _rank_parts(cfg, adapter, groups, everyone, metrics, control)
     except BaseException:
-        for part in (metrics, control):
-            if part is not None:
-                with contextlib.suppress(Exception):  # the error that got us here is the one to raise
-                    part.close()
+        _close_quietly(metrics, control)
         raise
 
 
@@ -250,3 +250,11 @@ def _rank_parts(cfg: ScoutConfig, adapter: FrameworkAdapter, groups: ScoutGroups
                        metrics=metrics, control=control)
     plane = ControlPlane(**everyone[0]["control"]) if cfg.observer.enabled else None
     return parts, plane
+
+
+def _close_quietly(*started: Any) -> None:
+    """Close what start-up opened before an error (the error that got us here is the one to raise)."""
+    for part in started:
+        if part is not None:
+            with contextlib.suppress(Exception):
+                part.close()

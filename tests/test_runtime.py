@@ -609,3 +609,45 @@ def test_a_verdict_before_the_first_framework_save_rejects_what_is_saved_after_i
                     args={"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path)})
     assert result.ok, result.failures()
     assert [v for v in result.values()] == [{6: "rejected"}] * 4
+
+
+def _handle_fails_to_build(ctx: RankContext):
+    import scout_core
+    from integrations_tests.models import start_rank
+    from scout_core import runtime
+    from scout_core.config import load
+    from scout_core.handle import ScoutHandle
+
+    a, _, par, opt = start_rank(ctx)
+    cfg = load(None, ["observer.enabled=false", "report.log_level=ERROR"])
+    real = runtime.new_handle
+
+    def broken(parts):
+        raise RuntimeError("the handle could not be built")
+
+    runtime.new_handle = broken
+    try:
+        scout_core.enable(par.model, opt, config=cfg)
+    except RuntimeError as exc:
+        raised = str(exc)
+    finally:
+        runtime.new_handle = real
+    held_after_failure = ScoutHandle.is_open()
+    handle = scout_core.enable(par.model, opt, config=cfg)  # the claim was released
+    try:
+        handle.stop_on_verdict = True
+    except AttributeError as exc:
+        write = str(exc)
+    else:
+        write = "accepted"
+    handle.close()
+    return {"raised": raised, "held": held_after_failure, "write": write}
+
+
+def test_a_handle_that_fails_to_build_releases_the_claim_and_handle_attributes_are_read_only(tmp_path):
+    result = launch(_handle_fails_to_build, 2, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                                   "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    for v in result.values():
+        assert v["raised"] == "the handle could not be built" and not v["held"]
+        assert "read-only" in v["write"] and "handle.boundary" in v["write"], v["write"]
