@@ -334,7 +334,9 @@ class ProgressTracker:
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
             buffer = bucket.buffer()
-            buffer.div_(dist.get_world_size(group))
+            # As DDP itself does when it copies each gradient into its bucket: times the reciprocal of the world
+            # size, before the sum (a division after it differs in the last bit at 3, 5, 6, 12 ... ranks).
+            buffer.mul_(1.0 / dist.get_world_size(group))
             # DDP cannot unregister a comm hook: after close() it stays, averaging as before, silent.
             if tracker.closed:
                 work = dist.all_reduce(buffer, group=group, async_op=True)
