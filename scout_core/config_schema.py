@@ -10,19 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = [
-    "ActionsConfig",
-    "CheckpointConfig",
-    "ConsensusConfig",
-    "ControlConfig",
-    "ObserverConfig",
-    "PrometheusConfig",
-    "ReplayCadence",
-    "ReplayConfig",
-    "ReportConfig",
-    "ScoutConfig",
-    "TopologyConfig",
-]
+# Every section is re-exported by scout_core.config, the module the package imports them from.
 
 
 def _range(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
