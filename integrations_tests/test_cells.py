@@ -152,7 +152,7 @@ def test_machine_lost_cell_fails_without_the_peer_replica_fetch(monkeypatch):
 
     monkeypatch.setattr(Restarter, "_exchange_replicas", lambda self, gen, fetch: None)
     (report,) = run_cells([SPECS["recovery-machine-lost"]], root=ROOT)
-    assert report.verdict == "FAIL"
+    assert report.verdict == "FAIL" and "fetched" in report.details
 
 
 def test_replay_error_cell_fails_when_a_diagnosis_error_reaches_training(monkeypatch):

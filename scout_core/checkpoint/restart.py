@@ -17,9 +17,12 @@ from scout_core.parts import ScoutParts
 __all__ = ["Restart"]
 
 
-def _trust(cert: Certifier, latest: int, verified: int | None) -> None:
-    """The certification state of a restored step: nothing is a candidate yet, no check counts toward it."""
-    cert.latest, cert.verified, cert.candidate, cert.q = latest, verified, None, 0
+def _trust(cert: Certifier, latest: int | None, verified: int | None, *, durable: int | None = None) -> None:
+    """The certification state of a restored step (None: the state from before resume() put back): nothing is
+    a candidate yet, no check counts toward it.
+    ``durable``: the verified generation every rank holds in SCOUT's store (what pruning keeps from)."""
+    cert.latest, cert.verified, cert.candidate, cert.q, cert.durable = latest, verified, None, 0, durable
+    cert.unstored = set()
 
 
 class Restart:
@@ -39,15 +42,16 @@ class Restart:
             restore=lambda snap: restore_state(a.chunks, a.optimizers, snap, set_extra=p.restore_caller_state,
                                                rng_providers=a.rng_providers),
             after_restore=self.after_restore, current=self.state_now,
-            extra_sweeps=[p.experts.sweep] if p.experts is not None else [])
+            extra_sweeps=[p.experts.sweep] if p.experts is not None else [], guard=p.guard)
         with p.own_checkpoint_io("read"):  # loading (and a sweep) can take long: the observer sees why
             return restarter.resume(failure)
 
     def state_now(self) -> dict[str, Any]:
-        """A copy of the state as it is now (what a dirty emergency sweep puts back)."""
+        """A copy of the state as it is now, in pageable host memory (one state's size, taken once by resume()
+        before its first restore, freed when it returns): what a failed restore or a dirty sweep puts back."""
         snapshots = self.parts.snapshots
         assert snapshots is not None
-        snapshots.capture(-1, extra_later=True)
+        snapshots.capture(-1, extra_later=True, pinned=False)
         try:
             # The caller's state too: a rolled-back sweep must not leave the scheduler or data position of
             # the rejected state behind.
@@ -63,9 +67,9 @@ class Restart:
         if p.experts is not None:
             p.experts.load_state(snap["extra"].get("scout_experts", {}))
         assert p.checkpoint is not None
-        _trust(p.checkpoint.certifier, trust["latest"], trust["verified"])
-        if p.tracker is not None:
-            p.tracker.resume_at = int(snap["step"])
+        _trust(p.checkpoint.certifier, trust["latest"], trust["verified"], durable=trust["verified"])
+        if p.tracker is not None:  # None: the state from before resume() was put back
+            p.tracker.resume_at = trust["latest"]
 
     def continue_from(self, step: int, *, verified: int | None, abandon_newer: bool = True) -> None:
         """The framework restored its own checkpoint of ``step`` (see

@@ -63,7 +63,9 @@ class EmergencySweep:
         saved to replay, or a local failure on some rank: the latest state is not proven clean, and no SDC is
         claimed)."""
         guard, recipes, step = self.guard, self.recipes, ctx.step
-        work = self._work()
+        # Local work, before the first collective: a rank whose listing raises takes part with nothing to
+        # replay, and the first agreement below ends the sweep on every rank.
+        work = guard.run("listing the sweep's layers", self._work) or []
         # Every rank takes part in the same number of agreements: pipeline stages hold different numbers
         # of layers (the embedding on the first stage only).
         rounds = torch.tensor([len(work)], dtype=torch.int64)
@@ -74,9 +76,9 @@ class EmergencySweep:
             prepared = None
             if item is not None:
                 idx, call = item
-                device = module_compute_device(recipes.layers[idx])
-                prepared = guard.run(f"sweep inputs of {recipes.names[idx]}", lambda c=call, d=device, i=idx: (
-                    to_device(c, d), recipes.reserve(i, timed=False, headroom=recipes.unshard_bytes(i, guard))))
+                prepared = guard.run(f"sweep inputs of {recipes.names[idx]}", lambda c=call, i=idx: (
+                    to_device(c, module_compute_device(recipes.layers[i])),
+                    recipes.reserve(i, timed=False, headroom=recipes.unshard_bytes(i, guard))))
             # One agreement per layer, before its collectives: a local failure (out of memory moving the
             # inputs or reserving the unshard) ends the sweep on every rank together.
             if not guard.agree(step, "sweep"):
