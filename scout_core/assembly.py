@@ -22,13 +22,14 @@ from scout_core.boundary import StepBoundary
 from scout_core.checkpoint.certify import Certifier
 from scout_core.checkpoint.coordinator import CheckpointCoordinator
 from scout_core.checkpoint.labels import FrameworkLabels
-from scout_core.checkpoint.memory import MemorySlots, default_memory_root
+from scout_core.checkpoint.memory import MemorySlots, default_memory_root, job_token, share_nonce
 from scout_core.checkpoint.restart import Restart
 from scout_core.checkpoint.snapshot import SnapshotEngine
 from scout_core.checkpoint.store import DurableStore
 from scout_core.consensus import StatisticalRule
 from scout_core.handle import ScoutHandle
 from scout_core.live_control import LiveControl
+from scout_core.metrics import job_name
 from scout_core.moe.binding import expert_width
 from scout_core.moe.catalog import Catalog
 from scout_core.moe.replay import ExpertReplay
@@ -181,8 +182,14 @@ def build_checkpoint(parts: ScoutParts) -> CheckpointCoordinator:
     cfg = parts.config
     directory = cfg.checkpoint.directory
     assert parts.snapshots is not None
+    # The slots are this job's own: its run id, else the launcher's job id, with the checkpoint folder's nonce
+    # (rank 0's, the same on every rank; before any capture, so that none is ever named by a wrong one).
+    job = job_name(cfg.report.run_id, configured=bool(cfg.report.run_id))
+    nonce, fresh = share_nonce(directory, rank=parts.rank, group=parts.groups.world_control,
+                               on_error=lambda exc: parts.guard.report(None, "checkpoint", exc, "the job nonce"))
     memory = MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=parts.rank,
-                         hosts=parts.hosts, fallback=os.path.join(directory, "memory"))
+                         hosts=parts.hosts, fallback=os.path.join(directory, "memory"), token=job_token(job, nonce),
+                         fresh=fresh)
     return CheckpointCoordinator(
         parts.snapshots, DurableStore(directory, parts.rank, parts.world_size),
         new_certifier(parts), memory=memory, control_group=parts.groups.world_control,

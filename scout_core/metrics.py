@@ -249,8 +249,8 @@ of the name (a requeued job numbers its steps from 0 again: its restart still re
 
 
 def job_name(run_id: str, *, configured: bool = False) -> str:
-    """The name a job's textfiles carry: ``report.run_id`` where the user set it, else the scheduler's or
-    torchrun's job id, else the run id (then each launch writes files of its own)."""
+    """The name a job's textfiles carry (and the job its in-memory snapshots belong to): ``report.run_id`` where
+    the user set it, else the scheduler's or torchrun's job id, else the run id (then each launch is its own)."""
     if not configured:
         for env, prefix in JOB_ID_ENV.items():
             value = os.environ.get(env, "")

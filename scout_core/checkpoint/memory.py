@@ -2,11 +2,17 @@
 
 Layout (``ROOT`` is ``checkpoint.memory_dir``, default ``/dev/shm/scout-<job>``)::
 
-    ROOT/<host>/own-r00003-s000000040-w00016.pt       rank 3's newest snapshot (step 40) of a 16-rank job
-    ROOT/<host>/replica-r00011-s000000040-w00016.pt   rank 11's snapshot, kept here by its partner
+    ROOT/<host>/own-r00003-s000000040-w00016-j<id>.pt       rank 3's newest snapshot (step 40) of a 16-rank job
+    ROOT/<host>/replica-r00011-s000000040-w00016-j<id>.pt   rank 11's snapshot, kept here by its partner
 
-Step and world size are in the name, so a restarted job takes inventory without
-reading a byte, and slots of a job of another size are never offered. A slot is
+Step, world size and job are in the name, so a restarted job takes inventory
+without reading a byte, and slots of a job of another size, or of another job,
+are never offered. The job (``<id>``, :func:`job_token`) hashes ``report.run_id``
+(else the launcher's job id) with the nonce of the checkpoint folder, which rank 0
+reads or creates at ``enable()`` and sends to every rank (:func:`share_nonce`): a
+folder made afresh never restores an older job's memory. Slots of another job are
+left out of every inventory and deleted at this job's first capture
+(:meth:`MemorySlots.drop_foreign`). A slot is
 written to a temporary name and renamed (a reader never sees a partial slot),
 then the older slot of the same owner is removed: at rest a rank holds one own
 slot plus one replica slot per rank it partners.
@@ -25,17 +31,23 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from scout_core.checkpoint.store import atomic_save, atomic_write, remove_stale_temporaries
+from scout_core.checkpoint.store import atomic_save, atomic_write, fsync_dir, remove_stale_temporaries
 
-__all__ = ["MemorySlots", "default_memory_root", "partners"]
+__all__ = ["NONCE", "MemorySlots", "default_memory_root", "job_token", "partners", "read_nonce", "share_nonce",
+           "write_nonce"]
 
 _log = logging.getLogger("scout")
-_SLOT = re.compile(r"^(own|replica)-r(\d{5})-s(\d{9})-w(\d{5})\.pt$")
+_SLOT = re.compile(r"^(own|replica)-r(\d{5})-s(\d{9})-w(\d{5})(?:-j([0-9a-f]{12}))?\.pt$")
+_NONCE = re.compile(r"^[0-9a-f]{32}$")
+NONCE = "job-nonce"
+"""The file in the checkpoint folder that names this folder's incarnation (written once, at ``enable()``)."""
 HEADROOM = 1.10
 """Free space asked for beyond the slots' size (serialization overhead, a transient second slot)."""
 
@@ -45,6 +57,82 @@ def default_memory_root(directory: str, memory_dir: str = "") -> str:
     base = memory_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     job = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:12]
     return os.path.join(base, f"scout-{job}")
+
+
+def read_nonce(folder: str) -> str | None:
+    """The nonce of the checkpoint ``folder`` (None: it has none); a file that is not a nonce raises."""
+    try:
+        with open(os.path.join(folder, NONCE), encoding="ascii") as fh:
+            nonce = fh.read().strip()
+    except FileNotFoundError:
+        return None
+    if not _NONCE.match(nonce):
+        raise ValueError(f"{os.path.join(folder, NONCE)} holds no job nonce ({nonce[:40]!r})")
+    return nonce
+
+
+def write_nonce(folder: str, nonce: str) -> bool:
+    """Write ``nonce`` into ``folder`` unless it holds one already (True: written here). A fsynced temporary
+    (``mkstemp``: unique on every machine) hard-linked to the final name, so a nonce there is never replaced; a
+    file system without hard links (gcsfuse, s3fs) gets a rename, and every writer writes the same value."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, NONCE)
+    if os.path.exists(path):
+        return False
+    fd, tmp = tempfile.mkstemp(prefix=f"{NONCE}.tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(nonce)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links here
+            if os.path.exists(path):
+                return False
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    fsync_dir(folder)
+    return True
+
+
+def share_nonce(folder: str, *, rank: int, group: Any, on_error: Callable[[BaseException], None]) -> tuple[str, bool]:
+    """The job's nonce (every rank calls it, at ``enable()``): rank 0 reads or creates the one of its checkpoint
+    folder and broadcasts it on ``group``; a rank whose folder lacks it (a node-local folder) writes it there.
+    Also whether rank 0 made it now (the folder had none). A rank that fails reports it through ``on_error``:
+    rank 0 then sends a nonce of this launch alone (its slots are never restored, nothing is mislabelled)."""
+    box: list[Any] = [None]
+    if rank == 0:
+        made = False
+        try:
+            nonce = read_nonce(folder)
+            if nonce is None:
+                made = True
+                write_nonce(folder, uuid.uuid4().hex)
+                nonce = read_nonce(folder)
+                if nonce is None:
+                    raise FileNotFoundError(f"{os.path.join(folder, NONCE)} is not visible after it was written")
+            box[0] = (nonce, made, True)
+        except Exception as exc:  # noqa: BLE001 - every rank goes on with a nonce of this launch
+            on_error(exc)
+            box[0] = (uuid.uuid4().hex, made, False)
+    dist.broadcast_object_list(box, src=0, group=group)
+    nonce, made, kept = box[0]
+    if rank != 0 and kept:
+        try:
+            write_nonce(folder, nonce)  # only where absent: a node-local folder
+        except Exception as exc:  # noqa: BLE001 - bookkeeping of this rank alone: the nonce is agreed already
+            on_error(exc)
+    return nonce, made
+
+
+def job_token(job: str, nonce: str) -> str:
+    """The job's mark in slot names: ``job`` (the run id or the launcher's job id) with the folder's nonce."""
+    return hashlib.sha1(f"{job}\n{nonce}".encode()).hexdigest()[:12]
 
 
 def partners(hosts: Mapping[int, str]) -> dict[int, int]:
@@ -71,8 +159,12 @@ def partners(hosts: Mapping[int, str]) -> dict[int, int]:
 class MemorySlots:
     """One rank's slots on its machine."""
 
-    def __init__(self, root: str, *, rank: int, hosts: Mapping[int, str], fallback: str) -> None:
+    def __init__(self, root: str, *, rank: int, hosts: Mapping[int, str], fallback: str, token: str = "",
+                 fresh: bool = False) -> None:
+        """``token``: this job's mark in slot names (:func:`job_token`; "": none); ``fresh``: the checkpoint
+        folder had no nonce (it was made afresh), which says why slots of another job are here."""
         self.rank = rank
+        self.token = token
         self.hosts = dict(hosts)
         self.world = len(hosts)
         self.host = _safe(hosts[rank])
@@ -84,16 +176,46 @@ class MemorySlots:
         for d in self._dirs():  # a writer killed mid-slot left its temporary behind, holding RAM
             remove_stale_temporaries(d)
         self._drop_other_world_sizes()
+        lead = self.rank == min(r for r, h in self.hosts.items() if h == hosts[rank])  # counts for the machine
+        found = sum(1 for _ in self._foreign()) if lead else 0
+        why = ("the checkpoint folder had no job nonce: it was made afresh" if fresh else
+               "they carry another job's identity (report.run_id, the launcher's job id or the checkpoint folder's "
+               "nonce differ)")
+        self.foreign: tuple[int, str] = (found, why if found else "")
+        """Slots of another job on this machine (counted by its lowest rank; never offered, deleted at this job's
+        first capture), and why."""
 
     def _drop_other_world_sizes(self) -> None:
         """Slots of this job's earlier incarnation at another world size: no resume of this size can use
         them (shards differ), and on a RAM-backed filesystem they would hold memory for good."""
         for d, n, m in self._slot_files():
-            if int(m.group(4)) != self.world:
+            if (m.group(5) or "") == self.token and int(m.group(4)) != self.world:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(d, n))
                     _log.warning("rank %d: deleted %s, a snapshot of this job at world size %d (now %d)",
                                  self.rank, n, int(m.group(4)), self.world)
+
+    def _foreign(self) -> Iterator[str]:
+        for d, n, m in self._slot_files():
+            if (m.group(5) or "") != self.token:
+                yield os.path.join(d, n)
+
+    def drop_foreign(self) -> int:
+        """Delete the slots of another job on this machine, which on a RAM-backed filesystem would hold memory
+        for good; only once every rank agreed this job goes on (its first capture): how many went."""
+        gone = 0
+        for path in list(self._foreign()):
+            try:
+                os.unlink(path)
+                gone += 1
+            except FileNotFoundError:  # a rank of this machine deleted it meanwhile
+                continue
+            except OSError as exc:  # it holds memory, nothing else: the capture goes on
+                _log.warning("rank %d: could not delete %s, a snapshot of another job: %s", self.rank, path, exc)
+        if gone:
+            _log.warning("rank %d: deleted %d in-memory snapshot(s) of another job: %s", self.rank, gone,
+                         self.foreign[1] or "they carry another job's identity")
+        return gone
 
     @property
     def dir(self) -> str:
@@ -128,8 +250,9 @@ class MemorySlots:
 
         Every rank of the machine writes into the same filesystem, so the need is counted for all of them
         (``copies`` slots each, this rank's state size standing for theirs); slots already held are
-        replaced, so they count as free.
+        replaced, so they count as free. Slots of another job go first (:meth:`drop_foreign`).
         """
+        self.drop_foreign()
         need = int(state_bytes * copies * self.local_ranks * HEADROOM)
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize + self._held_bytes()
@@ -151,10 +274,10 @@ class MemorySlots:
     # -- writing -------------------------------------------------------------------------------
 
     def _name(self, kind: str, owner: int, step: int) -> str:
-        return f"{kind}-r{owner:05d}-s{step:09d}-w{self.world:05d}.pt"
+        return f"{kind}-r{owner:05d}-s{step:09d}-w{self.world:05d}{'-j' + self.token if self.token else ''}.pt"
 
     def _path(self, kind: str, owner: int, step: int) -> str:
-        """Where a slot is (either folder), or where a new one goes."""
+        """Where a slot is (either folder)."""
         name = self._name(kind, owner, step)
         for d in self._dirs():
             if os.path.exists(os.path.join(d, name)):
@@ -183,9 +306,9 @@ class MemorySlots:
     # -- reading -------------------------------------------------------------------------------
 
     def _all_slots(self) -> dict[str, tuple[str, int, int]]:
-        """Path -> (kind, owner, step) of every complete slot of a job of this size on this machine."""
-        return {os.path.join(d, n): (m.group(1), int(m.group(2)), int(m.group(3)))
-                for d, n, m in self._slot_files() if int(m.group(4)) == self.world}
+        """Path -> (kind, owner, step) of every complete slot of this job at this size on this machine."""
+        return {os.path.join(d, n): (m.group(1), int(m.group(2)), int(m.group(3))) for d, n, m in self._slot_files()
+                if int(m.group(4)) == self.world and (m.group(5) or "") == self.token}
 
     def slots(self) -> dict[str, tuple[str, int, int]]:
         """File name -> (kind, owner, step) of every complete slot on this machine."""
