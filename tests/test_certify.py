@@ -96,3 +96,37 @@ def test_sweep_not_run_for_classified_failures():
 def test_no_generation_yet_is_explicit():
     d = decide_retrieval(Certifier(), FailureKind.SDC)
     assert d.generation is None and "no verified generation" in d.reason
+
+
+def test_a_generation_some_rank_could_not_make_durable_is_never_offered_to_a_restart():
+    """Durability and evidence are apart: a generation some rank could not write is never what a restart is
+    offered (``retrievable``), yet the evidence still promotes it (the framework's labels read ``verified``)."""
+    c = Certifier(recipes_per_cycle=1)
+    c.on_boundary(1, OK)
+    c.on_boundary(2, OK)  # 1 promoted, 2 candidate
+    c.confirm(3, 1)  # every rank wrote 1 and labelled it verified
+    assert c.durable == 1
+    c.not_durable(3, 2, "rank 1 could not write it")
+    assert (c.candidate, c.verified, c.retrievable) == (2, 1, 1)
+    c.on_boundary(3, OK)  # the evidence promotes 2; SCOUT's store still offers 1
+    assert (c.candidate, c.verified, c.retrievable) == (3, 2, 1)
+    assert decide_retrieval(c, FailureKind.SDC).generation == 1
+    c.confirm(4, 2)  # never confirmed: some rank does not hold it
+    assert c.durable == 1
+    c.on_boundary(4, OK)
+    assert (c.candidate, c.verified, c.retrievable) == (4, 3, 3)
+    c.confirm(5, 3)
+    c.on_boundary(5, OK)
+    c.not_durable(5, 4, "rank 0 could not label it verified")  # the newest durable one is offered
+    assert (c.verified, c.durable, c.retrievable) == (4, 3, 3)
+    assert "verified 4 is not durable on every rank" in c.history[-1][1]
+    s = Certifier(recipes_per_cycle=1, static=True)
+    s.on_boundary(1, OK)
+    s.confirm(2, 1)
+    s.on_boundary(2, OK)
+    s.not_durable(3, 2, "rank 2 could not write it")  # static shapes: written as verified, not offered
+    assert (s.verified, s.durable, s.retrievable) == (2, 1, 1)
+    s.confirm(3, 2)
+    assert s.durable == 1
+    s.on_boundary(3, OK)  # a later generation is offered again as soon as it is verified
+    assert (s.verified, s.retrievable) == (3, 3)

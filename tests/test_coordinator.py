@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -30,7 +31,8 @@ def _sig(net):
     return [s.signature for s in sign_many([p.detach() for p in net.parameters()])]
 
 
-def _job(ctx: RankContext):
+def _rank(ctx: RankContext):
+    """A rank of a two-machine job (ranks 0-1 on hostA): its model, optimizer, durable store and memory slots."""
     init_gloo(ctx)
     a = ctx.args
     torch.manual_seed(ctx.rank)
@@ -39,6 +41,11 @@ def _job(ctx: RankContext):
     hosts = {r: "hostA" if r < 2 else "hostB" for r in range(ctx.world_size)}
     store = DurableStore(a["root"], ctx.rank, ctx.world_size)
     memory = MemorySlots(a["memory"], rank=ctx.rank, hosts=hosts, fallback=a["root"] + "/memory")
+    return a, net, opt, store, memory
+
+
+def _job(ctx: RankContext):
+    a, net, opt, store, memory = _rank(ctx)
     coord = CheckpointCoordinator(SnapshotEngine([net], [opt]), store, Certifier(recipes_per_cycle=2),
                                   memory=memory, decisions_path=a["decisions"])
     sigs, actions = {}, []
@@ -143,3 +150,90 @@ def test_resume_ignores_stale_memory_and_never_deletes_a_verified_generation(tmp
         assert v["memory"]["own"] is None  # the stale slots are gone
         # Newer generations are unsafe or partial (verified 12 only on rank 0): gone; verified 10 stays.
         assert v["store"] == {10: "verified"}
+
+
+def _failed_write(ctx: RankContext):
+    from scout_core.checkpoint.resume import Restarter
+
+    a, net, opt, store, memory = _rank(ctx)
+    if ctx.rank == 1:  # this rank's durable write of generation 3 (or relabelling of 2) fails: a full file system
+        name, generation = a["fail"]
+        real = getattr(store, name)
+
+        def failing(gen, *args, **kwargs):
+            if gen == generation or (a.get("onwards") and gen >= generation):
+                raise OSError(28, "No space left on device")
+            return real(gen, *args, **kwargs)
+
+        setattr(store, name, failing)
+    errors = []
+    coord = CheckpointCoordinator(SnapshotEngine([net], [opt]), store, Certifier(recipes_per_cycle=1),
+                                  memory=memory, keep_generations=2,
+                                  on_error=lambda exc, where: errors.append(f"{where}: {exc}"))
+    sigs, roles, common = {}, {}, {}
+    for step in range(1, a.get("steps", 4) + 1):
+        net(torch.randn(3, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sigs[step] = _sig(net)
+        coord.on_boundary(step, BoundaryEvidence())
+        coord.flush()
+        roles[step] = store.local_generations()
+        common[step] = agree_on_generation(store, "verified")  # what a restart after this step would find
+    verified = agree_on_generation(store, "verified")
+    fresh = torch.nn.Linear(6, 6)
+    result = Restarter(coord, control_group=dist.group.WORLD,
+                       restore=lambda snap: restore_state([fresh], [torch.optim.AdamW(fresh.parameters())], snap)
+                       ).resume("sdc")
+    return {"verified": verified, "roles": roles, "common": common, "errors": errors,
+            "certifier": coord.certifier.retrievable, "evidence": coord.certifier.verified,
+            "history": " ".join(h for _, h in coord.certifier.history),
+            "resumed": result.step,
+            "restored_ok": result.step is not None and _sig(fresh) == sigs[result.step]}
+
+
+@pytest.mark.parametrize("fail", [("write_file", 3), ("set_role", 2)], ids=["write", "relabel"])
+def test_a_failed_durable_write_promotes_nothing_and_prunes_nothing_a_restart_needs(tmp_path, fail):
+    """keep_generations 2, one candidate a step (K = 1): rank 1 cannot write generation 3 (or label 2 verified).
+    That generation is never promoted, and every rank keeps the newest verified generation every rank holds
+    intact, which a restart after SDC restores: 2 when 3 was not written; 3 when 2 was not labelled (3 was
+    written and labelled everywhere)."""
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"), "fail": fail}
+    result = launch(_failed_write, 3, timeout_s=120, args=args)
+    assert result.ok, result.failures()
+    expected = 2 if fail[0] == "write_file" else 3
+    for rank, v in enumerate(result.values()):
+        # From the first verified generation on, a restart after any step finds one every rank holds.
+        assert v["common"] == {1: None, 2: 1, 3: 1 if expected == 3 else 2, 4: expected}, (v["common"], v["roles"])
+        assert v["verified"] == expected and v["certifier"] == expected, v
+        assert (v["resumed"], v["restored_ok"]) == (expected, True), v
+        if fail[0] == "write_file":
+            assert all(roles.get(3) != "verified" for roles in v["roles"].values()), v["roles"]
+            assert v["roles"][4][2] == "verified" and v["roles"][4][4] == "candidate", v["roles"]
+            assert "candidate 3 is not durable on every rank (some rank could not" in v["history"], v["history"]
+            assert v["evidence"] == 3  # the evidence promoted it all the same (the framework's labels read it)
+        else:  # generation 1 stays, the newest verified every rank confirmed, until 3 is confirmed
+            assert v["roles"][4][1] == "verified" and v["roles"][4][3] == "verified", v["roles"]
+            assert "verified 2 is not durable on every rank" in v["history"], v["history"]
+        if rank == 1:  # the rank that failed says so, and why
+            assert len(v["errors"]) == 1, v["errors"]
+            assert f"durable store: rank 1 could not make generation {fail[1]} durable" in v["errors"][0]
+            assert "No space left on device" in v["errors"][0], v["errors"]
+        else:
+            assert v["errors"] == [], v["errors"]
+
+
+def test_a_rank_that_can_no_longer_write_keeps_the_store_bounded_and_the_durable_generation_intact(tmp_path):
+    """Rank 1's durable writes fail from generation 3 on (a full disk), keep_generations 2, 12 steps: every rank
+    keeps a bounded number of generations (the durable verified one, the verified and candidate ones, at most),
+    generation 2, verified and durable everywhere, stays intact on every rank, and a restart restores it."""
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"), "fail": ("write_file", 3),
+            "onwards": True, "steps": 12}
+    result = launch(_failed_write, 3, timeout_s=180, args=args)
+    assert result.ok, result.failures()
+    for rank, v in enumerate(result.values()):
+        assert all(len(roles) <= 4 for roles in v["roles"].values()), v["roles"]
+        assert v["roles"][12][2] == "verified", v["roles"]  # intact: local_generations checks the bytes
+        assert v["verified"] == 2 and v["certifier"] == 2 and v["evidence"] == 11, v
+        assert (v["resumed"], v["restored_ok"]) == (2, True), v
+        assert len(v["errors"]) == (10 if rank == 1 else 0), v["errors"]

@@ -129,6 +129,37 @@ def test_a_second_sdc_after_a_restart_keeps_the_first_runs_verified_checkpoints(
     assert restart.choose().step == 4
 
 
+def test_a_scout_store_write_that_failed_never_rejects_what_replay_evidence_verified(tmp_path):
+    """SCOUT's durable store is not the framework's: some rank could not write SCOUT's own generations 1 and 3
+    (``not_durable``), yet the evidence verified steps 1-3, so the framework's checkpoints 1-3 stay verified after
+    an SDC verdict (for these labels and for labels made later), while a restart from SCOUT's store is offered
+    the newest generation every rank holds (2)."""
+    from scout_core.checkpoint.labels import FrameworkLabels
+
+    cert = Certifier(static=True)
+    labels = FrameworkCheckpoints(str(tmp_path / "a"), writer=True)
+    later = FrameworkLabels(writer=True, replay_on=True, new_certifier=None)
+    for step in (1, 2, 3):
+        action = cert.on_boundary(step, CLEAN)
+        if step != 2:
+            cert.not_durable(step, step, "rank 1 could not write it")
+        else:
+            cert.confirm(step, step)
+        labels.on_boundary(step, action, cert)
+        later.on_boundary(step, action, cert, failure=None, stopping=False, on_error=print)
+        labels.saved(step, "", cert)
+    assert (cert.verified, cert.durable, cert.retrievable) == (3, 2, 2)
+    action = cert.on_boundary(4, SDC)
+    labels.on_boundary(4, action, cert, failure=FailureKind.SDC, stopping=True)
+    later.on_boundary(4, action, cert, failure=FailureKind.SDC, stopping=True, on_error=print)
+    assert _labels(labels) == {1: "verified", 2: "verified", 3: "verified"}
+    assert labels.choose().step == 3
+    made_later = later.label(str(tmp_path / "b"))  # labels whose folder is known only now
+    for step in (2, 3, 4):
+        made_later.saved(step, "", cert)
+    assert _labels(made_later)[3] == "verified" and _labels(made_later)[4] == "rejected", _labels(made_later)
+
+
 def test_purged_or_incomplete_checkpoints_are_not_chosen(tmp_path):
     _, labels = _run(tmp_path, {5: SDC})
     assert labels.choose(exists=lambda s: s != 4).step == 3

@@ -23,6 +23,13 @@ see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundar
 
 Static-shape (dense) models use ``K = 1`` with ``static=True``: every capture
 after an accepted check is certified by that check and becomes verified at once.
+
+Evidence and durability are kept apart: ``candidate`` and ``verified`` follow replay
+evidence alone (the framework's checkpoint labels read them), while a generation some
+rank could not write to SCOUT's durable store (or relabel verified) is marked
+``unstored`` (:meth:`Certifier.not_durable`): it is never what a restart is offered
+(:attr:`Certifier.retrievable`), and ``durable`` names the newest verified generation
+every rank confirmed holding.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ class BoundaryEvidence:
     busy: bool = False
     """Some rank is still persisting the previous snapshot: this boundary captures nothing (training
     never waits for a checkpoint write), though SDC evidence still triggers recovery."""
+    lost_candidate: bool = False
+    """Some rank could not write the candidate to the durable store: it is never promoted."""
+    lost_verified: bool = False
+    """Some rank could not write (static shapes) or relabel the newest verified generation."""
 
 
 class Action(enum.StrEnum):
@@ -63,6 +74,11 @@ class Certifier:
     candidate: int | None = None
     verified: int | None = None
     q: int = 0
+    durable: int | None = None
+    """The newest verified generation every rank confirmed holding in the durable store (written and labelled
+    verified everywhere); what a restart is sure to find, so it is never pruned."""
+    unstored: set[int] = field(default_factory=set)
+    """The candidate or verified generation some rank could not write or relabel in SCOUT's durable store."""
     history: list[tuple[int, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -82,6 +98,28 @@ class Certifier:
         if evidence.missing:
             self.q = 0
         return Action.SKIP
+
+    @property
+    def retrievable(self) -> int | None:
+        """The verified generation SCOUT's durable store offers a restart: ``verified``, unless some rank could not
+        make it durable (then the newest one every rank confirmed)."""
+        return self.durable if self.verified in self.unstored and self.verified != self.durable else self.verified
+
+    def not_durable(self, step: int, generation: int, why: str) -> None:
+        """Some rank could not make ``generation`` (the candidate or verified one) durable: SCOUT's store never
+        offers it. The evidence stands (a candidate is still promoted, labels still read ``verified``)."""
+        if generation not in (self.candidate, self.verified) or generation in self.unstored:
+            return
+        self.unstored = {g for g in self.unstored if g in (self.candidate, self.verified)} | {generation}
+        role = "candidate" if generation == self.candidate else "verified"
+        self.history.append((step, f"{role} {generation} is not durable on every rank ({why}): a restart is "
+                                   f"offered verified {self.retrievable}"))
+
+    def confirm(self, step: int, generation: int) -> None:
+        """Every rank holds ``generation`` in the durable store, labelled verified."""
+        if self.verified == generation and generation not in self.unstored:
+            self.durable = generation
+            self.history.append((step, f"verified {generation} is durable on every rank"))
 
     def on_boundary(self, step: int, evidence: BoundaryEvidence) -> Action:
         if evidence.sdc or evidence.inconclusive:
@@ -142,7 +180,7 @@ def decide_retrieval(certifier: Certifier, failure: FailureKind, *, sweep=None) 
     failures. A decision without any usable generation has ``generation=None``.
     """
     failure = FailureKind(failure)
-    latest, verified = certifier.latest, certifier.verified
+    latest, verified = certifier.latest, certifier.retrievable
 
     def pick(source: str, reason: str, sweep_clean: bool | None = None) -> RetrievalDecision:
         gen = latest if source == "latest" else verified

@@ -1,11 +1,14 @@
 """The checkpoint coordinator: replay verdicts in, snapshots, replicas and decisions out.
 
 At every replay boundary each rank calls :meth:`CheckpointCoordinator.on_boundary`
-with its local evidence. ONE all-reduce (MAX over six flags, on SCOUT's gloo
-control group) combines SDC, inconclusive, missing and straggler evidence
-across the job and checks that every rank agrees whether this check closes a
-recipe cycle. The job-wide evidence then drives the
-:class:`~.certify.Certifier`, identically on every rank.
+with its local evidence. ONE all-reduce (MAX over nine flags, on SCOUT's gloo
+control group) combines SDC, inconclusive, missing, straggler and busy evidence
+across the job, says whether some rank could not make the candidate or the newest
+verified generation durable, and checks that every rank agrees whether this check
+closes a recipe cycle. The job-wide evidence then drives the
+:class:`~.certify.Certifier`, identically on every rank: a verified generation is
+offered to a restart only once every rank has confirmed its write (the evidence alone
+promotes, and labels the framework's checkpoints).
 
 In-memory snapshots live in a RAM-backed directory (``/dev/shm``), one folder
 per machine, so they survive the trainer process and a restarted job can
@@ -35,7 +38,7 @@ import torch.distributed as dist
 
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind, decide_retrieval
 from scout_core.checkpoint.memory import MemorySlots, partners
-from scout_core.checkpoint.snapshot import SnapshotEngine
+from scout_core.checkpoint.snapshot import SnapshotEngine, UnusableSnapshot
 from scout_core.checkpoint.store import DurableStore
 from scout_core.progress.hooks import unobserved
 
@@ -48,13 +51,13 @@ def combine_evidence(local: BoundaryEvidence, group: Any, *, at_cycle_boundary: 
     """Job-wide evidence: one MAX all-reduce of the flags on ``group`` (gloo); raises if ranks disagree
     on whether this check closes a recipe cycle (their certifiers would diverge)."""
     at = bool(at_cycle_boundary)
-    flags = torch.tensor([local.sdc, local.inconclusive, local.missing, local.straggler, local.busy, at, not at],
-                         dtype=torch.int32)
+    flags = torch.tensor([local.sdc, local.inconclusive, local.missing, local.straggler, local.busy,
+                          local.lost_candidate, local.lost_verified, at, not at], dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if at_cycle_boundary is not None and flags[5] and flags[6]:
+    if at_cycle_boundary is not None and flags[7] and flags[8]:
         raise RuntimeError(f"ranks disagree whether this check closes a recipe cycle (rank {dist.get_rank()} "
                            f"says {at})")
-    return BoundaryEvidence(*(bool(f) for f in flags[:5].tolist()))
+    return BoundaryEvidence(*(bool(f) for f in flags[:7].tolist()))
 
 
 class CheckpointCoordinator:
@@ -91,7 +94,13 @@ class CheckpointCoordinator:
         self.extra_later = extra_later  # the caller's state is added at the end of the step (engine.complete_extra)
         self._bg: threading.Thread | None = None
         self._bg_error: BaseException | None = None
-        self._lock = threading.Lock()  # _bg_error is written by the background thread
+        self._lock = threading.Lock()  # _bg_error, _failed and _news are written by the background thread
+        # The durability agreement: generations this rank could not write or relabel (-> why), those failures
+        # not reported yet, and the generations asked to become verified whose durability is not yet agreed
+        # (the same on every rank).
+        self._failed: dict[int, str] = {}
+        self._news: list[tuple[int, str]] = []
+        self._promoting: set[int] = set()
 
     # -- at every replay boundary --------------------------------------------------------------
 
@@ -102,8 +111,10 @@ class CheckpointCoordinator:
         ``certify=False`` (the same on every rank): this boundary's checks cannot vouch for the state (no
         layer was replayed), so a clean result neither captures nor promotes anything; SDC still counts.
         """
-        local = dataclasses.replace(local, busy=self.busy)
+        busy = self.busy  # first: a thread found finished has recorded every failure _lost() reads
+        local = dataclasses.replace(local, busy=busy, **self._lost())
         evidence = combine_evidence(local, self.control, at_cycle_boundary=self.certifier.at_cycle_boundary)
+        self._settle_durability(step, evidence)
         if not certify and not (evidence.sdc or evidence.inconclusive):
             return self.certifier.skip_uncertified(evidence), evidence
         return self.apply(step, evidence), evidence
@@ -128,9 +139,16 @@ class CheckpointCoordinator:
             persist_role = None
             if action is Action.CAPTURE_AND_PERSIST:
                 persist_role = "verified" if self.certifier.static else "candidate"
-            promoted = self.certifier.verified if self.certifier.verified != promoted_before else None
-            self._bg = threading.Thread(target=self._background, args=(step, captured, persist_role, promoted),
-                                        daemon=True, name="scout-snapshot")
+            cert = self.certifier
+            promoted = cert.verified if cert.verified != promoted_before else None
+            if promoted in cert.unstored:  # some rank does not hold it: not relabelled, never confirmed
+                promoted = None
+            if promoted is not None:
+                self._promoting.add(promoted)
+            # What pruning keeps, whatever else is old: the generations the certifier names and those in flight.
+            protect = {g for g in (cert.durable, cert.verified, cert.candidate, step) if g is not None}
+            self._bg = threading.Thread(target=self._background, daemon=True, name="scout-snapshot",
+                                        args=(step, captured, persist_role, promoted, protect | self._promoting))
             self._bg.start()
         return action
 
@@ -154,39 +172,111 @@ class CheckpointCoordinator:
             self.on_error(exc, where)
             return None
 
-    def _background(self, step: int, captured: bool, persist_role: str | None, promoted: int | None) -> None:
+    def _background(self, step: int, captured: bool, persist_role: str | None, promoted: int | None,
+                    protect: set[int]) -> None:
         # Lowest CPU priority for this thread only: serialization, hashing and replication use host cores
         # the training threads would otherwise get (Linux schedules threads by their own nice value).
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         with unobserved():  # SCOUT's own traffic: not the trainer's progress
-            self._persist(step, captured, persist_role, promoted)
+            self._persist(step, captured, persist_role, promoted, protect)
 
-    def _persist(self, step: int, captured: bool, persist_role: str | None, promoted: int | None) -> None:
-        path = None
+    def _keep_error(self, exc: BaseException) -> None:
+        with self._lock:  # surfaced on the training thread at the next boundary
+            self._bg_error = exc
+
+    def _persist(self, step: int, captured: bool, persist_role: str | None, promoted: int | None,
+                 protect: set[int]) -> None:
+        path, missing, report = None, "its capture failed", True
         try:
             if captured:
                 path = self.memory.write_own(self.engine.result())
+        except UnusableSnapshot as exc:  # the caller-state check reported it already
+            missing, report = str(exc), False
         except BaseException as exc:  # noqa: BLE001 - surfaced on the training thread at the next boundary
-            with self._lock:
-                self._bg_error = exc
+            self._keep_error(exc)
+            missing = f"its in-memory snapshot could not be written ({type(exc).__name__}: {exc})"
         finally:
             self.engine.release()  # the state is in the slot now: one host copy less from here on
         try:
             if self.repl_group is not None:
                 self._replicate(path, step)  # always: a partner waits for our size, even "nothing"
-            if path is not None and persist_role is not None:
-                self.store.write_file(step, path, role=persist_role)  # the slot's bytes, not a re-serialization
-            if promoted is not None and promoted != step:
-                self.store.set_role(promoted, "verified")
-            if persist_role is not None:
-                keep = {g for g in (self.certifier.candidate, self.certifier.verified, step) if g is not None}
-                if len(keep) < self.keep:
-                    keep |= set(sorted(self.store.local_generations(check_bytes=False))[-self.keep:])
-                self.store.prune(keep)
-        except BaseException as exc:  # noqa: BLE001 - surfaced on the training thread at the next boundary
+        except BaseException as exc:  # noqa: BLE001
+            self._keep_error(exc)
+        if persist_role is None:
+            return
+        if promoted is not None and promoted != step:
+            self._durably(promoted, "label it verified", lambda: self.store.set_role(promoted, "verified"))
+        if path is None:
+            self._fail(step, f"nothing to write: {missing}", report=report)
+        else:  # the slot's bytes, not a re-serialization
+            self._durably(step, "write it", lambda: self.store.write_file(step, path, role=persist_role))
+        try:
+            self._prune(protect)
+        except BaseException as exc:  # noqa: BLE001
+            self._keep_error(exc)
+
+    def _durably(self, generation: int, what: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - kept for the next agreement: no rank promotes it
+            self._fail(generation, f"could not {what} ({type(exc).__name__}: {exc})")
+
+    def _fail(self, generation: int, why: str, *, report: bool = True) -> None:
+        with self._lock:
+            self._failed[generation] = why
+            if report:
+                self._news.append((generation, why))
+
+    def _prune(self, protect: set[int]) -> None:
+        """Keep the generations the certifier names (the durable verified one, which a restart is sure to find,
+        the verified one, the candidate) and those in flight; with fewer than ``keep_generations``, the newest
+        ones too. Everything else goes: a dropped candidate, a generation some rank could not write."""
+        keep = set(protect)
+        if len(keep) < self.keep:
+            keep |= set(sorted(self.store.local_generations(check_bytes=False))[-self.keep:])
+        self.store.prune(keep)
+
+    # -- the durability agreement (rides on the boundary's all-reduce) -----------------------------
+
+    def _lost(self) -> dict[str, bool]:
+        """This rank's part: did its write of the candidate, or its write or relabelling of the verified
+        generation not yet agreed durable, fail?"""
+        cert = self.certifier
+        with self._lock:
+            failed = set(self._failed)
+        return {"lost_candidate": cert.candidate in failed,
+                "lost_verified": cert.verified in self._promoting and cert.verified in failed}
+
+    def _settle_durability(self, step: int, evidence: BoundaryEvidence) -> None:
+        """The same on every rank: a generation some rank could not make durable is never offered to a restart;
+        once no rank is still writing, the verified generation no rank failed to write and label is durable."""
+        cert = self.certifier
+        for generation, lost in ((cert.candidate, evidence.lost_candidate), (cert.verified, evidence.lost_verified)):
+            if lost and generation is not None:
+                cert.not_durable(step, generation, "some rank could not make it durable (its diagnosis_error "
+                                                   "record says which and why)")
+                self._promoting.discard(generation)
+        if not evidence.busy:  # every rank's writes are finished: what nobody reported failed is durable
+            if cert.verified in self._promoting:
+                cert.confirm(step, cert.verified)  # never one marked unstored
+            self._promoting.clear()
             with self._lock:
-                self._bg_error = exc
+                self._failed.clear()
+        self._report_failures()
+
+    def _report_failures(self) -> None:
+        """One diagnosis_error record for each generation this rank could not write or relabel."""
+        with self._lock:
+            news, self._news = self._news, []
+        for generation, why in news:
+            exc = RuntimeError(f"rank {self.rank} could not make generation {generation} durable: {why}; a restart "
+                               f"is never offered it (verified generation {self.certifier.durable}, durable on "
+                               "every rank, is kept)")
+            if self.on_error is None:
+                _log.warning("SCOUT: %s", exc)
+            else:
+                self.on_error(exc, "durable store")
 
     def _replicate(self, path: str | None, step: int) -> None:
         """Send our slot to our partner; receive those we keep. (size, step) first, then the bytes;
@@ -231,6 +321,7 @@ class CheckpointCoordinator:
                              self.rank, timeout_s)
                 return
             self._bg = None
+        self._report_failures()
         with self._lock:
             err, self._bg_error = self._bg_error, None
         if err is not None:
