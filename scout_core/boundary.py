@@ -17,6 +17,7 @@ import torch.distributed as dist
 from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, record_exclusions, verdict_summary
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.coordinator import combine_evidence
+from scout_core.checkpoint.loadable import CallerStateCheck
 from scout_core.live_control import LiveControl
 from scout_core.parts import ScoutParts
 from scout_core.progress.record import Phase
@@ -42,6 +43,7 @@ class StepBoundary:
         self.exit_code = parts.config.actions.exit_code
         self._stop_code: int | None = None  # a verdict asked to stop: raised at the next settle point
         self._settle_extra = False  # a capture waits for the caller's end-of-step state
+        self.caller_check = CallerStateCheck()  # can a restart load the caller's state? (first capture per keys)
         self._dense_in_cycle = False  # a hidden-layer check ran since the last completed recipe cycle
 
     def set_stop_on_verdict(self, _key: str, value: Any) -> None:
@@ -187,6 +189,16 @@ class StepBoundary:
                 self.parts.checkpoint.flush()
 
     def complete_caller_state(self) -> None:
-        if self._settle_extra and self.parts.snapshots is not None:
+        """The caller's state joins the snapshot, unless a restart could not load it: then the snapshot is not kept,
+        and a diagnosis_error record (once per problem) names the ``state`` key, the key path and the type."""
+        p = self.parts
+        if self._settle_extra and p.snapshots is not None:
             self._settle_extra = False
-            self.parts.snapshots.complete_extra({"caller": self.parts.caller_state()})
+            caller = p.caller_state()
+            try:
+                problem = self.caller_check.check(caller)
+            except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+                problem = f"the caller's state could not be checked ({type(exc).__name__}: {exc})"
+            if problem is not None and self.caller_check.first_report(problem):
+                p.guard.report(p.step(), "checkpoint", ValueError(problem), "caller state for the snapshot")
+            p.snapshots.complete_extra({"caller": caller}, unusable=problem)

@@ -29,7 +29,11 @@ import torch
 from scout_core.extra_state import capture_extra_states, restore_extra_states
 from scout_core.signature import local_tensor
 
-__all__ = ["SnapshotEngine", "local_tensor", "module_state", "restore_state"]
+__all__ = ["SnapshotEngine", "UnusableSnapshot", "local_tensor", "module_state", "restore_state"]
+
+
+class UnusableSnapshot(RuntimeError):
+    """The capture holds something a restart could not load (the caller's state): it is not kept."""
 
 
 def module_state(chunk: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,6 +96,7 @@ class SnapshotEngine:
         # all wait for a copy; one lock orders the join and the hand-over of its result.
         self._lock = threading.RLock()
         self._extra: dict[str, Any] = {}
+        self._unusable: str | None = None  # why the capture in flight must not be kept
         self._extra_ready: threading.Event | None = None
         self._late_groups: list[Any] | None = None
         self._reserving: threading.Thread | None = None
@@ -158,11 +163,13 @@ class SnapshotEngine:
             self._reserving.join()
             self._reserving = None
 
-    def capture(self, step: int, *, extra_later: bool = False) -> None:
+    def capture(self, step: int, *, extra_later: bool = False, pinned: bool = True) -> None:
         """Start capturing the state as of now (call right after the optimizer step).
 
         ``extra_later``: the caller's state is not final yet (an LR scheduler or gradient scaler steps
         after the optimizer); :meth:`complete_extra` adds it, and :meth:`result` waits for it.
+        ``pinned=False``: CUDA tensors too are copied into pageable host memory, by the background thread (a
+        one-off copy that must not hold page-locked RAM, e.g. the state ``resume()`` may have to put back).
         """
         start = time.perf_counter()
         self._join_reserve()
@@ -176,6 +183,7 @@ class SnapshotEngine:
         # a second deep copy here would double its cost on the training thread.
         extra = self.get_extra() if self.get_extra else {}
         self._extra = extra
+        self._unusable = None
         self._late_groups = None
         self._extra_ready = threading.Event()
         if not extra_later:
@@ -187,7 +195,7 @@ class SnapshotEngine:
                   "module_extra": [capture_extra_states(chunk) for chunk in self.chunks]}
         tensors = self._tensors(models, optims)
         on_cuda = any(t.is_cuda for t in tensors)
-        if on_cuda:
+        if on_cuda and pinned:
             self._capture_cuda(header, models, optims)
         else:
             self._pending = threading.Thread(target=self._copy, args=(header, models, optims), daemon=True)
@@ -255,15 +263,18 @@ class SnapshotEngine:
             self._wait(raise_error=False)
         self.blocking_s += time.perf_counter() - start
 
-    def complete_extra(self, values: dict[str, Any]) -> None:
+    def complete_extra(self, values: dict[str, Any], *, unusable: str | None = None) -> None:
         """Add the caller's final state to the capture in flight (a deep copy: training goes on).
 
         The optimizers' hyperparameters are taken again too: an LR scheduler writes the next step's
         learning rate into the param groups after the optimizer step the tensors were captured at.
+        ``unusable``: why a restart could not load this state; :meth:`result` then raises
+        :class:`UnusableSnapshot` and the capture is never written.
         """
         if self._extra_ready is None or self._extra_ready.is_set():
             return
         try:
+            self._unusable = unusable
             self._extra.update(copy.deepcopy(values))
             self._late_groups = [copy.deepcopy(opt.state_dict()["param_groups"]) for opt in self.optimizers]
         finally:
@@ -275,6 +286,8 @@ class SnapshotEngine:
             self._extra_ready.wait()
         with self._lock:
             self._wait()
+            if self._unusable is not None:
+                raise UnusableSnapshot(self._unusable)
             if self._late_groups is not None and self._result is not None:
                 for saved, groups in zip(self._result["optim"], self._late_groups, strict=True):
                     saved["param_groups"] = groups
