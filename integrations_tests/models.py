@@ -18,10 +18,11 @@ LAYOUTS = ("ddp", "fsdp2", "hsdp")
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, bias: bool = True) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.fc = nn.Linear(hidden, hidden)
+        # bias=False: Llama style (RMSNorm with a weight only, linears without bias): two tensors a block.
+        self.norm = nn.LayerNorm(hidden) if bias else nn.RMSNorm(hidden)
+        self.fc = nn.Linear(hidden, hidden, bias=bias)
         # No-op points at the block's entry and exit, where a cell hooks the whole block's forward and
         # backward (FSDP2 replay calls the block's forward directly, past hooks on the block itself).
         self.enter = nn.Identity()
@@ -33,11 +34,12 @@ class Block(nn.Module):
 
 
 class TinyModel(nn.Module):
-    def __init__(self, dim_in: int = 16, hidden: int = 32, depth: int = 3, dim_out: int = 8) -> None:
+    def __init__(self, dim_in: int = 16, hidden: int = 32, depth: int = 3, dim_out: int = 8,
+                 bias: bool = True) -> None:
         super().__init__()
-        self.embed = nn.Linear(dim_in, hidden)
-        self.layers = nn.ModuleList(Block(hidden) for _ in range(depth))
-        self.head = nn.Linear(hidden, dim_out)
+        self.embed = nn.Linear(dim_in, hidden, bias=bias)
+        self.layers = nn.ModuleList(Block(hidden, bias) for _ in range(depth))
+        self.head = nn.Linear(hidden, dim_out, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -57,14 +59,15 @@ class Parallel:
 
 
 def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: float | None = None,
-          hidden: int = 32) -> Parallel:
+          hidden: int = 32, bias: bool = True) -> Parallel:
     """The seeded model wrapped for ``layout`` over the default process group (``bucket_cap_mb``: DDP's
     bucket size; a small one splits the gradients into several all-reduces, as on a large model; ``hidden``:
-    the blocks' width, larger where a cell needs compute measurable in milliseconds)."""
+    the blocks' width, larger where a cell needs compute measurable in milliseconds; ``bias=False``: Llama-style
+    blocks, 8 parameter tensors instead of 16)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     torch.manual_seed(seed)
-    model = TinyModel(hidden=hidden)
+    model = TinyModel(hidden=hidden, bias=bias)
     world = dist.get_world_size()
     if layout == "ddp":
         kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -93,7 +96,8 @@ def start_rank(ctx: Any, *, timeout_s: float = 300.0) -> tuple[dict[str, Any], A
     init_gloo(ctx, timeout_s=timeout_s)
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
-    par = build(a["layout"], seed=a["seed"], hidden=a.get("hidden", 32), hsdp_replicas=a.get("replicas", 4))
+    par = build(a["layout"], seed=a["seed"], hidden=a.get("hidden", 32), hsdp_replicas=a.get("replicas", 4),
+                bias=a.get("bias", True))
     return a, injector, par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
 
 

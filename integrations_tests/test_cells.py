@@ -147,6 +147,24 @@ def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
     assert report.verdict == "FAIL" and "expected ('verified'" in report.details
 
 
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
+def test_recovery_defaults_cell_fails_with_the_last_check_rule(layout):
+    """The guard of {ddp,fsdp2,hsdp}-recovery-sdc-defaults: with the paper's K = 1 rule (``checkpoint.certify:
+    last_check_only``) the capture of step 400, after 39 steps of the defect, is verified by the clean check of
+    block 1 and restored: the clean run's state differs from it."""
+    spec = SPECS[f"{layout}-recovery-sdc-defaults"]
+    spec = dataclasses.replace(spec, params={**spec.params, "certify": "last_check_only"})
+    (report,) = run_cells([spec], root=ROOT)
+    assert report.verdict == "FAIL" and "carries the corruption" in report.details, report.details
+
+
+def test_recovery_coverage_cell_fails_with_the_last_check_rule():
+    spec = SPECS["recovery-coverage-8"]
+    spec = dataclasses.replace(spec, params={**spec.params, "certify": "last_check_only"})
+    (report,) = run_cells([spec], root=ROOT)
+    assert report.verdict == "FAIL" and "restored [('verified', 8)]" in report.details, report.details
+
+
 def test_machine_lost_cell_fails_without_the_peer_replica_fetch(monkeypatch):
     from scout_core.checkpoint.resume import Restarter
 

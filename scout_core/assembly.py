@@ -21,6 +21,7 @@ from scout_core.actions import hang_action
 from scout_core.boundary import StepBoundary
 from scout_core.checkpoint.certify import Certifier
 from scout_core.checkpoint.coordinator import CheckpointCoordinator
+from scout_core.checkpoint.coverage import Coverage
 from scout_core.checkpoint.labels import FrameworkLabels
 from scout_core.checkpoint.memory import MemorySlots, default_memory_root, job_token, share_nonce
 from scout_core.checkpoint.restart import Restart
@@ -200,13 +201,11 @@ def build_checkpoint(parts: ScoutParts) -> CheckpointCoordinator:
 
 
 def new_certifier(parts: ScoutParts) -> Certifier:
-    k = parts.config.checkpoint.recipes_per_cycle
-    if parts.experts is not None:
-        # A candidate is vouched for only after every expert (and every catalog shape of each) was replayed
-        # clean: one recipe cycle of the expert recipe (paper section 8), counted in expert checks.
-        k = max(k, parts.experts.cycle)
-        _log.info("SCOUT: certification waits for a recipe cycle of %d expert checks", k)
-    return Certifier(recipes_per_cycle=k, static=k == 1)
+    """The job's certifier; ``checkpoint.certify`` says when a capture becomes verified (the coverage it waits
+    for is kept per rank in ``parts.coverage``)."""
+    mode = parts.config.checkpoint.certify
+    parts.coverage = Coverage(mode)
+    return Certifier(static=mode == "last_check_only")
 
 
 def build_labels(parts: ScoutParts) -> FrameworkLabels:

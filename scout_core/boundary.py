@@ -9,6 +9,7 @@ asked for is carried out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, record_exclusions, verdict_summary
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.coordinator import combine_evidence
+from scout_core.checkpoint.coverage import required_units
 from scout_core.checkpoint.loadable import CallerStateCheck
 from scout_core.live_control import LiveControl
 from scout_core.parts import ScoutParts
@@ -44,7 +46,6 @@ class StepBoundary:
         self._stop_code: int | None = None  # a verdict asked to stop: raised at the next settle point
         self._settle_extra = False  # a capture waits for the caller's end-of-step state
         self.caller_check = CallerStateCheck()  # can a restart load the caller's state? (first capture per keys)
-        self._dense_in_cycle = False  # a hidden-layer check ran since the last completed recipe cycle
 
     def set_stop_on_verdict(self, _key: str, value: Any) -> None:
         """``scout ctl set actions.on_verdict=...``: what the next verdict does."""
@@ -100,38 +101,26 @@ class StepBoundary:
     def _certify(self, cert: Certifier | None, result: BoundaryResult, expert: Any,
                  local: BoundaryEvidence) -> tuple[BoundaryEvidence, Action | None]:
         """This rank's evidence combined job-wide, and what the certifier makes of it (None: nothing certifies).
-        SCOUT's coordinator also captures or persists what the certifier asks for."""
+        SCOUT's coordinator also captures or persists what the certifier asks for. The evidence says whether
+        every rank's coverage is complete with this boundary's units; they count only if the job accepted it."""
         p = self.parts
         if cert is None:
             return combine_evidence(local, p.groups.world_control), None
-        self._dense_in_cycle = self._dense_in_cycle or "hidden" in result.recipes
-        certify = self._certifies(result, expert)
+        units = result.units + ((("expert", expert.unit),) if expert is not None and not expert.skipped else ())
+        coverage = p.coverage
+        coverage.need(required_units(p.replay, p.experts))
+        local = dataclasses.replace(local, covered=coverage.would_complete(units))
         if p.checkpoint is not None:
-            action, job = p.checkpoint.on_boundary(result.step, local, certify=certify)
+            action, job = p.checkpoint.on_boundary(result.step, local)
             self._settle_extra = action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST)
         else:  # certification of the framework's checkpoints alone: nothing to capture
-            job = combine_evidence(local, p.groups.world_control, at_cycle_boundary=cert.at_cycle_boundary)
-            action = (cert.on_boundary(result.step, job) if certify or job.sdc or job.inconclusive
-                      else cert.skip_uncertified(job))
+            job = combine_evidence(local, p.groups.world_control)
+            action = cert.on_boundary(result.step, job)
         if action in (Action.CAPTURE_AND_PERSIST, Action.RECOVER):
-            self._dense_in_cycle = False
+            coverage.reset()  # a new candidate (or none): nothing is vouched for after it yet
+        elif action is Action.CAPTURE:
+            coverage.add(units)
         return job, action
-
-    def _certifies(self, result: BoundaryResult, expert: Any) -> bool:
-        """Whether this boundary's checks can vouch for the state (the same on every rank).
-
-        With the expert recipe, the recipe cycle K counts expert checks (every layer, local expert and
-        catalog representative once), so the boundaries with an expert check certify; a dense check between
-        them still reports SDC. The boundary that would complete a cycle certifies only if a hidden-layer
-        check also ran in that cycle (the dense parts are vouched for too). Otherwise only a check that
-        replayed a layer vouches (an LM-head or optimizer check on its own cadence does not), unless the layer
-        recipe is configured off (not switched off by replay's health: then nothing is vouched for)."""
-        p = self.parts
-        hidden_off = p.config.replay.cadence.hidden == 0 and "hidden" not in p.replay.health.disabled
-        if p.experts is not None:
-            closes = p.certifier.at_cycle_boundary
-            return expert is not None and (not closes or self._dense_in_cycle or hidden_off)
-        return result.checked and ("hidden" in result.recipes or hidden_off)
 
     def _act(self, result: BoundaryResult, verdicts: list[Incident], job: BoundaryEvidence,
              expert: list[Incident] | None = None) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "ReportConfig",
     "ScoutConfig",
     "TopologyConfig",
+    "CERTIFY_MODES",
     "ConfigError",
     "SchemaKey",
     "load",
@@ -64,6 +65,8 @@ class ConfigError(ValueError):
 
 _ACTIONS = ("log", "stop")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+CERTIFY_MODES = ("coverage", "last_check_only")
+"""``checkpoint.certify``: see :mod:`scout_core.checkpoint.coverage`."""
 
 
 def _check_ranges(obj: Any, prefix: str = "") -> None:
@@ -96,6 +99,8 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
         raise ConfigError(f"topology.shape: {dict(cfg.topology.shape)}; allowed: axes d s t p c e with sizes >= 1")
     if cfg.actions.on_verdict not in _ACTIONS:
         raise ConfigError(f"actions.on_verdict: {cfg.actions.on_verdict!r}; allowed: {', '.join(_ACTIONS)}")
+    if cfg.checkpoint.certify not in CERTIFY_MODES:
+        raise ConfigError(f"checkpoint.certify: {cfg.checkpoint.certify!r}; allowed: {', '.join(CERTIFY_MODES)}")
     if cfg.report.log_level.upper() not in _LOG_LEVELS:
         raise ConfigError(f"report.log_level: {cfg.report.log_level!r}; allowed: {', '.join(_LOG_LEVELS)}")
     if not cfg.replay.input_variants or any(not (math.isfinite(v) and v > 0) for v in cfg.replay.input_variants):
@@ -221,8 +226,9 @@ def reference_tables(key: Callable[[str], str] = lambda k: k) -> list[str]:
 
 CROSS_FIELD_RULES = [
     "Cross-field rules: `topology.order` is a permutation of `d s t p c e` and `topology.shape` uses those",
-    "axes with sizes >= 1; `actions.on_verdict` is `log` or `stop`; `report.log_level` is one of",
-    "DEBUG, INFO, WARNING, ERROR, CRITICAL; `replay.input_variants` is a non-empty list of positive scales.",
+    "axes with sizes >= 1; `actions.on_verdict` is `log` or `stop`; `checkpoint.certify` is `coverage` or",
+    "`last_check_only`; `report.log_level` is one of DEBUG, INFO, WARNING, ERROR, CRITICAL;",
+    "`replay.input_variants` is a non-empty list of positive scales.",
 ]
 
 

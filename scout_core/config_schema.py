@@ -155,8 +155,11 @@ class CheckpointConfig:
     memory_dir: str = ""
     """RAM-backed directory for in-memory snapshots and peer replicas; empty = ``/dev/shm`` (the temp
     dir where there is none). Too little space there falls back to ``<directory>/memory``, with a warning."""
-    recipes_per_cycle: int = _range(1, ge=1)
-    """K, the number of recipes in one certification cycle (1 for dense models)."""
+    certify: str = "coverage"
+    """When a capture becomes verified. ``coverage``: once, after it, replay has replayed clean every unit it
+    samples (every repeated layer, embedding, output head, every parameter of the optimizer slice's rotation,
+    every expert and catalog shape) on every rank. ``last_check_only`` (the paper's dense rule, faster): after
+    one clean check; it does NOT promise that layers that check did not sample were clean."""
     replicate_to_peer: bool = True
     """Copy each rank's snapshot to a partner on another machine."""
     keep_generations: int = _range(3, ge=2)

@@ -80,6 +80,9 @@ class ScoutMetrics:
                                ["rank", "state"], registry=reg)
         self.cert_generations = Counter("scout_certified_generations",
                                         "Generations that became verified", ["rank"], registry=reg)
+        self.cert_latency = Gauge("scout_capture_to_verified_steps",
+                                  "Steps from the capture of the verified generation to its promotion; -1: none yet",
+                                  ["rank"], registry=reg)
         self.observer_up = Gauge("scout_observer_up", "1 while this rank's out-of-band observer runs", ["rank"],
                                  registry=reg)
         self.overhead = Counter("scout_overhead_seconds",
@@ -118,6 +121,7 @@ class ScoutMetrics:
                 self.incidents.labels(self.rank, kind.value, scope.value)
         for state in CERT_STATES:
             self.cert_step.labels(self.rank, state).set(-1)
+        self.cert_latency.labels(self.rank).set(-1)
 
     def describe(self, *, run_id: str, host: str, configured_run_id: bool = False) -> None:
         """What the start-up exchange decided: the run id and this rank's machine (``scout_info``). The textfile
@@ -179,6 +183,7 @@ class ScoutMetrics:
             if cert.verified is not None and cert.verified != self._verified:
                 self._verified = cert.verified
                 self.cert_generations.labels(r).inc()
+            self.cert_latency.labels(r).set(-1 if cert.verified_after is None else cert.verified_after)
         if handle.observer_pid is not None:  # no series where no observer runs (observer.enabled: false)
             self.observer_up.labels(r).set(0 if handle._observer_reported else 1)
         if self.cfg.textfile_dir and now - self._last_textfile >= self.cfg.textfile_interval_s:

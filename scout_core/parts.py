@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scout_core.adapter import FrameworkAdapter
+from scout_core.checkpoint.coverage import Coverage
 from scout_core.config import ScoutConfig
 from scout_core.groups import ScoutGroups
 from scout_core.replay.guard import DiagnosisGuard
@@ -57,6 +58,8 @@ class ScoutParts:
     checkpoint: CheckpointCoordinator | None = None
     labels: FrameworkLabels | None = None
     """Labels of the framework's own checkpoints (see :mod:`scout_core.checkpoint.labels`)."""
+    coverage: Coverage = field(default_factory=Coverage)
+    """What replay vouched for on this rank since the candidate's capture (``checkpoint.certify``)."""
     hooks: list[Any] = field(default_factory=list)
     """Hook handles SCOUT installed on the caller's objects (each has ``remove()``)."""
 

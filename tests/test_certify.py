@@ -2,71 +2,75 @@
 
 from __future__ import annotations
 
-import pytest
-
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind, decide_retrieval
 
-OK = BoundaryEvidence()
+OK = BoundaryEvidence(covered=True)  # an accepted check after which every rank's coverage is complete
+PART = BoundaryEvidence()  # an accepted check, coverage not complete yet
 SDC = BoundaryEvidence(sdc=True)
 
 
+def cycle(k: int, i: int) -> BoundaryEvidence:
+    """The ``i``-th accepted check (from 1) when coverage takes ``k`` checks."""
+    return OK if i % k == 0 else PART
+
+
 def test_paper_two_recipe_example():
-    # 8 ranks, K = 2, a check every step: step 2 becomes candidate, is promoted after the
+    # 8 ranks, coverage in 2 checks, a check every step: step 2 becomes candidate, is promoted after the
     # clean check at step 4, SDC at step 5, recovery loads step 2.
-    c = Certifier(recipes_per_cycle=2)
-    assert c.on_boundary(1, OK) is Action.CAPTURE
+    c = Certifier()
+    assert c.on_boundary(1, PART) is Action.CAPTURE
     assert c.on_boundary(2, OK) is Action.CAPTURE_AND_PERSIST and c.candidate == 2 and c.verified is None
-    assert c.on_boundary(3, OK) is Action.CAPTURE
+    assert c.on_boundary(3, PART) is Action.CAPTURE
     assert c.on_boundary(4, OK) is Action.CAPTURE_AND_PERSIST
     assert (c.verified, c.candidate, c.latest) == (2, 4, 4)
+    assert c.verified_after == 2 and "2 steps from capture to verified" in c.history[-2][1]
     assert c.on_boundary(5, SDC) is Action.RECOVER
     assert c.candidate is None and c.verified == 2
     d = decide_retrieval(c, FailureKind.SDC)
     assert (d.source, d.generation) == ("verified", 2)
 
 
-def test_promotion_needs_two_consecutive_accepted_cycles():
-    c = Certifier(recipes_per_cycle=3)
+def test_a_candidate_is_promoted_only_after_a_whole_coverage_after_its_capture():
+    c = Certifier()
     for step in range(1, 4):
-        c.on_boundary(step, OK)
-    assert c.candidate == 3 and c.verified is None  # one cycle: candidate only
-    c.on_boundary(4, OK)
-    c.on_boundary(5, SDC)  # inside the second cycle: the candidate is rejected
+        c.on_boundary(step, cycle(3, step))
+    assert c.candidate == 3 and c.verified is None  # one coverage: candidate only
+    c.on_boundary(4, PART)
+    c.on_boundary(5, SDC)  # inside the second coverage: the candidate is rejected
     assert c.candidate is None and c.verified is None
-    for step in range(6, 12):
-        c.on_boundary(step, OK)
+    for i, step in enumerate(range(6, 12), start=1):
+        c.on_boundary(step, cycle(3, i))
     assert (c.candidate, c.verified) == (11, 8)
 
 
 def test_missing_evidence_skips_and_straggler_counts_as_accepted():
-    c = Certifier(recipes_per_cycle=2)
-    assert c.on_boundary(1, BoundaryEvidence(missing=True)) is Action.SKIP
-    assert (c.latest, c.q) == (None, 0)
+    c = Certifier()
+    assert c.on_boundary(1, BoundaryEvidence(missing=True, covered=True)) is Action.SKIP
+    assert c.latest is None and c.candidate is None
     assert c.on_boundary(2, BoundaryEvidence(straggler=True)) is Action.CAPTURE
-    assert c.latest == 2 and c.q == 1
+    assert c.latest == 2 and c.candidate is None
+    assert c.on_boundary(3, BoundaryEvidence(straggler=True, covered=True)) is Action.CAPTURE_AND_PERSIST
+    assert c.on_boundary(4, BoundaryEvidence(busy=True, covered=True)) is Action.SKIP and c.verified is None
 
 
 def test_inconclusive_rejects_like_sdc():
-    c = Certifier(recipes_per_cycle=1)
+    c = Certifier()
     c.on_boundary(1, OK)
     assert c.on_boundary(2, BoundaryEvidence(inconclusive=True)) is Action.RECOVER
     assert c.candidate is None
 
 
-def test_static_shapes_certify_every_accepted_capture():
-    c = Certifier(recipes_per_cycle=1, static=True)
+def test_last_check_only_certifies_every_capture_after_a_layer_check():
+    c = Certifier(static=True)
     assert c.on_boundary(1, OK) is Action.CAPTURE_AND_PERSIST
-    assert c.verified == 1 and c.latest == 1
-    c.on_boundary(2, SDC)
+    assert c.verified == 1 and c.latest == 1 and c.verified_after == 0
+    assert c.on_boundary(2, PART) is Action.SKIP and c.latest == 1  # no layer replayed: vouches for nothing
+    c.on_boundary(3, SDC)
     assert decide_retrieval(c, "sdc").generation == 1
-    with pytest.raises(ValueError):
-        Certifier(recipes_per_cycle=2, static=True)
-    with pytest.raises(ValueError):
-        Certifier(recipes_per_cycle=0)
 
 
 def test_retrieval_policy_per_failure():
-    c = Certifier(recipes_per_cycle=1)
+    c = Certifier()
     for step in (1, 2, 3):
         c.on_boundary(step, OK)
     assert (c.latest, c.verified) == (3, 2)
@@ -101,7 +105,7 @@ def test_no_generation_yet_is_explicit():
 def test_a_generation_some_rank_could_not_make_durable_is_never_offered_to_a_restart():
     """Durability and evidence are apart: a generation some rank could not write is never what a restart is
     offered (``retrievable``), yet the evidence still promotes it (the framework's labels read ``verified``)."""
-    c = Certifier(recipes_per_cycle=1)
+    c = Certifier()
     c.on_boundary(1, OK)
     c.on_boundary(2, OK)  # 1 promoted, 2 candidate
     c.confirm(3, 1)  # every rank wrote 1 and labelled it verified
@@ -120,7 +124,7 @@ def test_a_generation_some_rank_could_not_make_durable_is_never_offered_to_a_res
     c.not_durable(5, 4, "rank 0 could not label it verified")  # the newest durable one is offered
     assert (c.verified, c.durable, c.retrievable) == (4, 3, 3)
     assert "verified 4 is not durable on every rank" in c.history[-1][1]
-    s = Certifier(recipes_per_cycle=1, static=True)
+    s = Certifier(static=True)
     s.on_boundary(1, OK)
     s.confirm(2, 1)
     s.on_boundary(2, OK)

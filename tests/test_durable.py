@@ -4,6 +4,7 @@ and the file survives a restart, a torn write and a purge."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -12,15 +13,22 @@ import pytest
 from scout_core.checkpoint.certify import BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.durable import LABELS_FILE, FrameworkCheckpoints
 
-CLEAN, SDC, STRAGGLER = BoundaryEvidence(), BoundaryEvidence(sdc=True), BoundaryEvidence(straggler=True)
+# Accepted checks after which every rank's coverage is complete (a later check's ``_every`` says otherwise).
+CLEAN, SDC = BoundaryEvidence(covered=True), BoundaryEvidence(sdc=True)
+STRAGGLER = BoundaryEvidence(straggler=True, covered=True)
+
+
+def _every(k: int, step: int, evidence: BoundaryEvidence = CLEAN) -> BoundaryEvidence:
+    """``evidence`` when coverage takes ``k`` checks, one a step: complete at every ``k``-th."""
+    return dataclasses.replace(evidence, covered=evidence.covered and step % k == 0)
 
 
 def _run(tmp_path, steps: dict[int, BoundaryEvidence], *, k: int = 1, saves=None, stop: bool = True):
     """Boundaries at each step (evidence as given, clean otherwise); the framework saves after each boundary."""
-    cert = Certifier(recipes_per_cycle=k, static=k == 1)
+    cert = Certifier(static=k == 1)
     labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     for step in range(1, max(steps) + 1):
-        evidence = steps.get(step, CLEAN)
+        evidence = _every(k, step, steps.get(step, CLEAN))
         action = cert.on_boundary(step, evidence)
         failure = FailureKind.SDC if evidence.sdc else FailureKind.STRAGGLER if evidence.straggler else None
         labels.on_boundary(step, action, cert, failure=failure, stopping=stop)
@@ -52,7 +60,7 @@ def test_after_an_sdc_verdict_nothing_newer_is_trusted_until_a_restart(tmp_path)
     """With ``actions.on_verdict: log`` training goes on over the corrupted state: later checks pass (the
     corruption is in everyone's state now) and the certifier verifies again, but no checkpoint of this run after
     the verdict may be loaded as clean."""
-    cert = Certifier(recipes_per_cycle=1, static=True)
+    cert = Certifier(static=True)
     labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     for step in (1, 2):
         labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
@@ -77,10 +85,10 @@ def test_a_straggler_stop_loads_the_newest_not_rejected(tmp_path):
 
 
 def test_an_unexplained_stop_loads_the_newest_verified(tmp_path):
-    cert = Certifier(recipes_per_cycle=2)
+    cert = Certifier()  # coverage in 2 checks
     labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     for step in (1, 2, 3, 4, 5):
-        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.on_boundary(step, cert.on_boundary(step, _every(2, step)), cert)
         labels.saved(step, "", cert)
     assert cert.verified == 2
     choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()  # the restart, reading the file
@@ -96,10 +104,10 @@ def test_an_sdc_before_anything_was_verified_loads_nothing(tmp_path):
 def test_an_unexplained_stop_before_anything_was_verified_loads_the_newest_not_rejected(tmp_path):
     """A preemption early in a job (or within a long recipe cycle): no evidence says the state is bad, and
     starting over would throw the run away."""
-    cert = Certifier(recipes_per_cycle=4)
+    cert = Certifier()  # coverage in 4 checks
     labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     for step in (1, 2, 3):
-        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.on_boundary(step, cert.on_boundary(step, _every(4, step)), cert)
         labels.saved(step, "", cert)
     assert cert.verified is None
     choice = labels.choose()
@@ -209,10 +217,10 @@ def test_a_run_that_ended_normally_is_relaunched_from_its_newest_checkpoint(tmp_
     """A normal end (SCOUT closed after the last step, no failure, no verdict) is not an unexplained stop: the
     relaunch goes on from the newest checkpoint not rejected, unverified as a job's last save usually is; a later
     save of the relaunched run, or a verdict, takes that back."""
-    cert = Certifier(recipes_per_cycle=2)
+    cert = Certifier()  # coverage in 2 checks
     labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     for step in (1, 2, 3, 4, 5):
-        labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)
+        labels.on_boundary(step, cert.on_boundary(step, _every(2, step)), cert)
         labels.saved(step, "", cert)
     labels.ended()
     choice = FrameworkCheckpoints(str(tmp_path), writer=False).choose()
@@ -237,7 +245,7 @@ def test_a_folder_saved_to_again_no_longer_vouches_for_the_step_it_held(tmp_path
     """A rolling tag (DeepSpeed's ``save_checkpoint(dir, "last")``): each save overwrites the folder, so only the
     newest step it holds keeps a label; after an SDC a restart finds nothing verified there, not the rejected state
     under an older step's verified label."""
-    cert = Certifier(recipes_per_cycle=1, static=True)
+    cert = Certifier(static=True)
     labels = FrameworkCheckpoints(str(tmp_path), writer=True)
     for step in (1, 2, 3):
         labels.on_boundary(step, cert.on_boundary(step, CLEAN), cert)

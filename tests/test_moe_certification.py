@@ -1,68 +1,8 @@
-"""Which boundaries vouch for the state when the expert recipe runs (paper section 8: K counts the checks of
-one recipe cycle)."""
+"""The expert recipe's shapes and widths (certification's coverage of its cycle: tests/test_coverage.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-
-from scout_core.boundary import StepBoundary
-from scout_core.config import ScoutConfig
-
-
-def _handle(catalog: object | None, experts: bool = True, *, closes: bool = False,
-            dense: bool = False) -> SimpleNamespace:
-    boundary = SimpleNamespace(experts=SimpleNamespace(catalog=catalog) if experts else None, config=ScoutConfig(),
-                               replay=SimpleNamespace(health=SimpleNamespace(disabled=set())),
-                               certifier=SimpleNamespace(at_cycle_boundary=closes),
-                               _dense_in_cycle=dense)
-    boundary.parts = boundary  # the boundary reads the parts (experts, config, replay, certifier) there
-    return boundary
-
-
-HIDDEN = SimpleNamespace(checked=True, recipes=["hidden"])
-NOTHING = SimpleNamespace(checked=False, recipes=[])
-EXPERT = object()
-
-
-def test_with_the_expert_recipe_exactly_the_expert_checks_certify():
-    """K is one recipe cycle of expert checks (with or without a catalog): a dense check between them does not
-    advance it."""
-    for catalog in (object(), None):
-        h = _handle(catalog=catalog)
-        assert not StepBoundary._certifies(h, HIDDEN, None)
-        assert StepBoundary._certifies(h, HIDDEN, EXPERT)
-        assert StepBoundary._certifies(h, NOTHING, EXPERT)
-
-
-def test_a_cycle_closes_only_if_a_dense_layer_check_ran_in_it():
-    """Expert checks alone never vouch for attention and router: the boundary that would complete the cycle
-    waits for a hidden-layer check in the cycle."""
-    assert not StepBoundary._certifies(_handle(None, closes=True), NOTHING, EXPERT)
-    assert StepBoundary._certifies(_handle(None, closes=True, dense=True), NOTHING, EXPERT)
-    off = _handle(None, closes=True)
-    off.config.replay.cadence.hidden = 0  # the layer recipe configured off: the expert cycle is the evidence
-    assert StepBoundary._certifies(off, NOTHING, EXPERT)
-    off.replay.health.disabled = {"hidden"}  # switched off by replay's health: nothing vouches
-    assert not StepBoundary._certifies(off, NOTHING, EXPERT)
-
-
-def test_without_experts_the_layer_checks_certify():
-    h = _handle(catalog=None, experts=False)
-    assert StepBoundary._certifies(h, HIDDEN, None)
-    assert not StepBoundary._certifies(h, NOTHING, None)
-    assert not StepBoundary._certifies(h, SimpleNamespace(checked=True, recipes=["output"]), None)
-
-
-def test_a_missing_check_starts_the_recipe_cycle_over():
-    """K = 4: a skipped check in the middle means the next four accepted checks, not the remaining ones,
-    complete the cycle (any K consecutive checks of the rotation cover every recipe; K with a hole need not)."""
-    from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier
-
-    cert = Certifier(recipes_per_cycle=4)
-    clean, missing = BoundaryEvidence(), BoundaryEvidence(missing=True)
-    actions = [cert.on_boundary(step, missing if step == 3 else clean) for step in range(1, 9)]
-    assert actions[2] is Action.SKIP
-    assert [s for s, a in enumerate(actions, start=1) if a is Action.CAPTURE_AND_PERSIST] == [7]
 
 
 def test_expert_width_reads_linear_experts_and_raw_weights():

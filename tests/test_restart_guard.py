@@ -50,7 +50,8 @@ def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
 
 
 def _job(ctx: RankContext):
-    """Phase "train": 6 steps, a check and a capture at each (K = 2: verified 2 and 4, candidate 6, latest 6),
+    """Phase "train": 9 steps, a check and a capture at each (coverage of the 3 blocks in 3 checks: verified 3 and
+    6, candidate 9, latest 9),
     then the job dies. Phase "resume": other initial weights, perhaps a damaged slot or a caller state that no
     snapshot satisfies, then resume()."""
     import scout_core
@@ -74,13 +75,13 @@ def _job(ctx: RankContext):
     position = _Position(needs="epoch" if a.get("new_state_on") == ctx.rank else "")
     cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
                       "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
-                      "checkpoint.recipes_per_cycle=2", f"checkpoint.directory={d}/ckpt",
+                      f"checkpoint.directory={d}/ckpt",
                       f"checkpoint.memory_dir={d}/shm", f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
     handle = scout_core.enable(par.model, opt, config=cfg, state={"position": position})
     memory = handle.checkpoint.memory
     out: dict = {}
     if phase == "train":
-        for step, (x, y) in enumerate(batches(ctx.rank, a.get("steps", 6)), start=1):
+        for step, (x, y) in enumerate(batches(ctx.rank, a.get("steps", 9)), start=1):
             torch.nn.functional.mse_loss(par.model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -139,26 +140,26 @@ def test_a_slot_that_does_not_load_makes_every_rank_fall_back_together(tmp_path)
     crash's restart, both fail to load it on rank 1 only: every rank returns promptly with the same older
     verified generation, bitwise, and rank 1 says what failed in a diagnosis_error record."""
     args, sigs = _trained(tmp_path)
-    for failure, where in (("straggler", "resume:loading the in-memory snapshot of step 6"),
-                           (None, "resume:loading the in-memory snapshot of step 6")):
+    for failure, where in (("straggler", "resume:loading the in-memory snapshot of step 9"),
+                           (None, "resume:loading the in-memory snapshot of step 9")):
         _fresh_copy(tmp_path)
         second = launch(_job, 2, timeout_s=120, args={**args, "phase": "resume", "truncate": 1, "failure": failure})
         assert second.ok, second.failures()
         for v in second.values():
             assert v["took"] < 60, v["took"]  # far inside the process group's timeout
-            assert (v["step"], v["source"]) == (4, "verified"), v["reason"]
-            assert v["params"] == sigs[4] and v["position"] == 4
-            assert v["inventory"] == {"own": None, "replicas": {}}  # step 6 is gone: it is never offered again
+            assert (v["step"], v["source"]) == (6, "verified"), v["reason"]
+            assert v["params"] == sigs[6] and v["position"] == 6
+            assert v["inventory"] == {"own": None, "replicas": {}}  # step 9 is gone: it is never offered again
         assert "could not" in second.values()[0]["reason"], second.values()[0]["reason"]
         errors = [i for i in _incidents(tmp_path / "job") if i[0] == "diagnosis_error"]
         assert errors == [("diagnosis_error", [1], where)], errors
         records = [json.loads(line) for line in open(tmp_path / "job" / "ckpt" / "decisions.jsonl")]
-        assert (records[-1]["record"], records[-1]["source"], records[-1]["generation"]) == ("resume", "verified", 4)
+        assert (records[-1]["record"], records[-1]["source"], records[-1]["generation"]) == ("resume", "verified", 6)
 
 
 def test_a_restore_that_fails_on_one_rank_leaves_every_rank_as_it_was(tmp_path):
     """Rank 1's caller state now insists on a key no snapshot holds: its restore raises half-way (after the
-    model was loaded) for every generation. Every rank falls back through verified 4 and 2 to nothing, and every
+    model was loaded) for every generation. Every rank falls back through verified 6 and 3 to nothing, and every
     rank is put back to the state it had before resume(); the fresh start is recorded."""
     args, _ = _trained(tmp_path)
     second = launch(_job, 2, timeout_s=120, args={**args, "phase": "resume", "new_state_on": 1,
@@ -169,9 +170,9 @@ def test_a_restore_that_fails_on_one_rank_leaves_every_rank_as_it_was(tmp_path):
         assert v["step"] is None and v["unchanged"] and v["position"] == 0 and v["intact"], v
         # Adam's moments and step counts, and the CPU RNG, bitwise as before resume() too (not the snapshots').
         assert v["optim_unchanged"] and v["rng_unchanged"], v
-        assert "nothing restored" in v["reason"] and "falling back to verified 2" in v["reason"], v["reason"]
+        assert "nothing restored" in v["reason"] and "falling back to verified 3" in v["reason"], v["reason"]
     errors = [i for i in _incidents(tmp_path / "job") if i[0] == "diagnosis_error"]
-    assert [e[1:] for e in errors] == [([1], f"resume:restoring step {s}") for s in (6, 4, 2)], errors
+    assert [e[1:] for e in errors] == [([1], f"resume:restoring step {s}") for s in (9, 6, 3)], errors
     records = [json.loads(line) for line in open(tmp_path / "job" / "ckpt" / "decisions.jsonl")]
     assert (records[-1]["record"], records[-1]["source"]) == ("resume", "none")
 
@@ -184,7 +185,7 @@ def test_a_checkpoint_folder_made_afresh_never_restores_an_older_jobs_memory(tmp
     again = launch(_job, 2, timeout_s=120, args={**args, "phase": "resume", "failure": "straggler"})
     assert again.ok, again.failures()
     for v in again.values():
-        assert (v["step"], v["source"]) == (6, "latest") and v["params"] == sigs[6], v["reason"]
+        assert (v["step"], v["source"]) == (9, "latest") and v["params"] == sigs[9], v["reason"]
     old = {n for _, _, names in os.walk(tmp_path / "job" / "shm") for n in names if n.endswith(".pt")}
     shutil.rmtree(tmp_path / "job" / "ckpt")
     fresh = launch(_job, 2, timeout_s=120, args={**args, "phase": "resume", "failure": "straggler"})

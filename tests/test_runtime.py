@@ -164,7 +164,7 @@ def _verdict_log(ctx: RankContext):
     steps = 0
     from integrations_tests.models import batches
 
-    for step, (x, y) in enumerate(batches(ctx.rank, 6), start=1):
+    for step, (x, y) in enumerate(batches(ctx.rank, 9), start=1):
         state["step"] = step
         torch.nn.functional.mse_loss(par.model(x), y).backward()
         opt.step()
@@ -179,12 +179,13 @@ def _verdict_log(ctx: RankContext):
 def test_log_action_keeps_training_and_writes_decision_and_hosts_to_exclude(tmp_path):
     from scout_core.testing.inject import Fault
 
-    faults = [Fault.from_dict({"surface": "layers.1.output", "rank": 2, "kind": "bitflip", "bit": 22, "from_step": 5})]
+    # Coverage is the three blocks (one a step): candidate 3, verified 3 at step 6; block 1 is replayed at step 8.
+    faults = [Fault.from_dict({"surface": "layers.1.output", "rank": 2, "kind": "bitflip", "bit": 22, "from_step": 8})]
     result = launch(_verdict_log, 4, timeout_s=120, args={"faults": faults, "seed": 0, "layout": "ddp",
                                                           "dir": str(tmp_path)})
     assert result.ok, result.failures()
-    assert [v["steps"] for v in result.values()] == [6] * 4  # log: training goes on
-    assert {v["decision"] for v in result.values()} == {("verified", 4)}
+    assert [v["steps"] for v in result.values()] == [9] * 4  # log: training goes on
+    assert {v["decision"] for v in result.values()} == {("verified", 3)}
     excluded = json.loads((tmp_path / "ckpt" / "exclude_hosts.json").read_text())
     assert excluded["hosts"] == ["host1"] and excluded["ranks"] == [2] and excluded["drain"] == ["host1"]
     assert [v["kind"] for v in excluded["verdicts"]] == ["sdc"]
@@ -250,7 +251,7 @@ def test_sampled_layer_that_did_not_run_skips_the_check_on_every_peer(tmp_path):
     for v in result.values():
         skipped = {s: why for s, why in v["history"] if why}
         assert list(skipped) == [2] and "did not run on the source" in skipped[2]
-        assert "skip: evidence missing (the recipe cycle starts over)" in v["certifier"]
+        assert "skip: evidence missing (this check's units do not count)" in v["certifier"]
     assert not (tmp_path / "inc.jsonl").exists()  # a skip is not an incident, and not an error
 
 
@@ -388,8 +389,7 @@ def _dirty_sweep(ctx: RankContext):
     d = a["dir"]
     cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=4", "replay.cadence.output=0",
                       "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
-                      # two clean checks certify a snapshot: the one check of the first job verifies nothing
-                      "checkpoint.recipes_per_cycle=2",
+                      # coverage needs every block (three checks): the one check of the first job verifies nothing
                       f"checkpoint.directory={d}/ckpt", f"checkpoint.memory_dir={d}/shm",
                       f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
     handle = scout_core.enable(par.model, opt, config=cfg)

@@ -12,17 +12,18 @@ see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundar
 
 * SDC or inconclusive evidence anywhere: the candidate is rejected and recovery
   must run (:func:`decide_retrieval`); nothing is captured.
-* Missing evidence: the capture is skipped, and the recipe cycle starts over
-  (``q = 0``): the skipped check's recipe was not replayed.
-* Healthy, or a straggler only (slowness is not numerical divergence): the
-  current state is captured as ``latest`` and ``q`` (accepted recipes in the
-  cycle) grows. When ``q`` reaches ``K`` the prior candidate is promoted to
-  verified and ``latest`` is persisted as the new candidate: a candidate is
-  promoted only after two consecutive accepted cycles (2K checks), because a
-  fault can corrupt state after its triggering recipe already ran.
+* Missing evidence (or a boundary busy persisting the previous snapshot): the capture is skipped, and the
+  check's units do not count toward coverage.
+* Healthy, or a straggler only (slowness is not numerical divergence): the current state is captured as
+  ``latest``. When the job-wide evidence says replay's COVERAGE is complete (every unit replay samples was
+  replayed clean on every rank since the candidate was captured, see :mod:`~.coverage`), the candidate is
+  promoted to verified and ``latest`` is persisted as the new candidate. A candidate is therefore promoted only
+  after one whole coverage that began after its capture: a persistent defect that started before the capture,
+  in whatever unit, was active when that unit was replayed after it, and rejected the candidate.
 
-Static-shape (dense) models use ``K = 1`` with ``static=True``: every capture
-after an accepted check is certified by that check and becomes verified at once.
+``static=True`` is the paper's dense rule and the weaker mode ``checkpoint.certify: last_check_only``: a capture
+after any accepted check that replayed a layer is verified at once. It does not promise that units that check
+did not sample were clean.
 
 Evidence and durability are kept apart: ``candidate`` and ``verified`` follow replay
 evidence alone (the framework's checkpoint labels read them), while a generation some
@@ -55,6 +56,9 @@ class BoundaryEvidence:
     """Some rank could not write the candidate to the durable store: it is never promoted."""
     lost_verified: bool = False
     """Some rank could not write (static shapes) or relabel the newest verified generation."""
+    covered: bool = False
+    """Every rank's coverage is complete with this boundary's units (combined job-wide as AND): every unit
+    replay samples was replayed clean since the candidate's capture (``static``: this check replayed a layer)."""
 
 
 class Action(enum.StrEnum):
@@ -68,36 +72,18 @@ class Action(enum.StrEnum):
 class Certifier:
     """The certification state machine; one per job, identical on every rank."""
 
-    recipes_per_cycle: int = 1
     static: bool = False
     latest: int | None = None
     candidate: int | None = None
     verified: int | None = None
-    q: int = 0
     durable: int | None = None
     """The newest verified generation every rank confirmed holding in the durable store (written and labelled
     verified everywhere); what a restart is sure to find, so it is never pruned."""
     unstored: set[int] = field(default_factory=set)
     """The candidate or verified generation some rank could not write or relabel in SCOUT's durable store."""
+    verified_after: int | None = None
+    """Steps from the capture of ``verified`` to its promotion (the certification latency)."""
     history: list[tuple[int, str]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.recipes_per_cycle < 1:
-            raise ValueError(f"recipes_per_cycle must be >= 1, got {self.recipes_per_cycle}")
-        if self.static and self.recipes_per_cycle != 1:
-            raise ValueError("static-shape certification has exactly one recipe set per check (K = 1)")
-
-    @property
-    def at_cycle_boundary(self) -> bool:
-        """Whether the next accepted check closes a cycle (ranks must agree on this)."""
-        return self.q + 1 == self.recipes_per_cycle
-
-    def skip_uncertified(self, evidence: BoundaryEvidence) -> Action:
-        """A boundary whose checks cannot vouch for the state (no layer was replayed) and found no SDC: nothing
-        is captured or promoted, and a check that did not run leaves a hole in the recipe cycle."""
-        if evidence.missing:
-            self.q = 0
-        return Action.SKIP
 
     @property
     def retrievable(self) -> int | None:
@@ -126,31 +112,29 @@ class Certifier:
             if self.candidate is not None:
                 self.history.append((step, f"candidate {self.candidate} rejected"))
             self.candidate = None  # may already hold corruption the finished checks did not see
-            self.q = 0
             self.history.append((step, "recover"))
             return Action.RECOVER
         if evidence.missing:
-            # A cycle is K consecutive accepted checks: any K consecutive checks of a rotation cover every
-            # recipe, K that skip one need not (the check's recipe was not replayed). Start over.
-            self.q = 0
-            self.history.append((step, "skip: evidence missing (the recipe cycle starts over)"))
+            self.history.append((step, "skip: evidence missing (this check's units do not count)"))
             return Action.SKIP
         if evidence.busy:
             self.history.append((step, "skip: the previous snapshot is still being persisted"))
             return Action.SKIP
-        self.latest = step
         if self.static:
-            self.verified = step
-            self.history.append((step, "captured and verified (static shapes)"))
+            if not evidence.covered:  # no layer was replayed: this boundary cannot vouch for the state
+                return Action.SKIP
+            self.latest = self.verified = step
+            self.verified_after = 0
+            self.history.append((step, "captured and verified (last check only)"))
             return Action.CAPTURE_AND_PERSIST
-        self.q += 1
-        if self.q < self.recipes_per_cycle:
-            self.history.append((step, f"captured ({self.q}/{self.recipes_per_cycle} recipes accepted)"))
+        self.latest = step
+        if not evidence.covered:
+            self.history.append((step, "captured (coverage not complete yet)"))
             return Action.CAPTURE
-        self.q = 0
         if self.candidate is not None:
-            self.verified = self.candidate
-            self.history.append((step, f"candidate {self.candidate} promoted to verified"))
+            self.verified, self.verified_after = self.candidate, step - self.candidate
+            self.history.append((step, f"candidate {self.candidate} promoted to verified: {step - self.candidate} "
+                                       f"steps from capture to verified"))
         self.candidate = step
         self.history.append((step, f"captured and persisted as candidate {step}"))
         return Action.CAPTURE_AND_PERSIST

@@ -1,11 +1,10 @@
 """The checkpoint coordinator: replay verdicts in, snapshots, replicas and decisions out.
 
 At every replay boundary each rank calls :meth:`CheckpointCoordinator.on_boundary`
-with its local evidence. ONE all-reduce (MAX over nine flags, on SCOUT's gloo
+with its local evidence. ONE all-reduce (MAX over eight flags, on SCOUT's gloo
 control group) combines SDC, inconclusive, missing, straggler and busy evidence
 across the job, says whether some rank could not make the candidate or the newest
-verified generation durable, and checks that every rank agrees whether this check
-closes a recipe cycle. The job-wide evidence then drives the
+verified generation durable, and whether every rank's replay coverage is complete. The job-wide evidence then drives the
 :class:`~.certify.Certifier`, identically on every rank: a verified generation is
 offered to a restart only once every rank has confirmed its write (the evidence alone
 promotes, and labels the framework's checkpoints).
@@ -47,17 +46,14 @@ __all__ = ["CheckpointCoordinator", "combine_evidence", "partners", "record_deci
 _log = logging.getLogger("scout")
 
 
-def combine_evidence(local: BoundaryEvidence, group: Any, *, at_cycle_boundary: bool | None = None) -> BoundaryEvidence:
-    """Job-wide evidence: one MAX all-reduce of the flags on ``group`` (gloo); raises if ranks disagree
-    on whether this check closes a recipe cycle (their certifiers would diverge)."""
-    at = bool(at_cycle_boundary)
+def combine_evidence(local: BoundaryEvidence, group: Any) -> BoundaryEvidence:
+    """Job-wide evidence: one MAX all-reduce of the flags on ``group`` (gloo). ``covered`` is combined as AND
+    (every rank's coverage complete): its negation goes through the MAX."""
     flags = torch.tensor([local.sdc, local.inconclusive, local.missing, local.straggler, local.busy,
-                          local.lost_candidate, local.lost_verified, at, not at], dtype=torch.int32)
+                          local.lost_candidate, local.lost_verified, not local.covered], dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    if at_cycle_boundary is not None and flags[7] and flags[8]:
-        raise RuntimeError(f"ranks disagree whether this check closes a recipe cycle (rank {dist.get_rank()} "
-                           f"says {at})")
-    return BoundaryEvidence(*(bool(f) for f in flags[:7].tolist()))
+    *seven, uncovered = (bool(f) for f in flags.tolist())
+    return BoundaryEvidence(*seven, covered=not uncovered)
 
 
 class CheckpointCoordinator:
@@ -104,19 +100,12 @@ class CheckpointCoordinator:
 
     # -- at every replay boundary --------------------------------------------------------------
 
-    def on_boundary(self, step: int, local: BoundaryEvidence, *,
-                    certify: bool = True) -> tuple[Action, BoundaryEvidence]:
-        """Combine the evidence job-wide, advance the certifier, capture what it asks for.
-
-        ``certify=False`` (the same on every rank): this boundary's checks cannot vouch for the state (no
-        layer was replayed), so a clean result neither captures nor promotes anything; SDC still counts.
-        """
+    def on_boundary(self, step: int, local: BoundaryEvidence) -> tuple[Action, BoundaryEvidence]:
+        """Combine the evidence job-wide, advance the certifier, capture what it asks for."""
         busy = self.busy  # first: a thread found finished has recorded every failure _lost() reads
         local = dataclasses.replace(local, busy=busy, **self._lost())
-        evidence = combine_evidence(local, self.control, at_cycle_boundary=self.certifier.at_cycle_boundary)
+        evidence = combine_evidence(local, self.control)
         self._settle_durability(step, evidence)
-        if not certify and not (evidence.sdc or evidence.inconclusive):
-            return self.certifier.skip_uncertified(evidence), evidence
         return self.apply(step, evidence), evidence
 
     @property
@@ -359,7 +348,7 @@ def record_decision(path: str, decision: Any, *, certifier: Certifier | None = N
     record = {"record": kind, "time_unix": time.time(), **body, "incident": incident or {}, "binding": binding}
     if certifier is not None:
         record["certifier"] = {"latest": certifier.latest, "candidate": certifier.candidate,
-                               "verified": certifier.verified}
+                               "verified": certifier.verified, "steps_capture_to_verified": certifier.verified_after}
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)

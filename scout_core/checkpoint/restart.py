@@ -21,7 +21,7 @@ def _trust(cert: Certifier, latest: int | None, verified: int | None, *, durable
     """The certification state of a restored step (None: the state from before resume() put back): nothing is
     a candidate yet, no check counts toward it.
     ``durable``: the verified generation every rank holds in SCOUT's store (what pruning keeps from)."""
-    cert.latest, cert.verified, cert.candidate, cert.q, cert.durable = latest, verified, None, 0, durable
+    cert.latest, cert.verified, cert.candidate, cert.durable = latest, verified, None, durable
     cert.unstored = set()
 
 
@@ -68,6 +68,7 @@ class Restart:
             p.experts.load_state(snap["extra"].get("scout_experts", {}))
         assert p.checkpoint is not None
         _trust(p.checkpoint.certifier, trust["latest"], trust["verified"], durable=trust["verified"])
+        p.coverage.reset()
         if p.tracker is not None:  # None: the state from before resume() was put back
             p.tracker.resume_at = trust["latest"]
 
@@ -85,3 +86,4 @@ class Restart:
         cert = p.certifier
         if cert is not None:
             _trust(cert, int(step), verified)
+        p.coverage.reset()

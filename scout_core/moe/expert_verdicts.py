@@ -29,6 +29,8 @@ class ExpertCheck(SurfaceVerdicts):
     surfaces: list[C3Result] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
     skipped: str = ""
+    unit: int = -1
+    """This check's place in the recipe cycle (certification's unit ``("expert", unit)``)."""
     localization: Any = None
     """A confirmed slow machine or group from the AllToAll replay's timings (``topology.Localization``)."""
     transfers: list[Any] = field(default_factory=list)

@@ -196,7 +196,7 @@ class ExpertReplay:
         expert = self.experts[li][ei]
         device = device_of(expert)
         vet = vet_due(check, self.determinism_every, self._vet_always, self.cycle) or check < self._vet_until
-        result = ExpertCheck(step, self.names[li], ei, -1, source)
+        result = ExpertCheck(step, self.names[li], ei, -1, source, unit=check % self.cycle)
         guard = self.guard
         guard.reset()
         box: list[Any] = [None]

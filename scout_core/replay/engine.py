@@ -209,6 +209,9 @@ class ReplayEngine:
         if timing is not None:
             self.judge.judge(result, *timing, replayed, self.peers)
         result.incidents = self._verdicts(result)
+        chosen = self.opt_slice.chosen if due.optimizer and self.opt_slice is not None else None
+        result.units = tuple((r, 0 if r != "hidden" else i) for r, i in due.layers) + (
+            (("optimizer", chosen),) if chosen is not None else ())
 
     # -- verdicts -----------------------------------------------------------------------------------
 

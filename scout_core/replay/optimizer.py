@@ -43,6 +43,10 @@ class OptimizerSlice:
         # only checked against its own replay on each rank (the self-check), never compared across peers.
         self.local_only = {id(p) for p in local_only}
         self.turn = 0
+        self.eligible: frozenset[int] | None = None
+        """``id()`` of the parameters the slice rotates over (known from the first slice): certification's units."""
+        self.chosen: int | None = None
+        """``id()`` of the parameter of the pending slice."""
         self.pending: dict[str, Any] | None = None
         # ZeRO-3 with several sub-groups (DeepSpeed's sub_group_size) steps the inner optimizer once per sub-group
         # in one training step, each time with only that sub-group's flat partition in its param_groups. The
@@ -58,6 +62,7 @@ class OptimizerSlice:
                   if p.grad is not None and local_tensor(p).numel() > 0]
         if not params:
             return None
+        self.eligible = frozenset(id(p) for _, p in params)
         gi, p = params[self.turn % len(params)]
         n = local_tensor(p).numel()
         span = min(self.slice_elems, n)
@@ -87,9 +92,10 @@ class OptimizerSlice:
         chosen = self._choose()
         self.turn += 1
         if chosen is None:
-            self.pending = None
+            self.pending = self.chosen = None
             return
         gi, offset, p, group = chosen
+        self.chosen = id(p)
         self._visits[id(p)] = self._visits.get(id(p), 0) + 1
         span = min(self.slice_elems, local_tensor(p).numel())
         sl = slice(offset, offset + span)

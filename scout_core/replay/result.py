@@ -59,6 +59,8 @@ class BoundaryResult(SurfaceVerdicts):
     source: int | None = None
     recipes: tuple[str, ...] = ()
     """Recipes that were due at this boundary (``embedding``, ``hidden``, ``output``, ``optimizer``)."""
+    units: tuple[tuple[str, int], ...] = ()
+    """What this check replayed to the end, as certification's units (``scout_core.checkpoint.coverage``)."""
     skipped: str = ""
     """Why due work was skipped on every peer (a diagnosis error, a sampled layer that did not run)."""
     untrusted: dict[int, str] = field(default_factory=dict)

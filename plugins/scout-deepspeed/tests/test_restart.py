@@ -115,7 +115,7 @@ class _Handle:
         from scout_core.config import ScoutConfig
 
         self.config, self.rank, self.framework_checkpoints = ScoutConfig(), 0, None
-        self.certifier = Certifier(recipes_per_cycle=1, static=True)
+        self.certifier = Certifier(static=True)
         self.continued = []
 
     def checkpoint_io(self, _what):

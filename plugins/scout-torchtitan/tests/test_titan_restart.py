@@ -38,7 +38,7 @@ def _job(tmp_path, sdc_at: int | None, steps: int = 5, *, unlabelled: tuple[int,
     m = _Manager(str(tmp_path))
     cert = Certifier(static=True)
     for step in range(1, steps + 1):
-        evidence = BoundaryEvidence(sdc=step == sdc_at)
+        evidence = BoundaryEvidence(sdc=step == sdc_at, covered=True)  # every check replays a layer
         m.labels.on_boundary(step, cert.on_boundary(step, evidence), cert,
                              failure=FailureKind.SDC if evidence.sdc else None, stopping=True)
         _dcp(tmp_path, step)

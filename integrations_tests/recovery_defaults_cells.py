@@ -1,0 +1,120 @@
+"""Certified recovery at the shipped defaults: ``{ddp,fsdp2,hsdp}-recovery-sdc-defaults``.
+
+Every SCOUT key is at its default (cadence 20, the shipped coverage rule, default thresholds, the observer on)
+except ``checkpoint.enabled: true``, ``actions.on_verdict: stop`` and where records go. The training loop does not
+flush SCOUT after each step: persistence runs behind training, as in a user's loop.
+
+Phase A trains the tiny model in Llama style (three repeated blocks of an RMSNorm and a linear without bias; AdamW
+over 8 parameter tensors, so replay's coverage is the optimizer slice's 8 parameters, the three blocks, the
+embedding and the head: 8 checks, 160 steps at cadence 20). A persistent defect starts in
+block 2, the block the rotation reaches last, right after the rotation's check of it: one rank's block 2 flips a
+bit in its output at every call from then on (training and replay alike). SCOUT's replay finds it when the
+rotation comes back to block 2 and stops the job. Phase B (fresh processes, other initial weights) calls
+``handle.resume()``.
+
+The verdict on the restore comes from a CLEAN run: the same model, data and seed without the defect and without
+SCOUT, up to the step phase B restored. Each rank's restored state (parameters, AdamW state, RNG, caller state) must
+equal the clean run's at that step, bitwise; a restore of a state that carries the corruption is a FAIL whatever
+generation the product named. Restoring nothing passes only if nothing had been verified when the job stopped.
+The guard runs the cell with ``checkpoint.certify: last_check_only`` (the paper's K = 1 rule): a capture after the
+defect's onset is verified by a clean check of another block and restored, and the cell turns red.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from integrations_tests.models import batches, start_rank
+from integrations_tests.recovery_cells import STOP_CODE, _phase_a, _phase_b, _Tokens, state_signatures
+from scout_core.checkpoint.coordinator import read_records
+from scout_core.checkpoint.memory import default_memory_root
+from scout_core.report import read_incidents
+from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.launcher import RankContext, launch
+
+
+def _clean(ctx: RankContext) -> dict[str, Any]:
+    """The reference: the same training without the defect and without SCOUT, signed at ``until``."""
+    a, _, par, opt = start_rank(ctx, timeout_s=600)
+    tokens = _Tokens()
+    loss_fn = torch.nn.MSELoss()
+    for x, y in batches(ctx.rank, a["until"], seed=a["seed"]):
+        loss_fn(par.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        tokens.seen += x.shape[0]
+    return state_signatures(par, opt, tokens.state_dict())
+
+
+def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
+    p = spec.params
+    args = {
+        "faults": list(spec.faults), "seed": spec.seed, "layout": p["layout"], "steps": int(p["steps"]),
+        "incidents": os.path.join(workdir, "incidents.jsonl"), "store": os.path.join(workdir, "store"),
+        "workdir": workdir, "run_id": spec.name, "failure": None, "kill_step": None, "flush": False,
+        "defaults": True, "bias": False, "certify": p.get("certify", "coverage"), "ref_every": 0, "replicate": True,
+        "overrides": [f"checkpoint.certify={p.get('certify', 'coverage')}"],
+    }
+    expect = p["expect"]
+    problems: list[str] = []
+    start = time.monotonic()
+    memory_root = default_memory_root(args["store"])
+    values: list[dict[str, Any]] = []
+    try:
+        a_result = launch(_phase_a, world_size, timeout_s=spec.timeout_s, args=args)
+        codes = sorted({o.exitcode for o in a_result.outcomes})
+        if codes != [STOP_CODE]:
+            problems.append(f"phase A should stop every trainer with exit {STOP_CODE}: exits {codes}\n"
+                            + a_result.failures())
+        b_result = launch(_phase_b, world_size, timeout_s=spec.timeout_s, args=args)
+        if b_result.ok:
+            values = b_result.values()
+        else:
+            problems.append("phase B: " + b_result.failures())
+    finally:
+        shutil.rmtree(memory_root, ignore_errors=True)
+    incidents = list(read_incidents(args["incidents"])) if os.path.exists(args["incidents"]) else []
+    got_inc = sorted({(i.kind.value, i.scope.value, tuple(sorted(i.ranks))) for i in incidents})
+    want_inc = sorted({(i["kind"], i["scope"], tuple(i["ranks"])) for i in expect["incidents"]})
+    if got_inc != want_inc:
+        problems.append(f"incidents {got_inc}, expected {want_inc}")
+    decisions = read_records(os.path.join(args["store"], "decisions.jsonl"))
+    if values:
+        problems += _judge_restore(values, decisions, args, world_size, spec.timeout_s)
+    return CellReport(
+        name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
+        injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents] + [
+            {"kind": d.get("record", "decision"), "scope": d.get("source", "?"), "ranks": [],
+             "surface": str(d.get("generation")), "reason": d.get("reason", "")} for d in decisions],
+        details="\n".join(problems), wall_s=time.monotonic() - start,
+    )
+
+
+def _judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]], args: dict[str, Any],
+                   world_size: int, timeout_s: float) -> list[str]:
+    """The restored state against the clean run's at the restored step (every rank, bitwise)."""
+    got = {(v["source"], v["generation"]) for v in values}
+    if len(got) != 1:
+        return [f"ranks restored different things: {sorted(got, key=str)}"]
+    source, generation = next(iter(got))
+    stop = next((d for d in decisions if d.get("record") == "decision"), None)
+    if generation is None:
+        verified = (stop or {}).get("certifier", {}).get("verified")
+        return [] if verified is None else [f"nothing restored though verified {verified} existed at the stop"]
+    if source != "verified":
+        return [f"restored {source} {generation} after an SDC stop (expected a verified generation)"]
+    clean = launch(_clean, world_size, timeout_s=timeout_s, args={**args, "faults": [], "until": generation})
+    if not clean.ok:
+        return ["the clean reference run failed: " + clean.failures()]
+    bad = {r: [k for k, want in ref.items() if want != values[r]["got"][k]] for r, ref in enumerate(clean.values())}
+    bad = {r: keys for r, keys in bad.items() if keys}
+    if bad:
+        return [f"the restored verified step {generation} is not the clean run's state at that step (it carries the "
+                f"corruption) on ranks {sorted(bad)}: {json.dumps(bad)[:300]}"]
+    return []

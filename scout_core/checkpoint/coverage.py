@@ -1,0 +1,100 @@
+"""What replay has vouched for on this rank since the candidate's capture: the coverage certification waits for.
+
+Replay samples: one repeated layer per hidden check (a rotation over the layers), the embedding and the output
+head, one optimizer slice per check (a rotation over the parameters this rank holds) and, with experts, one
+(layer, expert, catalog shape) per expert check. Each sampled thing is a UNIT, named ``(rotation, index)``.
+:class:`Coverage` keeps, per rotation, the units this rank must see and those replayed clean since the last
+cycle closed. A check's units count only when the job-wide evidence accepted it (no SDC, nothing missing, not
+busy); the job's coverage is complete when every rank's is (one flag of the evidence all-reduce).
+
+Two modes (``checkpoint.certify``):
+
+* ``coverage`` (the default): complete when every unit of every configured rotation was replayed clean.
+* ``last_check_only``: the paper's dense rule, complete at any check that replayed a layer (hidden or expert).
+  Faster, and it does not promise that units the check did not sample were clean.
+
+A rotation whose recipe replay switched off after repeated failures never completes: certification stops
+vouching rather than vouch for less than it says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from scout_core.config import CERTIFY_MODES
+
+__all__ = ["Coverage", "Unit", "required_units"]
+
+Unit = tuple[str, int]
+"""(rotation, index): ``("hidden", 2)``, ``("embedding", 0)``, ``("optimizer", id(param))``, ``("expert", 7)``."""
+
+LAYER_ROTATIONS = ("hidden", "expert")
+
+
+class Coverage:
+    """One rank's coverage since the last closed cycle."""
+
+    def __init__(self, mode: str = "coverage") -> None:
+        if mode not in CERTIFY_MODES:
+            raise ValueError(f"checkpoint.certify must be one of {CERTIFY_MODES}, got {mode!r}")
+        self.mode = mode
+        self.required: dict[str, frozenset[int] | None] = {}
+        """Per rotation, the units to see (None: not known yet, e.g. before the first optimizer slice)."""
+        self.seen: dict[str, set[int]] = {}
+
+    def need(self, required: Mapping[str, frozenset[int] | None]) -> None:
+        """The units each configured rotation has now (the optimizer's parameters can change)."""
+        self.required = dict(required)
+
+    def would_complete(self, units: Iterable[Unit]) -> bool:
+        """Whether this rank's coverage is complete once ``units`` (this boundary's) count."""
+        units = list(units)
+        if self.mode == "last_check_only":  # any layer check (any check at all where no layer is replayed)
+            layers = [r for r in self.required if r in LAYER_ROTATIONS]
+            return any(rotation in LAYER_ROTATIONS or not layers for rotation, _ in units)
+        for rotation, want in self.required.items():
+            if want is None:
+                return False
+            got = self.seen.get(rotation, set()) | {i for r, i in units if r == rotation}
+            if not want <= got:
+                return False
+        return True
+
+    def add(self, units: Iterable[Unit]) -> None:
+        """The job accepted the check that replayed ``units``."""
+        for rotation, index in units:
+            self.seen.setdefault(rotation, set()).add(index)
+
+    def reset(self) -> None:
+        """A cycle closed (a new candidate), or recovery ran: nothing is vouched for after this point yet."""
+        self.seen.clear()
+
+    def missing(self) -> dict[str, int]:
+        """Per rotation, how many units are still to be replayed (for records and ``scout status``)."""
+        out = {}
+        for rotation, want in self.required.items():
+            left = -1 if want is None else len(want - self.seen.get(rotation, set()))
+            if left:
+                out[rotation] = left
+        return out
+
+
+def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int] | None]:
+    """The units of every rotation this rank's replay is configured to run (a recipe at cadence 0 is not).
+
+    ``replay`` is the :class:`~scout_core.replay.engine.ReplayEngine` (or None), ``experts`` the expert replay (or
+    None). The optimizer's units are the parameters its slice rotates over, known from its first slice on."""
+    out: dict[str, frozenset[int] | None] = {}
+    if replay is not None:
+        cadence = replay.cfg.cadence
+        if cadence.hidden > 0 and replay.n_hidden > 0:
+            out["hidden"] = frozenset(range(replay.n_hidden))
+        for recipe in replay.schedule.extra:
+            if getattr(cadence, recipe) > 0:
+                out[recipe] = frozenset({0})
+        if cadence.optimizer > 0 and replay.opt_slice is not None:
+            out["optimizer"] = replay.opt_slice.eligible
+    if experts is not None and experts.every > 0:
+        out["expert"] = frozenset(range(experts.cycle))
+    return out
