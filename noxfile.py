@@ -79,10 +79,13 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def campaign(session: nox.Session) -> None:
-    """>= 300 SDC injections across DDP, FSDP2 and HSDP; results in benchmarks/campaign.json and the README."""
+    """>= 300 SDC injections across DDP, FSDP2 and HSDP, then 100 defects stopped and restarted at the shipped
+    defaults; results in benchmarks/{campaign,recovery_campaign}.json and the README."""
     _install(session)
     session.run("python", "-m", "integrations_tests.campaign", "--out", "benchmarks/campaign.json",
                 "--readme", "README.md", *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "-m", "integrations_tests.recovery_campaign", "--out", "benchmarks/recovery_campaign.json",
+                "--readme", "README.md", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

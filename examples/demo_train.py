@@ -92,8 +92,10 @@ def main() -> None:
     model = nn.parallel.DistributedDataParallel(inner)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = load(None, [
-        "replay.cadence.hidden=10", "replay.cadence.embedding=20", "replay.cadence.output=20",
-        "replay.cadence.optimizer=20",
+        # The optimizer recipe is off so that certification's coverage is the three blocks, the embedding and the
+        # head (30 steps): a short demo reaches a verified checkpoint under the shipped rule (docs/recovery.md).
+        "replay.cadence.hidden=10", "replay.cadence.embedding=10", "replay.cadence.output=10",
+        "replay.cadence.optimizer=0",
         "checkpoint.enabled=true", f"checkpoint.directory={args.out}/checkpoints",
         f"checkpoint.memory_dir={args.out}/memory",  # a fresh demo never meets an earlier one's snapshots
         "actions.on_verdict=stop",

@@ -59,15 +59,15 @@ class Parallel:
 
 
 def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: float | None = None,
-          hidden: int = 32, bias: bool = True) -> Parallel:
+          hidden: int = 32, bias: bool = True, depth: int = 3) -> Parallel:
     """The seeded model wrapped for ``layout`` over the default process group (``bucket_cap_mb``: DDP's
     bucket size; a small one splits the gradients into several all-reduces, as on a large model; ``hidden``:
     the blocks' width, larger where a cell needs compute measurable in milliseconds; ``bias=False``: Llama-style
-    blocks, 8 parameter tensors instead of 16)."""
+    blocks, 2 parameter tensors a block instead of 4; ``depth``: the number of blocks)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     torch.manual_seed(seed)
-    model = TinyModel(hidden=hidden, bias=bias)
+    model = TinyModel(hidden=hidden, bias=bias, depth=depth)
     world = dist.get_world_size()
     if layout == "ddp":
         kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -97,7 +97,7 @@ def start_rank(ctx: Any, *, timeout_s: float = 300.0) -> tuple[dict[str, Any], A
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
     par = build(a["layout"], seed=a["seed"], hidden=a.get("hidden", 32), hsdp_replicas=a.get("replicas", 4),
-                bias=a.get("bias", True))
+                bias=a.get("bias", True), depth=a.get("depth", 3))
     return a, injector, par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
 
 

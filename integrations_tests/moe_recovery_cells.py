@@ -2,13 +2,14 @@
 sweep replays every expert on every catalog shape.
 
 ``moe-recovery-two-cycle``: one MoE layer with one local expert per EP position (4 experts over EP 4, DP 4)
-and a shape catalog with two representatives (31 and 32 rows): one recipe cycle is two checks, so SCOUT sets
-K = 2 by itself. Phase A trains with checkpoints on; a step's snapshot becomes the candidate, is promoted once
-the next cycle is clean, and an expert SDC on rank 9 after that stops the job (exit 75). Phase B starts from
-other weights and ``resume()`` must restore the verified generation bitwise (weights and optimizer state on
-every rank).
+and a shape catalog with two representatives (31 and 32 rows): one recipe cycle is two checks, and with the
+dense recipe off the expert cycle is the whole of certification's coverage. Phase A trains with checkpoints
+on; a step's snapshot becomes the candidate, is promoted once the next cycle is clean, and an expert SDC on
+rank 9 after that stops the job (exit 75). Phase B starts from other weights and ``resume()`` must restore the
+verified generation bitwise (weights and optimizer state on every rank).
 
-``moe-recovery-sweep`` (``experts: 8``, ``crash_after``): two local experts, so a cycle is four checks. At
+``moe-recovery-sweep`` (``experts: 8``, ``crash_after``): two local experts, so a cycle is four checks (the
+coverage: the two dense layers take two). At
 the last step a stuck value appears in rank 9's *second* expert while that step's check replays the first:
 the snapshot of that step holds corruption no check saw, and the job dies (every rank exits 3, no verdict).
 The restart knows nothing of a fault; the emergency sweep restores the latest state, replays every expert on
@@ -54,7 +55,7 @@ def _enable(model: Any, opt: torch.optim.Optimizer, a: dict[str, Any], world: in
     ep = _model(a).ep
     binding = MoEBinding(layers=[b.moe for b in model.layers], names=["layers.0.moe"],
                          expert_peer_groups=[list(range(p, world, ep)) for p in range(ep)], ep_position=rank % ep)
-    cfg = load(None, ["replay.cadence.hidden=1", "replay.cadence.expert=1", "replay.cadence.embedding=0",
+    cfg = load(None, [f"replay.cadence.hidden={a['hidden']}", "replay.cadence.expert=1", "replay.cadence.embedding=0",
                       "replay.cadence.output=0", "replay.cadence.optimizer=0", "observer.enabled=false",
                       f"replay.moe_catalog={a['catalog']}", "checkpoint.enabled=true",
                       f"checkpoint.directory={a['store']}", "actions.on_verdict=stop",
@@ -128,6 +129,7 @@ def moe_recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellRepo
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 10)), "catalog": catalog,
             "store": os.path.join(workdir, "store"), "jsonl": os.path.join(workdir, "incidents.jsonl"),
             "workdir": workdir, "run_id": spec.name, "experts": int(p.get("experts", 4)),
+            "hidden": int(p.get("hidden_every", 1)),
             "crash_after": crash_after}
     model = _model(args)
     build_catalog(MoESpec(layers=("layers.0.moe",), hidden=model.hidden, ffn=model.ffn, experts=model.experts,

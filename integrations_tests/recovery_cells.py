@@ -169,7 +169,8 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
     os.environ[HOSTNAME_ENV] = machine_of(ctx.rank, ctx.world_size)
     init_gloo(ctx, timeout_s=300)
     a = ctx.args
-    par = build(a["layout"], seed=a["seed"] + 17, bias=a.get("bias", True))  # other weights: the restore overwrites
+    par = build(a["layout"], seed=a["seed"] + 17, bias=a.get("bias", True),  # other weights: the restore overwrites
+                hsdp_replicas=a.get("replicas", 4), depth=a.get("depth", 3))
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     tokens = _Tokens()
     handle = scout_core.enable(par.model, opt, config=_config(a), mesh=par.mesh, state={"tokens": tokens})

@@ -4,18 +4,19 @@ Every SCOUT key is at its default (cadence 20, the shipped coverage rule, defaul
 except ``checkpoint.enabled: true``, ``actions.on_verdict: stop`` and where records go. The training loop does not
 flush SCOUT after each step: persistence runs behind training, as in a user's loop.
 
-Phase A trains the tiny model in Llama style (three repeated blocks of an RMSNorm and a linear without bias; AdamW
-over 8 parameter tensors, so replay's coverage is the optimizer slice's 8 parameters, the three blocks, the
-embedding and the head: 8 checks, 160 steps at cadence 20). A persistent defect starts in
-block 2, the block the rotation reaches last, right after the rotation's check of it: one rank's block 2 flips a
+Phase A trains the tiny model in Llama style (two repeated blocks of an RMSNorm and a linear without bias; AdamW
+over 6 parameter tensors, so replay's coverage is the optimizer slice's 6 parameters, the two blocks, the
+embedding and the head: 6 checks, 120 steps at cadence 20). A persistent defect starts in
+block 1, the block the rotation reaches last, right after the rotation's check of it: one rank's block 1 flips a
 bit in its output at every call from then on (training and replay alike). SCOUT's replay finds it when the
-rotation comes back to block 2 and stops the job. Phase B (fresh processes, other initial weights) calls
+rotation comes back to block 1 and stops the job. Phase B (fresh processes, other initial weights) calls
 ``handle.resume()``.
 
 The verdict on the restore comes from a CLEAN run: the same model, data and seed without the defect and without
 SCOUT, up to the step phase B restored. Each rank's restored state (parameters, AdamW state, RNG, caller state) must
 equal the clean run's at that step, bitwise; a restore of a state that carries the corruption is a FAIL whatever
-generation the product named. Restoring nothing passes only if nothing had been verified when the job stopped.
+generation the product named. The job stops after two whole coverages, so restoring nothing is a FAIL too (a
+certification that never completes would otherwise pass).
 The guard runs the cell with ``checkpoint.certify: last_check_only`` (the paper's K = 1 rule): a capture after the
 defect's onset is verified by a clean check of another block and restored, and the cell turns red.
 """
@@ -52,41 +53,53 @@ def _clean(ctx: RankContext) -> dict[str, Any]:
     return state_signatures(par, opt, tokens.state_dict())
 
 
-def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
-    p = spec.params
+def stop_and_restart(faults: list[Any], *, layout: str, steps: int, world_size: int, workdir: str, run_id: str,
+                     seed: int = 0, certify: str = "coverage", timeout_s: float = 300.0,
+                     replicas: int = 4) -> dict[str, Any]:
+    """Phase A (the faults, shipped defaults, stop on a verdict), then phase B (``resume()`` in fresh processes):
+    the exit codes, what each rank restored, the incident and decision records."""
     args = {
-        "faults": list(spec.faults), "seed": spec.seed, "layout": p["layout"], "steps": int(p["steps"]),
+        "faults": faults, "seed": seed, "layout": layout, "steps": steps, "replicas": replicas,
         "incidents": os.path.join(workdir, "incidents.jsonl"), "store": os.path.join(workdir, "store"),
-        "workdir": workdir, "run_id": spec.name, "failure": None, "kill_step": None, "flush": False,
-        "defaults": True, "bias": False, "certify": p.get("certify", "coverage"), "ref_every": 0, "replicate": True,
-        "overrides": [f"checkpoint.certify={p.get('certify', 'coverage')}"],
+        "workdir": workdir, "run_id": run_id, "failure": None, "kill_step": None, "flush": False,
+        "defaults": True, "bias": False, "depth": 2, "ref_every": 0, "replicate": True,
+        "overrides": [f"checkpoint.certify={certify}"],
     }
-    expect = p["expect"]
-    problems: list[str] = []
-    start = time.monotonic()
+    out: dict[str, Any] = {"args": args, "values": [], "problems": []}
     memory_root = default_memory_root(args["store"])
-    values: list[dict[str, Any]] = []
     try:
-        a_result = launch(_phase_a, world_size, timeout_s=spec.timeout_s, args=args)
-        codes = sorted({o.exitcode for o in a_result.outcomes})
-        if codes != [STOP_CODE]:
-            problems.append(f"phase A should stop every trainer with exit {STOP_CODE}: exits {codes}\n"
-                            + a_result.failures())
-        b_result = launch(_phase_b, world_size, timeout_s=spec.timeout_s, args=args)
+        a_result = launch(_phase_a, world_size, timeout_s=timeout_s, args=args)
+        out["codes"] = sorted({o.exitcode for o in a_result.outcomes})
+        if out["codes"] != [STOP_CODE]:
+            out["problems"].append(f"phase A should stop every trainer with exit {STOP_CODE}: exits {out['codes']}\n"
+                                   + a_result.failures())
+        b_result = launch(_phase_b, world_size, timeout_s=timeout_s, args=args)
         if b_result.ok:
-            values = b_result.values()
+            out["values"] = b_result.values()
         else:
-            problems.append("phase B: " + b_result.failures())
+            out["problems"].append("phase B: " + b_result.failures())
     finally:
         shutil.rmtree(memory_root, ignore_errors=True)
-    incidents = list(read_incidents(args["incidents"])) if os.path.exists(args["incidents"]) else []
+    out["incidents"] = list(read_incidents(args["incidents"])) if os.path.exists(args["incidents"]) else []
+    out["decisions"] = read_records(os.path.join(args["store"], "decisions.jsonl"))
+    return out
+
+
+def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
+    p = spec.params
+    expect = p["expect"]
+    start = time.monotonic()
+    run = stop_and_restart(list(spec.faults), layout=p["layout"], steps=int(p["steps"]), world_size=world_size,
+                           workdir=workdir, run_id=spec.name, seed=spec.seed, certify=p.get("certify", "coverage"),
+                           timeout_s=spec.timeout_s)
+    problems, incidents, decisions = run["problems"], run["incidents"], run["decisions"]
     got_inc = sorted({(i.kind.value, i.scope.value, tuple(sorted(i.ranks))) for i in incidents})
     want_inc = sorted({(i["kind"], i["scope"], tuple(i["ranks"])) for i in expect["incidents"]})
     if got_inc != want_inc:
         problems.append(f"incidents {got_inc}, expected {want_inc}")
-    decisions = read_records(os.path.join(args["store"], "decisions.jsonl"))
-    if values:
-        problems += _judge_restore(values, decisions, args, world_size, spec.timeout_s)
+    if run["values"]:
+        problems += judge_restore(run["values"], decisions, run["args"], world_size, spec.timeout_s,
+                                  expect_restore=expect.get("restores", True))
     return CellReport(
         name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
         injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents] + [
@@ -96,8 +109,8 @@ def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> Cel
     )
 
 
-def _judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]], args: dict[str, Any],
-                   world_size: int, timeout_s: float) -> list[str]:
+def judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]], args: dict[str, Any],
+                   world_size: int, timeout_s: float, *, expect_restore: bool = True) -> list[str]:
     """The restored state against the clean run's at the restored step (every rank, bitwise)."""
     got = {(v["source"], v["generation"]) for v in values}
     if len(got) != 1:
@@ -106,7 +119,10 @@ def _judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]]
     stop = next((d for d in decisions if d.get("record") == "decision"), None)
     if generation is None:
         verified = (stop or {}).get("certifier", {}).get("verified")
-        return [] if verified is None else [f"nothing restored though verified {verified} existed at the stop"]
+        if verified is not None:
+            return [f"nothing restored though verified {verified} existed at the stop"]
+        # The cells stop after two whole coverages: a run where nothing became verified lost certification.
+        return [] if not expect_restore else ["nothing restored: no generation was ever verified in this run"]
     if source != "verified":
         return [f"restored {source} {generation} after an SDC stop (expected a verified generation)"]
     clean = launch(_clean, world_size, timeout_s=timeout_s, args={**args, "faults": [], "until": generation})

@@ -150,8 +150,8 @@ def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
 def test_recovery_defaults_cell_fails_with_the_last_check_rule(layout):
     """The guard of {ddp,fsdp2,hsdp}-recovery-sdc-defaults: with the paper's K = 1 rule (``checkpoint.certify:
-    last_check_only``) the capture of step 400, after 39 steps of the defect, is verified by the clean check of
-    block 1 and restored: the clean run's state differs from it."""
+    last_check_only``) the capture of step 300, after 19 steps of the defect, is verified by the clean check of
+    block 0 and restored: the clean run's state differs from it."""
     spec = SPECS[f"{layout}-recovery-sdc-defaults"]
     spec = dataclasses.replace(spec, params={**spec.params, "certify": "last_check_only"})
     (report,) = run_cells([spec], root=ROOT)
@@ -391,7 +391,8 @@ def test_moe_a2a_cell_fails_without_the_intersection(monkeypatch):
 
 
 def test_moe_recovery_cell_fails_when_certification_ignores_the_recipe_cycle(monkeypatch):
-    """K = 1 instead of the expert recipe's cycle of 2: a later candidate is promoted and restored."""
+    """A cycle of 1 instead of the expert recipe's 2 (the cell's whole coverage): a later candidate is promoted and
+    restored."""
     from scout_core.moe.replay import ExpertReplay
 
     monkeypatch.setattr(ExpertReplay, "cycle", property(lambda self: 1))

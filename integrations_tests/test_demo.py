@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_demo_tells_the_whole_story(tmp_path):
     out = tmp_path / "demo"
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), "--out", str(out), "--ranks", "4",
-                          "--steps", "60", "--fault-rank", "3", "--fault-step", "30"],
+                          "--steps", "80", "--fault-rank", "3", "--fault-step", "61"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     tail = run.stdout[-3000:] + "\n" + (out / "torchrun.log").read_text()[-3000:] if (out / "torchrun.log").exists() \
         else run.stdout[-3000:]

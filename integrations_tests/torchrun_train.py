@@ -116,10 +116,12 @@ def main(argv: list[str] | None = None) -> None:
         import scout_core
         from scout_core.config import load
 
-        # Every feature on: hang observer, replay of every recipe, certified snapshots with peer replicas.
+        # Every feature on: hang observer, replay of every recipe, certified snapshots with peer replicas. The
+        # every-step preset proves the launcher's path in a few steps: each capture after a layer check is verified
+        # (last_check_only); the defaults preset keeps the shipped coverage rule.
         every_step = [
             "replay.cadence.embedding=2", "replay.cadence.hidden=1", "replay.cadence.output=2",
-            "replay.cadence.optimizer=2", "observer.silence_threshold_s=30",
+            "replay.cadence.optimizer=2", "observer.silence_threshold_s=30", "checkpoint.certify=last_check_only",
         ] if args.preset == "every-step" else []
         cfg = load(None, [
             *every_step,

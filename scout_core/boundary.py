@@ -118,7 +118,9 @@ class StepBoundary:
             action = cert.on_boundary(result.step, job)
         if action in (Action.CAPTURE_AND_PERSIST, Action.RECOVER):
             coverage.reset()  # a new candidate (or none): nothing is vouched for after it yet
-        elif action is Action.CAPTURE:
+        elif action is Action.CAPTURE or (job.busy and not (job.missing or job.sdc or job.inconclusive)):
+            # A busy boundary captures nothing, but its checks were clean: its units count (dropping them would
+            # drop the same units of the rotation each time a write outlasts a check interval).
             coverage.add(units)
         return job, action
 

@@ -108,7 +108,7 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
             f"replay.input_variants: {cfg.replay.input_variants}; allowed: a non-empty list of positive scales")
     cadence = cfg.replay.cadence
     checks = cfg.replay.enabled and any(c > 0 for c in (cadence.embedding, cadence.hidden, cadence.output,
-                                                         cadence.optimizer))
+                                                         cadence.optimizer, cadence.expert))
     if cfg.checkpoint.enabled and not checks:
         # Snapshots are taken and certified at replay checks: without any, nothing would ever be captured.
         raise ConfigError("checkpoint.enabled: certified snapshots are taken at replay checks; it needs "
@@ -116,9 +116,19 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
     return cfg
 
 
+_REMOVED = {
+    "checkpoint.recipes_per_cycle": "was removed: a capture is verified once replay has covered every unit it "
+                                    "samples (checkpoint.certify: coverage, the default); checkpoint.certify: "
+                                    "last_check_only is the old K = 1 rule",
+}
+"""Keys an older configuration may still carry, and what replaced them."""
+
+
 def _error_message(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None) or "<root>"
     msg = str(exc).splitlines()[0]
+    if key in _REMOVED:
+        msg = _REMOVED[key]
     return f"{key}: {msg}"
 
 

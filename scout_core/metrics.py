@@ -81,8 +81,8 @@ class ScoutMetrics:
         self.cert_generations = Counter("scout_certified_generations",
                                         "Generations that became verified", ["rank"], registry=reg)
         self.cert_latency = Gauge("scout_capture_to_verified_steps",
-                                  "Steps from the capture of the verified generation to its promotion; -1: none yet",
-                                  ["rank"], registry=reg)
+                                  "Steps from the capture of the verified generation to its promotion; -1: none "
+                                  "yet, or a restored one", ["rank"], registry=reg)
         self.observer_up = Gauge("scout_observer_up", "1 while this rank's out-of-band observer runs", ["rank"],
                                  registry=reg)
         self.overhead = Counter("scout_overhead_seconds",

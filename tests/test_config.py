@@ -82,7 +82,7 @@ def test_configuration_reference_is_current():
 @pytest.mark.parametrize("override", ["replay.enabled=false", "replay.cadence.embedding=0"])
 def test_snapshots_without_replay_checks_are_refused(override):
     off = [override] if override.startswith("replay.enabled") else [
-        f"replay.cadence.{r}=0" for r in ("embedding", "hidden", "output", "optimizer")]
+        f"replay.cadence.{r}=0" for r in ("embedding", "hidden", "output", "optimizer", "expert")]
     with pytest.raises(ConfigError, match="checkpoint.enabled: certified snapshots are taken at replay checks"):
         load(None, ["checkpoint.enabled=true", *off])
     load(None, ["checkpoint.enabled=false", *off])  # fine without snapshots

@@ -40,7 +40,7 @@ def test_only_live_keys_with_values_the_configuration_accepts():
         check_live("actions.on_verdict", "explode")
     job = ScoutConfig()
     job.checkpoint.enabled = True
-    for recipe in ("embedding", "output", "optimizer"):
+    for recipe in ("embedding", "output", "optimizer", "expert"):
         setattr(job.replay.cadence, recipe, 0)
     with pytest.raises(ControlError, match="checkpoint.enabled"):  # the job's own cross-field rules hold
         check_live("replay.cadence.hidden", "0", job)

@@ -33,17 +33,32 @@ def test_coverage_closes_only_when_every_unit_was_seen_in_any_order():
     for units in checks:
         assert not cov.would_complete(units)
         cov.add(units)
-    assert cov.missing() == {"hidden": 1}
-    assert cov.would_complete([("hidden", 1)])
+    assert not cov.would_complete([]) and cov.would_complete([("hidden", 1)])
     cov.reset()
-    assert not cov.would_complete([("hidden", 1)]) and cov.missing()["hidden"] == 3
+    cov.need(required_units(_replay(), None))
+    assert not cov.would_complete([("hidden", 1)])
 
 
 def test_an_optimizer_rotation_not_known_yet_never_completes():
     cov = Coverage()
     cov.need(required_units(_replay(eligible=None, n_hidden=1, extra=()), None))
     assert not cov.would_complete([("hidden", 0)])
-    assert cov.missing() == {"optimizer": -1, "hidden": 1}
+    cov.need(required_units(_replay(eligible=frozenset({5}), n_hidden=1, extra=()), None))
+    assert cov.would_complete([("hidden", 0), ("optimizer", 5)])
+
+
+def test_what_was_required_since_the_capture_stays_required():
+    """A parameter without a gradient at the closing check, or a recipe switched to cadence 0 by ``scout ctl``, is
+    still required: the candidate is promoted only once it was replayed after the capture."""
+    cov = Coverage()
+    cov.need(required_units(_replay(eligible=frozenset({1, 2}), n_hidden=1, extra=()), None))
+    cov.add([("hidden", 0), ("optimizer", 1)])
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=(), hidden=0), None))
+    assert not cov.would_complete([("optimizer", 1)])
+    assert cov.would_complete([("optimizer", 2)])
+    cov.reset()  # a new window requires what the job has now
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=(), hidden=0), None))
+    assert cov.would_complete([("optimizer", 1)])
 
 
 def test_a_rotation_replay_switched_off_is_never_complete():
@@ -61,6 +76,7 @@ def test_last_check_only_closes_at_any_layer_check():
     cov.need(required_units(_replay(), SimpleNamespace(every=20, cycle=4)))
     assert cov.would_complete([("hidden", 1)]) and cov.would_complete([("expert", 3)])
     assert not cov.would_complete([("optimizer", 11), ("output", 0)])
+    cov.reset()
     cov.need(required_units(_replay(hidden=0, n_hidden=0), None))  # no layer recipe at all: any check
     assert cov.would_complete([("optimizer", 11)])
 

@@ -12,8 +12,8 @@ see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundar
 
 * SDC or inconclusive evidence anywhere: the candidate is rejected and recovery
   must run (:func:`decide_retrieval`); nothing is captured.
-* Missing evidence (or a boundary busy persisting the previous snapshot): the capture is skipped, and the
-  check's units do not count toward coverage.
+* Missing evidence: the capture is skipped, and the check's units do not count toward coverage.
+* A boundary busy persisting the previous snapshot: the capture is skipped (its clean units still count).
 * Healthy, or a straggler only (slowness is not numerical divergence): the current state is captured as
   ``latest``. When the job-wide evidence says replay's COVERAGE is complete (every unit replay samples was
   replayed clean on every rank since the candidate was captured, see :mod:`~.coverage`), the candidate is

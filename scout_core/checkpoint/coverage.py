@@ -44,8 +44,15 @@ class Coverage:
         self.seen: dict[str, set[int]] = {}
 
     def need(self, required: Mapping[str, frozenset[int] | None]) -> None:
-        """The units each configured rotation has now (the optimizer's parameters can change)."""
-        self.required = dict(required)
+        """Add the units each configured rotation has now. What was required since the last reset stays required
+        (a parameter that had no gradient at this check, a recipe switched to cadence 0 by ``scout ctl``): a
+        candidate is promoted only when everything required at any time since its capture was replayed."""
+        for rotation, units in required.items():
+            old = self.required.get(rotation)
+            if units is None:  # not known yet: keep what is
+                self.required.setdefault(rotation, None)
+            else:
+                self.required[rotation] = units if old is None else old | units
 
     def would_complete(self, units: Iterable[Unit]) -> bool:
         """Whether this rank's coverage is complete once ``units`` (this boundary's) count."""
@@ -69,15 +76,7 @@ class Coverage:
     def reset(self) -> None:
         """A cycle closed (a new candidate), or recovery ran: nothing is vouched for after this point yet."""
         self.seen.clear()
-
-    def missing(self) -> dict[str, int]:
-        """Per rotation, how many units are still to be replayed (for records and ``scout status``)."""
-        out = {}
-        for rotation, want in self.required.items():
-            left = -1 if want is None else len(want - self.seen.get(rotation, set()))
-            if left:
-                out[rotation] = left
-        return out
+        self.required.clear()
 
 
 def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int] | None]:

@@ -22,6 +22,7 @@ def _trust(cert: Certifier, latest: int | None, verified: int | None, *, durable
     a candidate yet, no check counts toward it.
     ``durable``: the verified generation every rank holds in SCOUT's store (what pruning keeps from)."""
     cert.latest, cert.verified, cert.candidate, cert.durable = latest, verified, None, durable
+    cert.verified_after = None  # not known for a restored generation
     cert.unstored = set()
 
 

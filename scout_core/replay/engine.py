@@ -162,7 +162,7 @@ class ReplayEngine:
                     self._check(result, due)
             finally:
                 if self.opt_slice is not None:
-                    self.opt_slice.pending = None
+                    self.opt_slice.pending = self.opt_slice.chosen = None
                 where = self.protocol.finish()
             if result.skipped == DIAGNOSIS_ERROR:
                 self.health.failed(step, where, result.recipes)
@@ -209,9 +209,12 @@ class ReplayEngine:
         if timing is not None:
             self.judge.judge(result, *timing, replayed, self.peers)
         result.incidents = self._verdicts(result)
+        # Certification's units: what this check replayed to the end. The optimizer slice counts only where an
+        # optimizer surface was compared (not a slice skipped with its step, not a self-check set aside).
         chosen = self.opt_slice.chosen if due.optimizer and self.opt_slice is not None else None
+        compared = any(r.surface.startswith("optimizer.") for r in result.surfaces)
         result.units = tuple((r, 0 if r != "hidden" else i) for r, i in due.layers) + (
-            (("optimizer", chosen),) if chosen is not None else ())
+            (("optimizer", chosen),) if chosen is not None and compared else ())
 
     # -- verdicts -----------------------------------------------------------------------------------
 

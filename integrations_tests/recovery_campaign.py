@@ -1,0 +1,132 @@
+"""Recovery campaign at the shipped defaults: does a restart ever restore a state that carries the corruption?
+
+Each defect is one job at the shipped defaults (cadence 20, coverage certification, no flush per step, stop on a
+verdict), the Llama-style tiny model of the ``*-recovery-sdc-defaults`` cells, run by
+:func:`integrations_tests.recovery_defaults_cells.stop_and_restart`. Drawn at random per defect (from its seed):
+the layout (DDP, FSDP2, HSDP), the block (0-1), forward output or backward gradient, the bit (0-31), the rank and
+the onset step (60-400: before and after the first generation is verified, at step 240). The defect is
+persistent from its onset, in training and replay alike. After the stop, ``resume()`` runs in fresh processes;
+a restored state is compared, bitwise on every rank, with a clean run's (no defect, no SCOUT) at that step.
+
+Counted: restores whose state carries the corruption (the bar is 0), nothing restored (nothing was verified
+yet), jobs that did not stop (a defect replay cannot see, e.g. a gradient flip whose effect vanished), and the
+medians of steps from onset to verdict and from capture to verified.
+
+    python -m integrations_tests.recovery_campaign --out benchmarks/recovery_campaign.json [--defects 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from integrations_tests.recovery_defaults_cells import judge_restore, stop_and_restart  # noqa: E402
+from scout_core.testing.inject import Fault  # noqa: E402
+from scout_core.testing.launcher import prepare_parent  # noqa: E402
+
+LAYOUTS = ("ddp", "fsdp2", "hsdp")
+CADENCE = 20
+
+
+def draw(i: int, world: int) -> dict[str, Any]:
+    """Defect ``i``: layout, block, output or gradient, bit, rank, onset."""
+    rng = random.Random(f"recovery-{i}")
+    return {"layout": rng.choice(LAYOUTS), "block": rng.randrange(2), "where": rng.choice(("output", "grad")),
+            "bit": rng.randrange(32), "rank": rng.randrange(world), "onset": rng.randrange(60, 401)}
+
+
+def one(i: int, world: int, workdir: str) -> dict[str, Any]:
+    d = draw(i, world)
+    fault = Fault.from_dict({"surface": f"layers.{d['block']}.{d['where']}", "rank": d["rank"], "kind": "bitflip",
+                             "bit": d["bit"], "from_step": d["onset"]})
+    # Long enough for the rotation to come back to the block four times after the onset.
+    steps = d["onset"] + 4 * 2 * CADENCE
+    start = time.monotonic()
+    run = stop_and_restart([fault], layout=d["layout"], steps=steps, world_size=world, workdir=workdir,
+                           run_id=f"recovery-campaign-{i}", seed=i, replicas=2 if world < 8 else 4, timeout_s=600)
+    row: dict[str, Any] = {**d, "stopped": run.get("codes") == [75]}
+    sdc = sorted(inc.step for inc in run["incidents"] if inc.kind.value == "sdc" and inc.step is not None)
+    row["verdict_steps"] = sdc[0] - d["onset"] if sdc else None
+    stop = next((r for r in run["decisions"] if r.get("record") == "decision"), {})
+    row["capture_to_verified"] = stop.get("certifier", {}).get("steps_capture_to_verified")
+    values = run["values"]
+    row["restored"] = values[0]["generation"] if values else None
+    row["problems"] = list(run["problems"]) if row["stopped"] else []
+    if values and row["stopped"]:
+        row["problems"] += judge_restore(values, run["decisions"], run["args"], world, 600, expect_restore=False)
+    row["corrupted_restore"] = any("carries the corruption" in p for p in row["problems"])
+    row["wall_s"] = round(time.monotonic() - start, 1)
+    return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    verdicts = [r["verdict_steps"] for r in rows if r["verdict_steps"] is not None]
+    latency = [r["capture_to_verified"] for r in rows if r["capture_to_verified"] is not None]
+    return {
+        "defects": len(rows), "stopped": sum(r["stopped"] for r in rows),
+        "restored_verified": sum(r["restored"] is not None for r in rows if r["stopped"]),
+        "nothing_restored": sum(r["restored"] is None for r in rows if r["stopped"]),
+        "corrupted_restores": sum(r["corrupted_restore"] for r in rows),
+        "other_problems": sum(bool(r["problems"]) and not r["corrupted_restore"] for r in rows),
+        "median_onset_to_verdict_steps": statistics.median(verdicts) if verdicts else None,
+        "median_capture_to_verified_steps": statistics.median(latency) if latency else None,
+    }
+
+
+def markdown(summary: dict[str, Any], world: int) -> str:
+    s = summary
+    return "\n".join([
+        "| defects | stopped by a verdict | restored a verified state | restored nothing (none verified yet) "
+        "| restores carrying the corruption (bar: 0) | onset to verdict, median steps | capture to verified, "
+        "median steps |",
+        "|---|---|---|---|---|---|---|",
+        f"| {s['defects']} ({world} ranks) | {s['stopped']} | {s['restored_verified']} | {s['nothing_restored']} "
+        f"| **{s['corrupted_restores']}** | {s['median_onset_to_verdict_steps']} "
+        f"| {s['median_capture_to_verified_steps']} |"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/recovery_campaign.json")
+    parser.add_argument("--readme", help="rewrite the recovery-campaign block of this file")
+    parser.add_argument("--defects", type=int, default=100)
+    parser.add_argument("--world", type=int, default=4, help="ranks per job (16: hours on a 2-core machine)")
+    args = parser.parse_args()
+    prepare_parent()
+    rows = []
+    for i in range(args.defects):
+        with tempfile.TemporaryDirectory() as tmp:
+            row = one(i, args.world, tmp)
+        rows.append(row)
+        print(f"[{i + 1}/{args.defects}] {row['layout']} block {row['block']} {row['where']} bit {row['bit']} "
+              f"rank {row['rank']} from step {row['onset']}: stopped={row['stopped']} restored={row['restored']} "
+              f"corrupted={row['corrupted_restore']} {row['problems'][:1]} ({row['wall_s']} s)", flush=True)
+    summary = summarize(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump({"world_size": args.world, "summary": summary, "defects": rows}, fh, indent=2)
+    table = markdown(summary, args.world)
+    print(table)
+    if args.readme:
+        text = Path(args.readme).read_text()
+        start, end = "<!-- recovery-campaign:start -->", "<!-- recovery-campaign:end -->"
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        Path(args.readme).write_text(f"{head}{start}\n{table}\n{end}{tail}")
+    return 0 if summary["corrupted_restores"] == 0 and summary["other_problems"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
