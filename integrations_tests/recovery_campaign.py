@@ -9,8 +9,9 @@ persistent from its onset, in training and replay alike. After the stop, ``resum
 a restored state is compared, bitwise on every rank, with a clean run's (no defect, no SCOUT) at that step.
 
 Counted: restores whose state carries the corruption (the bar is 0), nothing restored (nothing was verified
-yet), jobs that did not stop (a defect replay cannot see, e.g. a gradient flip whose effect vanished), and the
-medians of steps from onset to verdict and from capture to verified.
+yet: a FAIL once the onset is after the first verification, step 240), jobs the defect did not stop (a FAIL:
+every defect is persistent inside a replayed block), and the medians of steps from onset to verdict and from
+capture to verified.
 
     python -m integrations_tests.recovery_campaign --out benchmarks/recovery_campaign.json [--defects 100]
 """
@@ -38,6 +39,9 @@ from scout_core.testing.launcher import prepare_parent  # noqa: E402
 
 LAYOUTS = ("ddp", "fsdp2", "hsdp")
 CADENCE = 20
+VERIFIED_BY = 240
+"""The first generation is verified at the second whole coverage (6 checks of 20 steps each): a defect whose
+onset is later must be followed by a restore of a verified state."""
 
 
 def draw(i: int, world: int) -> dict[str, Any]:
@@ -63,12 +67,18 @@ def one(i: int, world: int, workdir: str) -> dict[str, Any]:
     row["capture_to_verified"] = stop.get("certifier", {}).get("steps_capture_to_verified")
     values = run["values"]
     row["restored"] = values[0]["generation"] if values else None
-    row["problems"] = list(run["problems"]) if row["stopped"] else []
-    if values and row["stopped"]:
-        row["problems"] += judge_restore(values, run["decisions"], run["args"], world, 600, expect_restore=False)
+    row["problems"] = list(run["problems"])  # a job the defect did not stop is a miss: "phase A should stop"
+    if values:
+        row["problems"] += judge_restore(values, run["decisions"], run["args"], world, 600,
+                                         expect_restore=d["onset"] > VERIFIED_BY)
     row["corrupted_restore"] = any("carries the corruption" in p for p in row["problems"])
     row["wall_s"] = round(time.monotonic() - start, 1)
     return row
+
+
+def _failed(r: dict[str, Any]) -> bool:
+    """Anything but a clean stop and restart: a miss, nothing restored after the first verification, any problem."""
+    return bool(r["problems"]) or not r["stopped"] or (r["restored"] is None and r["onset"] > VERIFIED_BY)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,7 +89,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "restored_verified": sum(r["restored"] is not None for r in rows if r["stopped"]),
         "nothing_restored": sum(r["restored"] is None for r in rows if r["stopped"]),
         "corrupted_restores": sum(r["corrupted_restore"] for r in rows),
-        "other_problems": sum(bool(r["problems"]) and not r["corrupted_restore"] for r in rows),
+        "other_problems": sum(_failed(r) and not r["corrupted_restore"] for r in rows),
         "median_onset_to_verdict_steps": statistics.median(verdicts) if verdicts else None,
         "median_capture_to_verified_steps": statistics.median(latency) if latency else None,
     }
@@ -103,9 +113,15 @@ def main() -> int:
     parser.add_argument("--readme", help="rewrite the recovery-campaign block of this file")
     parser.add_argument("--defects", type=int, default=100)
     parser.add_argument("--world", type=int, default=4, help="ranks per job (16: hours on a 2-core machine)")
+    parser.add_argument("--summarize", metavar="JSON", help="only summarize the rows of an earlier run's JSON")
     args = parser.parse_args()
-    prepare_parent()
-    rows = []
+    if args.summarize:
+        rows = json.loads(Path(args.summarize).read_text())["defects"]
+        args.defects = 0
+        args.world = json.loads(Path(args.summarize).read_text())["world_size"]
+    else:
+        prepare_parent()
+        rows = []
     for i in range(args.defects):
         with tempfile.TemporaryDirectory() as tmp:
             row = one(i, args.world, tmp)

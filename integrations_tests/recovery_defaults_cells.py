@@ -123,14 +123,14 @@ def judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]],
             return [f"nothing restored though verified {verified} existed at the stop"]
         # The cells stop after two whole coverages: a run where nothing became verified lost certification.
         return [] if not expect_restore else ["nothing restored: no generation was ever verified in this run"]
-    if source != "verified":
-        return [f"restored {source} {generation} after an SDC stop (expected a verified generation)"]
+    problems = [] if source == "verified" else [
+        f"restored {source} {generation} after an SDC stop (expected a verified generation)"]
     clean = launch(_clean, world_size, timeout_s=timeout_s, args={**args, "faults": [], "until": generation})
     if not clean.ok:
-        return ["the clean reference run failed: " + clean.failures()]
+        return problems + ["the clean reference run failed: " + clean.failures()]
     bad = {r: [k for k, want in ref.items() if want != values[r]["got"][k]] for r, ref in enumerate(clean.values())}
     bad = {r: keys for r, keys in bad.items() if keys}
     if bad:
-        return [f"the restored verified step {generation} is not the clean run's state at that step (it carries the "
-                f"corruption) on ranks {sorted(bad)}: {json.dumps(bad)[:300]}"]
-    return []
+        problems.append(f"the restored {source} step {generation} is not the clean run's state at that step (it "
+                        f"carries the corruption) on ranks {sorted(bad)}: {json.dumps(bad)[:300]}")
+    return problems

@@ -27,6 +27,7 @@ from scout_core.checkpoint.memory import MemorySlots, default_memory_root, job_t
 from scout_core.checkpoint.restart import Restart
 from scout_core.checkpoint.snapshot import SnapshotEngine
 from scout_core.checkpoint.store import DurableStore
+from scout_core.config import ConfigError
 from scout_core.consensus import StatisticalRule
 from scout_core.handle import ScoutHandle
 from scout_core.live_control import LiveControl
@@ -183,6 +184,13 @@ def build_checkpoint(parts: ScoutParts) -> CheckpointCoordinator:
     cfg = parts.config
     directory = cfg.checkpoint.directory
     assert parts.snapshots is not None
+    cadence = cfg.replay.cadence
+    if parts.experts is None and not any(c > 0 for c in (cadence.embedding, cadence.hidden, cadence.output,
+                                                         cadence.optimizer)):
+        # The same on every rank (one configuration, one model): every rank raises alike.
+        raise ConfigError("checkpoint.enabled: snapshots are taken at replay checks, and the only recipe with a "
+                          "cadence here is replay.cadence.expert, but this job has no expert replay (no moe= "
+                          "binding passed to enable()): set a dense recipe's cadence")
     # The slots are this job's own: its run id, else the launcher's job id, with the checkpoint folder's nonce
     # (rank 0's, the same on every rank; before any capture, so that none is ever named by a wrong one).
     job = job_name(cfg.report.run_id, configured=bool(cfg.report.run_id))

@@ -11,10 +11,14 @@ from scout_core.checkpoint.coverage import Coverage, required_units
 from scout_core.config import ConfigError, ReplayCadence, load
 
 
-def _replay(*, n_hidden=3, extra=("embedding", "output"), eligible=frozenset({11, 12}), **cadence):
+def _replay(*, n_hidden=3, extra=("embedding", "output"), eligible=frozenset({11, 12}), self_check_off=False,
+            compare_slices=True, disabled=(), **cadence):
     return SimpleNamespace(cfg=SimpleNamespace(cadence=ReplayCadence(**cadence)), n_hidden=n_hidden,
                            schedule=SimpleNamespace(extra={r: i for i, r in enumerate(extra)}),
-                           opt_slice=SimpleNamespace(eligible=eligible))
+                           opt_slice=SimpleNamespace(eligible=eligible),
+                           opt=SimpleNamespace(compare_slices=compare_slices),
+                           trust=SimpleNamespace(self_check_off=self_check_off),
+                           health=SimpleNamespace(disabled=set(disabled)))
 
 
 def test_every_configured_rotation_is_required_and_a_recipe_at_cadence_0_is_not():
@@ -39,36 +43,47 @@ def test_coverage_closes_only_when_every_unit_was_seen_in_any_order():
     assert not cov.would_complete([("hidden", 1)])
 
 
-def test_an_optimizer_rotation_not_known_yet_never_completes():
-    cov = Coverage()
-    cov.need(required_units(_replay(eligible=None, n_hidden=1, extra=()), None))
-    assert not cov.would_complete([("hidden", 0)])
-    cov.need(required_units(_replay(eligible=frozenset({5}), n_hidden=1, extra=()), None))
-    assert cov.would_complete([("hidden", 0), ("optimizer", 5)])
-
-
-def test_what_was_required_since_the_capture_stays_required():
-    """A parameter without a gradient at the closing check, or a recipe switched to cadence 0 by ``scout ctl``, is
-    still required: the candidate is promoted only once it was replayed after the capture."""
+def test_the_optimizer_requires_what_its_slice_rotates_over_now():
+    """Before its first slice, and once pure FSDP's self-check (its only compared surface) is set aside, the
+    optimizer requires nothing; a parameter that stopped getting gradients leaves its rotation."""
+    assert "optimizer" not in required_units(_replay(eligible=None), None)
+    assert "optimizer" not in required_units(_replay(self_check_off=True, compare_slices=False), None)
+    assert "optimizer" in required_units(_replay(self_check_off=True, compare_slices=True), None)
     cov = Coverage()
     cov.need(required_units(_replay(eligible=frozenset({1, 2}), n_hidden=1, extra=()), None))
     cov.add([("hidden", 0), ("optimizer", 1)])
-    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=(), hidden=0), None))
+    assert not cov.would_complete([])
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=()), None))  # 2: no gradient now
+    assert cov.would_complete([])
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=(), self_check_off=True,
+                                    compare_slices=False), None))
+    assert "optimizer" not in cov.required
+
+
+def test_a_layer_rotation_required_since_the_capture_stays_required():
+    """``scout ctl set replay.cadence.hidden=0`` after the capture: the candidate is promoted only once every block
+    was replayed after it, never on the optimizer's evidence alone; a new window requires what the job has now."""
+    cov = Coverage()
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=2, extra=()), None))
+    cov.add([("hidden", 0), ("optimizer", 1)])
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=2, extra=(), hidden=0), None))
     assert not cov.would_complete([("optimizer", 1)])
-    assert cov.would_complete([("optimizer", 2)])
-    cov.reset()  # a new window requires what the job has now
-    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=(), hidden=0), None))
+    assert cov.would_complete([("hidden", 1)])
+    cov.reset()
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=2, extra=(), hidden=0), None))
     assert cov.would_complete([("optimizer", 1)])
 
 
-def test_a_rotation_replay_switched_off_is_never_complete():
-    """The hidden recipe disabled by replay's health still counts as configured: nothing checks it, so no capture
-    becomes verified (rather than vouch for less than the rule says)."""
+def test_a_recipe_replay_switched_off_keeps_its_units_and_nothing_is_verified():
+    """Replay's health switched the hidden recipe off: its units stay required (the configured cadence decides),
+    so however many other checks pass, the coverage never completes (rather than vouch for less)."""
+    replay = _replay(n_hidden=2, extra=("embedding",), eligible=frozenset({5}), disabled={"hidden"})
     cov = Coverage()
-    cov.need(required_units(_replay(n_hidden=2, extra=(), optimizer=0), None))
-    for _ in range(5):  # only optimizer or embedding checks come now
-        assert not cov.would_complete([("hidden", 0)])
-        cov.add([("hidden", 0)])
+    cov.need(required_units(replay, None))
+    assert cov.required["hidden"] == frozenset({0, 1})
+    for _ in range(5):
+        assert not cov.would_complete([("embedding", 0), ("optimizer", 5)])
+        cov.add([("embedding", 0), ("optimizer", 5)])
 
 
 def test_last_check_only_closes_at_any_layer_check():

@@ -30,6 +30,7 @@ Unit = tuple[str, int]
 """(rotation, index): ``("hidden", 2)``, ``("embedding", 0)``, ``("optimizer", id(param))``, ``("expert", 7)``."""
 
 LAYER_ROTATIONS = ("hidden", "expert")
+REPLACED = ("optimizer",)
 
 
 class Coverage:
@@ -39,20 +40,21 @@ class Coverage:
         if mode not in CERTIFY_MODES:
             raise ValueError(f"checkpoint.certify must be one of {CERTIFY_MODES}, got {mode!r}")
         self.mode = mode
-        self.required: dict[str, frozenset[int] | None] = {}
-        """Per rotation, the units to see (None: not known yet, e.g. before the first optimizer slice)."""
+        self.required: dict[str, frozenset[int]] = {}
+        """Per rotation, the units to see."""
         self.seen: dict[str, set[int]] = {}
 
-    def need(self, required: Mapping[str, frozenset[int] | None]) -> None:
-        """Add the units each configured rotation has now. What was required since the last reset stays required
-        (a parameter that had no gradient at this check, a recipe switched to cadence 0 by ``scout ctl``): a
-        candidate is promoted only when everything required at any time since its capture was replayed."""
+    def need(self, required: Mapping[str, frozenset[int]]) -> None:
+        """The units each configured rotation has now. A layer or expert rotation required since the last reset
+        stays required (a recipe switched to cadence 0 by ``scout ctl``): a candidate is promoted only once it was
+        replayed after the capture. The optimizer's units are what its slice rotates over now (the parameters
+        with a gradient, where its evidence is compared): a parameter that stopped getting gradients, or a
+        self-check set aside as misconfigured, must not hold certification back for the rest of the run."""
+        for rotation in [r for r in self.required if r in REPLACED and r not in required]:
+            del self.required[rotation]
         for rotation, units in required.items():
             old = self.required.get(rotation)
-            if units is None:  # not known yet: keep what is
-                self.required.setdefault(rotation, None)
-            else:
-                self.required[rotation] = units if old is None else old | units
+            self.required[rotation] = units if old is None or rotation in REPLACED else old | units
 
     def would_complete(self, units: Iterable[Unit]) -> bool:
         """Whether this rank's coverage is complete once ``units`` (this boundary's) count."""
@@ -61,8 +63,6 @@ class Coverage:
             layers = [r for r in self.required if r in LAYER_ROTATIONS]
             return any(rotation in LAYER_ROTATIONS or not layers for rotation, _ in units)
         for rotation, want in self.required.items():
-            if want is None:
-                return False
             got = self.seen.get(rotation, set()) | {i for r, i in units if r == rotation}
             if not want <= got:
                 return False
@@ -79,12 +79,13 @@ class Coverage:
         self.required.clear()
 
 
-def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int] | None]:
+def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int]]:
     """The units of every rotation this rank's replay is configured to run (a recipe at cadence 0 is not).
 
     ``replay`` is the :class:`~scout_core.replay.engine.ReplayEngine` (or None), ``experts`` the expert replay (or
-    None). The optimizer's units are the parameters its slice rotates over, known from its first slice on."""
-    out: dict[str, frozenset[int] | None] = {}
+    None). The optimizer's units are the parameters its slice rotates over, from its first slice on, while its
+    evidence is compared (not once pure FSDP's only surface, the self-check, was set aside as misconfigured)."""
+    out: dict[str, frozenset[int]] = {}
     if replay is not None:
         cadence = replay.cfg.cadence
         if cadence.hidden > 0 and replay.n_hidden > 0:
@@ -92,8 +93,10 @@ def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int] | None
         for recipe in replay.schedule.extra:
             if getattr(cadence, recipe) > 0:
                 out[recipe] = frozenset({0})
-        if cadence.optimizer > 0 and replay.opt_slice is not None:
-            out["optimizer"] = replay.opt_slice.eligible
+        opt = replay.opt_slice
+        if cadence.optimizer > 0 and opt is not None and opt.eligible is not None and not (
+                replay.trust.self_check_off and not replay.opt.compare_slices):
+            out["optimizer"] = opt.eligible
     if experts is not None and experts.every > 0:
         out["expert"] = frozenset(range(experts.cycle))
     return out

@@ -82,8 +82,8 @@ class RecipeHealth:
                     surface=f"replay:{recipe}",
                     reason=f"the {recipe} recipe failed in {FAILURES_BEFORE_OFF} checks in a row "
                            f"({', '.join(failed)}); it is switched off for the rest of the run"
-                           + ("; NO SNAPSHOT IS CERTIFIED from now on (only layer replay vouches for the state)"
-                              if recipe == "hidden" else "; the other recipes go on")
+                           + "; the other recipes go on, and NO SNAPSHOT IS VERIFIED from now on (certification "
+                             "waits for a coverage that includes this recipe's units)"
                            + " (the diagnosis_error records before this one say why)",
                     evidence={"failed_stages": failed})])
 
