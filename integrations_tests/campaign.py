@@ -288,6 +288,15 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_block(readme: str, name: str, table: str) -> None:
+    """Replace what stands between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``readme`` by ``table``."""
+    text = Path(readme).read_text()
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    Path(readme).write_text(f"{head}{start}\n{table}\n{end}{tail}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/campaign.json")
@@ -304,11 +313,7 @@ def main() -> int:
     table = markdown(summary)
     print(table)
     if args.readme:
-        text = Path(args.readme).read_text()
-        start, end = "<!-- campaign:start -->", "<!-- campaign:end -->"
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        Path(args.readme).write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        write_block(args.readme, "campaign", table)
     t = summary["total"]
     return 0 if t["mislocalized"] == 0 and t["false_positive"] == 0 else 1
 

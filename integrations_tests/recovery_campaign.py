@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from integrations_tests.campaign import write_block  # noqa: E402
 from integrations_tests.recovery_defaults_cells import judge_restore, stop_and_restart  # noqa: E402
 from scout_core.testing.inject import Fault  # noqa: E402
 from scout_core.testing.launcher import prepare_parent  # noqa: E402
@@ -136,11 +137,7 @@ def main() -> int:
     table = markdown(summary, args.world)
     print(table)
     if args.readme:
-        text = Path(args.readme).read_text()
-        start, end = "<!-- recovery-campaign:start -->", "<!-- recovery-campaign:end -->"
-        head, rest = text.split(start, 1)
-        _, tail = rest.split(end, 1)
-        Path(args.readme).write_text(f"{head}{start}\n{table}\n{end}{tail}")
+        write_block(args.readme, "recovery-campaign", table)
     return 0 if summary["corrupted_restores"] == 0 and summary["other_problems"] == 0 else 1
 
 

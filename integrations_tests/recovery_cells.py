@@ -268,6 +268,12 @@ def recovery_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         if bad:
             problems.append(f"restore not bitwise on ranks {bad}")
     decisions = read_records(os.path.join(args["store"], "decisions.jsonl"))
+    return recovery_report(spec, world_size, problems, incidents, decisions, start)
+
+
+def recovery_report(spec: CellSpec, world_size: int, problems: list[str], incidents: list[Any],
+                    decisions: list[dict[str, Any]], start: float) -> CellReport:
+    """A recovery cell's report: its incident records and the product's retrieval decisions."""
     return CellReport(
         name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
         injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents] + [

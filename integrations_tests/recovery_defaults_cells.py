@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from integrations_tests.models import batches, start_rank
-from integrations_tests.recovery_cells import STOP_CODE, _phase_a, _phase_b, _Tokens, state_signatures
+from integrations_tests.recovery_cells import STOP_CODE, _phase_a, _phase_b, _Tokens, recovery_report, state_signatures
 from scout_core.checkpoint.coordinator import read_records
 from scout_core.checkpoint.memory import default_memory_root
 from scout_core.report import read_incidents
-from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
+from scout_core.testing.cells import CellReport, CellSpec
 from scout_core.testing.launcher import RankContext, launch
 
 
@@ -100,13 +100,7 @@ def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> Cel
     if run["values"]:
         problems += judge_restore(run["values"], decisions, run["args"], world_size, spec.timeout_s,
                                   expect_restore=expect.get("restores", True))
-    return CellReport(
-        name=spec.name, verdict="FAIL" if problems else "PASS", world_size=world_size,
-        injected=fault_dicts(spec.faults), reported=[i.to_dict() for i in incidents] + [
-            {"kind": d.get("record", "decision"), "scope": d.get("source", "?"), "ranks": [],
-             "surface": str(d.get("generation")), "reason": d.get("reason", "")} for d in decisions],
-        details="\n".join(problems), wall_s=time.monotonic() - start,
-    )
+    return recovery_report(spec, world_size, problems, incidents, decisions, start)
 
 
 def judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]], args: dict[str, Any],
