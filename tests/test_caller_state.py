@@ -57,6 +57,9 @@ def _enabled(ctx: RankContext):
         d = os.path.join(a["dir"], kind)
         cfg = load(None, ["replay.cadence.embedding=0", "replay.cadence.hidden=1", "replay.cadence.output=0",
                           "replay.cadence.optimizer=0", "observer.enabled=false", "checkpoint.enabled=true",
+                          # every capture after a layer check is persisted (as verified): the first one at
+                          # step 1, which no earlier write can make busy, whatever the machine's load
+                          "checkpoint.certify=last_check_only",
                           f"checkpoint.directory={d}/ckpt", f"checkpoint.memory_dir={d}/shm",
                           f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR"])
         sched = Scheduler(clean=kind == "clean")
