@@ -158,6 +158,15 @@ def test_recovery_defaults_cell_fails_with_the_last_check_rule(layout):
     assert report.verdict == "FAIL" and "carries the corruption" in report.details, report.details
 
 
+def test_nonfinite_cell_fails_without_the_finite_state_check(monkeypatch):
+    """Without the check, every replica's NaN weights agree: no verdict stops the job, and NaN states are certified."""
+    import scout_core.boundary as boundary
+
+    monkeypatch.setattr(boundary, "state_is_finite", lambda modules: True)
+    (report,) = run_cells([SPECS["ddp-recovery-nonfinite-defaults"]], root=ROOT)
+    assert report.verdict == "FAIL" and "phase A should stop" in report.details, report.details
+
+
 def test_recovery_coverage_cell_fails_with_the_last_check_rule():
     spec = SPECS["recovery-coverage-8"]
     spec = dataclasses.replace(spec, params={**spec.params, "certify": "last_check_only"})

@@ -19,6 +19,7 @@ from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, record
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.coordinator import combine_evidence
 from scout_core.checkpoint.coverage import required_units
+from scout_core.checkpoint.finite import nonfinite_incident, nonfinite_ranks, state_is_finite
 from scout_core.checkpoint.loadable import CallerStateCheck
 from scout_core.live_control import LiveControl
 from scout_core.parts import ScoutParts
@@ -82,14 +83,19 @@ class StepBoundary:
         if not result.checked and expert is None:
             return result
         verdicts = actionable(result.incidents + result.incidents_global)
+        cert = p.certifier
+        nonfinite = cert is not None and not self._finite(result.step)
         local = BoundaryEvidence(sdc=result.sdc or bool(expert and expert.sdc),
                                  inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
                                  missing=result.missing or bool(expert and expert.skipped),
-                                 straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts))
-        cert = p.certifier
+                                 straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts),
+                                 nonfinite=nonfinite)
         job, action = self._certify(cert, result, expert, local)
-        verdict = job.sdc or job.inconclusive or job.straggler
-        failure = (FailureKind.SDC if job.sdc or job.inconclusive else FailureKind.STRAGGLER) if verdict else None
+        if job.nonfinite:  # the same on every rank: one record, and the verdict's actions
+            verdicts.append(self._nonfinite(result.step, nonfinite))
+        verdict = job.sdc or job.inconclusive or job.straggler or job.nonfinite
+        numerical = job.sdc or job.inconclusive or job.nonfinite
+        failure = (FailureKind.SDC if numerical else FailureKind.STRAGGLER) if verdict else None
         if cert is not None and p.labels is not None:
             p.labels.on_boundary(result.step, action, cert, failure=failure, stopping=self.stop_on_verdict,
                                  on_error=lambda exc: p.guard.report(result.step, "checkpoint", exc,
@@ -97,6 +103,24 @@ class StepBoundary:
         if verdict:
             self._act(result, verdicts, job, expert=actionable(expert.incidents) if expert else [])
         return result
+
+    def _finite(self, step: int) -> bool:
+        """Whether this rank's parameters are finite (a check that fails is reported and counts as finite: SCOUT's
+        own failure never stops the job)."""
+        p = self.parts
+        try:
+            return state_is_finite(p.snapshots.chunks if p.snapshots is not None else p.replay.layers)
+        except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
+            p.guard.report(step, "checkpoint", exc, "the finite-state check")
+            return True
+
+    def _nonfinite(self, step: int, mine: bool) -> Incident:
+        """The record of a state that is not finite somewhere (rank 0 writes it), naming the ranks."""
+        p = self.parts
+        incident = nonfinite_incident(step, nonfinite_ranks(mine, p.groups.world_control))
+        if p.rank == 0 and p.reporter is not None:
+            p.reporter.emit(incident)
+        return incident
 
     def _certify(self, cert: Certifier | None, result: BoundaryResult, expert: Any,
                  local: BoundaryEvidence) -> tuple[BoundaryEvidence, Action | None]:
@@ -139,7 +163,7 @@ class StepBoundary:
         dist.all_gather_object(everyone, mine, group=p.groups.world_control)
         summaries = list({(v["kind"], v["scope"], tuple(v["ranks"]), v["step"]): v
                           for vs in everyone for v in vs}.values())
-        failure = FailureKind.SDC if (job.sdc or job.inconclusive) else FailureKind.STRAGGLER
+        failure = FailureKind.SDC if (job.sdc or job.inconclusive or job.nonfinite) else FailureKind.STRAGGLER
         try:
             if p.checkpoint is not None:
                 self.last_decision = p.checkpoint.decide(failure, incident=summaries[0] if summaries else None,

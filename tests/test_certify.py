@@ -134,3 +134,20 @@ def test_a_generation_some_rank_could_not_make_durable_is_never_offered_to_a_res
     assert s.durable == 1
     s.on_boundary(3, OK)  # a later generation is offered again as soon as it is verified
     assert (s.verified, s.retrievable) == (3, 3)
+
+
+def test_a_state_that_is_not_finite_rejects_the_candidate():
+    import torch
+
+    from scout_core.checkpoint.finite import state_is_finite
+
+    c = Certifier()
+    c.on_boundary(1, OK)
+    c.on_boundary(2, OK)
+    assert c.on_boundary(3, BoundaryEvidence(nonfinite=True, covered=True)) is Action.RECOVER
+    assert (c.candidate, c.verified) == (None, 1)
+    net = torch.nn.Linear(3, 3)
+    assert state_is_finite([net])
+    with torch.no_grad():
+        net.weight[1, 2] = float("nan")
+    assert not state_is_finite([net])

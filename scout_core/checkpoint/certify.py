@@ -10,7 +10,7 @@ was captured at):
 At every replay boundary the job-wide evidence (combined by one collective,
 see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundary`:
 
-* SDC or inconclusive evidence anywhere: the candidate is rejected and recovery
+* SDC or inconclusive evidence anywhere, or a state that is not finite: the candidate is rejected and recovery
   must run (:func:`decide_retrieval`); nothing is captured.
 * Missing evidence: the capture is skipped, and the check's units do not count toward coverage.
 * A boundary busy persisting the previous snapshot: the capture is skipped (its clean units still count).
@@ -56,6 +56,8 @@ class BoundaryEvidence:
     """Some rank could not write the candidate to the durable store: it is never promoted."""
     lost_verified: bool = False
     """Some rank could not write (static shapes) or relabel the newest verified generation."""
+    nonfinite: bool = False
+    """Some rank's parameters are not finite (see :mod:`~.finite`): a verdict like an inconclusive check."""
     covered: bool = False
     """Every rank's coverage is complete with this boundary's units (combined job-wide as AND): every unit
     replay samples was replayed clean since the candidate's capture (``static``: this check replayed a layer)."""
@@ -108,7 +110,7 @@ class Certifier:
             self.history.append((step, f"verified {generation} is durable on every rank"))
 
     def on_boundary(self, step: int, evidence: BoundaryEvidence) -> Action:
-        if evidence.sdc or evidence.inconclusive:
+        if evidence.sdc or evidence.inconclusive or evidence.nonfinite:
             if self.candidate is not None:
                 self.history.append((step, f"candidate {self.candidate} rejected"))
             self.candidate = None  # may already hold corruption the finished checks did not see

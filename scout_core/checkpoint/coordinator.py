@@ -1,9 +1,10 @@
 """The checkpoint coordinator: replay verdicts in, snapshots, replicas and decisions out.
 
 At every replay boundary each rank calls :meth:`CheckpointCoordinator.on_boundary`
-with its local evidence. ONE all-reduce (MAX over eight flags, on SCOUT's gloo
+with its local evidence. ONE all-reduce (MAX over nine flags, on SCOUT's gloo
 control group) combines SDC, inconclusive, missing, straggler and busy evidence
-across the job, says whether some rank could not make the candidate or the newest
+across the job, and whether some rank's parameters are not finite, says whether some rank could not make the
+candidate or the newest
 verified generation durable, and whether every rank's replay coverage is complete. The job-wide evidence then drives the
 :class:`~.certify.Certifier`, identically on every rank: a verified generation is
 offered to a restart only once every rank has confirmed its write (the evidence alone
@@ -50,10 +51,11 @@ def combine_evidence(local: BoundaryEvidence, group: Any) -> BoundaryEvidence:
     """Job-wide evidence: one MAX all-reduce of the flags on ``group`` (gloo). ``covered`` is combined as AND
     (every rank's coverage complete): its negation goes through the MAX."""
     flags = torch.tensor([local.sdc, local.inconclusive, local.missing, local.straggler, local.busy,
-                          local.lost_candidate, local.lost_verified, not local.covered], dtype=torch.int32)
+                          local.lost_candidate, local.lost_verified, local.nonfinite, not local.covered],
+                         dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    *seven, uncovered = (bool(f) for f in flags.tolist())
-    return BoundaryEvidence(*seven, covered=not uncovered)
+    *eight, uncovered = (bool(f) for f in flags.tolist())
+    return BoundaryEvidence(*eight, covered=not uncovered)
 
 
 class CheckpointCoordinator:
