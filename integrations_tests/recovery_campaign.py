@@ -96,6 +96,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _write(path: str, world: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = summarize(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump({"world_size": world, "summary": summary, "defects": rows}, fh, indent=2)
+    return summary
+
+
 def markdown(summary: dict[str, Any], world: int) -> str:
     s = summary
     return "\n".join([
@@ -127,13 +135,11 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             row = one(i, args.world, tmp)
         rows.append(row)
+        _write(args.out, args.world, rows)  # after each defect: an interrupted campaign keeps what it found
         print(f"[{i + 1}/{args.defects}] {row['layout']} block {row['block']} {row['where']} bit {row['bit']} "
               f"rank {row['rank']} from step {row['onset']}: stopped={row['stopped']} restored={row['restored']} "
               f"corrupted={row['corrupted_restore']} {row['problems'][:1]} ({row['wall_s']} s)", flush=True)
-    summary = summarize(rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"world_size": args.world, "summary": summary, "defects": rows}, fh, indent=2)
+    summary = _write(args.out, args.world, rows)
     table = markdown(summary, args.world)
     print(table)
     if args.readme:
