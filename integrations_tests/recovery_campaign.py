@@ -48,7 +48,7 @@ onset is later must be followed by a restore of a verified state."""
 def draw(i: int, world: int) -> dict[str, Any]:
     """Defect ``i``: layout, block, output or gradient, bit, rank, onset."""
     rng = random.Random(f"recovery-{i}")
-    return {"layout": rng.choice(LAYOUTS), "block": rng.randrange(2), "where": rng.choice(("output", "grad")),
+    return {"defect": i, "layout": rng.choice(LAYOUTS), "block": rng.randrange(2), "where": rng.choice(("output", "grad")),
             "bit": rng.randrange(32), "rank": rng.randrange(world), "onset": rng.randrange(60, 401)}
 
 
@@ -122,23 +122,27 @@ def main() -> int:
     parser.add_argument("--readme", help="rewrite the recovery-campaign block of this file")
     parser.add_argument("--defects", type=int, default=100)
     parser.add_argument("--world", type=int, default=4, help="ranks per job (16: hours on a 2-core machine)")
-    parser.add_argument("--summarize", metavar="JSON", help="only summarize the rows of an earlier run's JSON")
+    parser.add_argument("--first", type=int, default=0, help="the first defect's number (to split a campaign)")
+    parser.add_argument("--summarize", metavar="JSON", nargs="+",
+                        help="only summarize the rows of earlier runs' JSON files (one campaign split in parts)")
     args = parser.parse_args()
     if args.summarize:
-        rows = json.loads(Path(args.summarize).read_text())["defects"]
-        args.defects = 0
-        args.world = json.loads(Path(args.summarize).read_text())["world_size"]
+        parts = [json.loads(Path(path).read_text()) for path in args.summarize]
+        keys = ("layout", "block", "where", "bit", "rank", "onset")  # a defect's draw: one row each
+        rows = list({tuple(r[k] for k in keys): r for part in parts for r in part["defects"]}.values())
+        args.defects, args.world = 0, parts[0]["world_size"]
     else:
         prepare_parent()
         rows = []
-    for i in range(args.defects):
+    for i in range(args.first, args.first + args.defects):
         with tempfile.TemporaryDirectory() as tmp:
             row = one(i, args.world, tmp)
         rows.append(row)
         _write(args.out, args.world, rows)  # after each defect: an interrupted campaign keeps what it found
-        print(f"[{i + 1}/{args.defects}] {row['layout']} block {row['block']} {row['where']} bit {row['bit']} "
-              f"rank {row['rank']} from step {row['onset']}: stopped={row['stopped']} restored={row['restored']} "
-              f"corrupted={row['corrupted_restore']} {row['problems'][:1]} ({row['wall_s']} s)", flush=True)
+        print(f"[{i + 1}/{args.first + args.defects}] {row['layout']} block {row['block']} {row['where']} "
+              f"bit {row['bit']} rank {row['rank']} from step {row['onset']}: stopped={row['stopped']} "
+              f"restored={row['restored']} corrupted={row['corrupted_restore']} {row['problems'][:1]} "
+              f"({row['wall_s']} s)", flush=True)
     summary = _write(args.out, args.world, rows)
     table = markdown(summary, args.world)
     print(table)
