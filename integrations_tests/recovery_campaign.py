@@ -48,8 +48,9 @@ onset is later must be followed by a restore of a verified state."""
 def draw(i: int, world: int) -> dict[str, Any]:
     """Defect ``i``: layout, block, output or gradient, bit, rank, onset."""
     rng = random.Random(f"recovery-{i}")
-    return {"defect": i, "layout": rng.choice(LAYOUTS), "block": rng.randrange(2), "where": rng.choice(("output", "grad")),
-            "bit": rng.randrange(32), "rank": rng.randrange(world), "onset": rng.randrange(60, 401)}
+    return {"defect": i, "layout": rng.choice(LAYOUTS), "block": rng.randrange(2),
+            "where": rng.choice(("output", "grad")), "bit": rng.randrange(32), "rank": rng.randrange(world),
+            "onset": rng.randrange(60, 401)}
 
 
 def one(i: int, world: int, workdir: str) -> dict[str, Any]:
