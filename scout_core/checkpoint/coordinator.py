@@ -3,9 +3,9 @@
 At every replay boundary each rank calls :meth:`CheckpointCoordinator.on_boundary`
 with its local evidence. ONE all-reduce (MAX over nine flags, on SCOUT's gloo
 control group) combines SDC, inconclusive, missing, straggler and busy evidence
-across the job, and whether some rank's parameters are not finite, says whether some rank could not make the
-candidate or the newest
-verified generation durable, and whether every rank's replay coverage is complete. The job-wide evidence then drives the
+across the job, says whether some rank's parameters are not finite, whether some rank
+could not make the candidate or the newest verified generation durable, and whether
+every rank's replay coverage is complete. The job-wide evidence then drives the
 :class:`~.certify.Certifier`, identically on every rank: a verified generation is
 offered to a restart only once every rank has confirmed its write (the evidence alone
 promotes, and labels the framework's checkpoints).

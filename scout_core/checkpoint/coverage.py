@@ -4,8 +4,9 @@ Replay samples: one repeated layer per hidden check (a rotation over the layers)
 head, one optimizer slice per check (a rotation over the parameters this rank holds) and, with experts, one
 (layer, expert, catalog shape) per expert check. Each sampled thing is a UNIT, named ``(rotation, index)``.
 :class:`Coverage` keeps, per rotation, the units this rank must see and those replayed clean since the last
-cycle closed. A check's units count only when the job-wide evidence accepted it (no SDC, nothing missing, not
-busy); the job's coverage is complete when every rank's is (one flag of the evidence all-reduce).
+cycle closed. A check's units count only when the job-wide evidence accepted it (no SDC, nothing missing; a busy
+boundary's clean units count though it captures nothing); the job's coverage is complete when every rank's is
+(one flag of the evidence all-reduce).
 
 Two modes (``checkpoint.certify``):
 
