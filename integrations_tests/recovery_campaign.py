@@ -68,7 +68,9 @@ def one(i: int, world: int, workdir: str) -> dict[str, Any]:
     stop = next((r for r in run["decisions"] if r.get("record") == "decision"), {})
     row["capture_to_verified"] = stop.get("certifier", {}).get("steps_capture_to_verified")
     values = run["values"]
+    row["stopped_for"] = stop.get("failure")  # sdc, or straggler (a false one under load: its restart sweeps)
     row["restored"] = values[0]["generation"] if values else None
+    row["restored_source"] = values[0]["source"] if values else None
     row["problems"] = list(run["problems"])  # a job the defect did not stop is a miss: "phase A should stop"
     if values:
         row["problems"] += judge_restore(values, run["decisions"], run["args"], world, 600,
@@ -88,7 +90,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     latency = [r["capture_to_verified"] for r in rows if r["capture_to_verified"] is not None]
     return {
         "defects": len(rows), "stopped": sum(r["stopped"] for r in rows),
-        "restored_verified": sum(r["restored"] is not None for r in rows if r["stopped"]),
+        "restored_verified": sum(r["restored"] is not None and r.get("restored_source") != "latest"
+                                 for r in rows if r["stopped"]),
+        "restored_latest_swept": sum(r["restored"] is not None and r.get("restored_source") == "latest"
+                                     for r in rows if r["stopped"]),
+        "stopped_for_straggler": sum(r.get("stopped_for") == "straggler" for r in rows),
         "nothing_restored": sum(r["restored"] is None for r in rows if r["stopped"]),
         "corrupted_restores": sum(r["corrupted_restore"] for r in rows),
         "other_problems": sum(_failed(r) and not r["corrupted_restore"] for r in rows),
@@ -108,11 +114,13 @@ def _write(path: str, world: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
 def markdown(summary: dict[str, Any], world: int) -> str:
     s = summary
     return "\n".join([
-        "| defects | stopped by a verdict | restored a verified state | restored nothing (none verified yet) "
+        "| defects | stopped by a verdict (of them: a straggler verdict) | restored a verified state "
+        "| restored latest, swept clean | restored nothing (none verified yet) "
         "| restores carrying the corruption (bar: 0) | onset to verdict, median steps | capture to verified, "
         "median steps |",
-        "|---|---|---|---|---|---|---|",
-        f"| {s['defects']} ({world} ranks) | {s['stopped']} | {s['restored_verified']} | {s['nothing_restored']} "
+        "|---|---|---|---|---|---|---|---|",
+        f"| {s['defects']} ({world} ranks) | {s['stopped']} ({s.get('stopped_for_straggler', 0)}) "
+        f"| {s['restored_verified']} | {s.get('restored_latest_swept', 0)} | {s['nothing_restored']} "
         f"| **{s['corrupted_restores']}** | {s['median_onset_to_verdict_steps']} "
         f"| {s['median_capture_to_verified_steps']} |"])
 

@@ -173,6 +173,10 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
                 hsdp_replicas=a.get("replicas", 4), depth=a.get("depth", 3))
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     tokens = _Tokens()
+    if a.get("defect_persists"):
+        # A defective unit stays in its machine across a restart on the same machines: what the restart's
+        # sweep replays on this rank meets it too (a persistent defect, active at any step).
+        install_block_faults(par, Injector(a["faults"], seed=a["seed"]), ctx.rank, {"step": 1 << 30})
     handle = scout_core.enable(par.model, opt, config=_config(a), mesh=par.mesh, state={"tokens": tokens})
     committed = sorted(handle.checkpoint.store.local_generations())  # before resume prunes unsafe ones
     try:

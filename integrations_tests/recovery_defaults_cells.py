@@ -64,6 +64,7 @@ def stop_and_restart(faults: list[Any], *, layout: str, steps: int, world_size: 
         "workdir": workdir, "run_id": run_id, "failure": None, "kill_step": None, "flush": False,
         "defaults": True, "bias": False, "depth": 2, "ref_every": 0, "replicate": True,
         "overrides": [f"checkpoint.certify={certify}"],
+        "defect_persists": True,  # the restart runs on the same machines: a defective unit is still there
     }
     out: dict[str, Any] = {"args": args, "values": [], "problems": []}
     memory_root = default_memory_root(args["store"])
@@ -118,7 +119,7 @@ def judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]],
         # The cells stop after two whole coverages: a run where nothing became verified lost certification.
         return [] if not expect_restore else ["nothing restored: no generation was ever verified in this run"]
     problems = [] if source == "verified" else [
-        f"restored {source} {generation} after an SDC stop (expected a verified generation)"]
+        f"restored {source} {generation} though the state carried a defect (expected a verified generation)"]
     clean = launch(_clean, world_size, timeout_s=timeout_s, args={**args, "faults": [], "until": generation})
     if not clean.ok:
         return problems + ["the clean reference run failed: " + clean.failures()]

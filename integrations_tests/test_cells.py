@@ -139,8 +139,8 @@ def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
     from scout_core.checkpoint import coordinator
     from scout_core.checkpoint.certify import decide_retrieval
 
-    def reckless(certifier, failure, *, sweep=None):
-        return decide_retrieval(certifier, "straggler")  # always "latest"
+    def reckless(certifier, failure, *, sweep=None):  # always "latest", as if a sweep had found it clean
+        return decide_retrieval(certifier, "other", sweep=lambda: True)
 
     monkeypatch.setattr(coordinator, "decide_retrieval", reckless)
     (report,) = run_cells([SPECS["ddp-recovery-sdc"]], root=ROOT)
@@ -155,6 +155,25 @@ def test_recovery_defaults_cell_fails_with_the_last_check_rule(layout):
     spec = SPECS[f"{layout}-recovery-sdc-defaults"]
     spec = dataclasses.replace(spec, params={**spec.params, "certify": "last_check_only"})
     (report,) = run_cells([spec], root=ROOT)
+    assert report.verdict == "FAIL" and "carries the corruption" in report.details, report.details
+
+
+def test_straggler_sdc_cell_fails_when_a_straggler_restores_latest_unswept(monkeypatch):
+    """The guard of ddp-recovery-straggler-sdc-defaults: with the paper's straggler policy (latest, no sweep:
+    "slowness is not numerical divergence") the restart restores the capture of step 320, which carries the SDC
+    no check had reached yet."""
+    from scout_core.checkpoint import resume
+    from scout_core.checkpoint.certify import FailureKind, RetrievalDecision
+
+    real = resume.decide_retrieval
+
+    def paper(certifier, failure, *, sweep=None):
+        if FailureKind(failure) is FailureKind.STRAGGLER:
+            return RetrievalDecision("latest", certifier.latest, "straggler: not divergence", "straggler")
+        return real(certifier, failure, sweep=sweep)
+
+    monkeypatch.setattr(resume, "decide_retrieval", paper)
+    (report,) = run_cells([SPECS["ddp-recovery-straggler-sdc-defaults"]], root=ROOT)
     assert report.verdict == "FAIL" and "carries the corruption" in report.details, report.details
 
 

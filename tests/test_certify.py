@@ -76,8 +76,13 @@ def test_retrieval_policy_per_failure():
     assert (c.latest, c.verified) == (3, 2)
     assert decide_retrieval(c, FailureKind.SDC).generation == 2
     assert decide_retrieval(c, FailureKind.MACHINE_UNREACHABLE).generation == 2
+    # A straggler is not divergence, but the latest state may carry an SDC no check reached yet: swept first.
     d = decide_retrieval(c, FailureKind.STRAGGLER)
-    assert (d.source, d.generation) == ("latest", 3) and "straggler" in d.reason
+    assert (d.source, d.generation) == ("verified", 2) and "straggler" in d.reason and "restart" in d.reason
+    d = decide_retrieval(c, FailureKind.STRAGGLER, sweep=lambda: True)
+    assert (d.source, d.generation, d.sweep_clean) == ("latest", 3, True) and "straggler" in d.reason
+    d = decide_retrieval(c, FailureKind.STRAGGLER, sweep=lambda: False)
+    assert (d.source, d.generation, d.sweep_clean) == ("verified", 2, False)
     calls = []
     d = decide_retrieval(c, FailureKind.OTHER, sweep=lambda: calls.append(1) or True)
     assert (d.source, d.generation, d.sweep_clean) == ("latest", 3, True) and calls == [1]
@@ -93,7 +98,7 @@ def test_sweep_not_run_for_classified_failures():
     def boom():
         raise AssertionError("sweep must not run")
 
-    for kind in (FailureKind.SDC, FailureKind.STRAGGLER, FailureKind.MACHINE_UNREACHABLE):
+    for kind in (FailureKind.SDC, FailureKind.MACHINE_UNREACHABLE):
         decide_retrieval(c, kind, sweep=boom)
 
 

@@ -77,11 +77,19 @@ def test_after_an_sdc_verdict_nothing_newer_is_trusted_until_a_restart(tmp_path)
     assert labels.stopped_for is None  # nobody stopped for it: a restart is not bound by that verdict
 
 
-def test_a_straggler_stop_loads_the_newest_not_rejected(tmp_path):
+def test_a_straggler_stop_loads_the_newest_verified(tmp_path):
+    """Slowness is not divergence (a straggler's round verifies like a clean one), but a newer checkpoint may
+    carry an SDC no check has reached yet and no sweep can run on a framework checkpoint: the newest verified."""
     _, labels = _run(tmp_path, {3: STRAGGLER}, saves={1, 3})
     assert labels.stopped_for == "straggler"
     assert labels.choose().step == 3
-    assert labels.choose(FailureKind.SDC).step == 3  # a straggler is not divergence: 3 is verified too
+    assert labels.choose(FailureKind.SDC).step == 3  # the straggler's round verified 3
+    _, labels = _run(tmp_path / "cycle", {4: STRAGGLER}, k=2, saves={1, 2, 3, 4})
+    verified = max(s for s, e in labels.entries.items() if e["label"] == "verified")
+    assert verified < 4 and labels.entries[4]["label"] != "rejected"
+    choice = labels.choose()
+    assert (choice.step, choice.label, choice.failure) == (verified, "verified", "straggler"), choice
+    assert "no check has reached yet" in choice.reason
 
 
 def test_an_unexplained_stop_loads_the_newest_verified(tmp_path):

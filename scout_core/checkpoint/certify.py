@@ -162,8 +162,16 @@ def decide_retrieval(certifier: Certifier, failure: FailureKind, *, sweep=None) 
     """Choose what recovery loads (Algorithm 3, CheckpointRetrieval).
 
     ``sweep`` runs the complete recipe catalog against the latest state and
-    returns True when it found no SDC; it is only called for ``OTHER``
-    failures. A decision without any usable generation has ``generation=None``.
+    returns True when it found no SDC; it is called for ``STRAGGLER`` and
+    ``OTHER`` failures, never after SDC or a lost machine (those restore verified
+    whatever it would say). A decision without any usable generation has
+    ``generation=None``.
+
+    The paper restores latest after a straggler unswept ("slowness is not
+    numerical divergence"). We do not: the latest state may carry an SDC that
+    no check has reached yet (coverage takes I x max(L, P) steps), and a
+    straggler verdict can be false (a loaded machine). Latest is restored only
+    when the sweep shows it clean, exactly as after a crash.
     """
     failure = FailureKind(failure)
     latest, verified = certifier.latest, certifier.retrievable
@@ -178,11 +186,13 @@ def decide_retrieval(certifier: Certifier, failure: FailureKind, *, sweep=None) 
         return pick("verified", "confirmed SDC: the latest state may carry the corruption")
     if failure is FailureKind.MACHINE_UNREACHABLE:
         return pick("verified", "a machine is unreachable: its latest shard cannot be shown clean")
-    if failure is FailureKind.STRAGGLER:
-        return pick("latest", "straggler: slowness is not numerical divergence")
-    if sweep is None:
-        return pick("verified", "no emergency sweep available: cannot show the latest state clean")
+    why = ("straggler: slowness is not numerical divergence, but the latest state may carry an SDC no check "
+           "has reached yet; " if failure is FailureKind.STRAGGLER else "")
+    if sweep is None:  # e.g. at the verdict: a restart (Restarter.resume) sweeps and decides again
+        return pick("verified", why + ("no emergency sweep has run: verified, unless the restart's sweep shows the "
+                                       "latest state clean" if why else
+                                       "no emergency sweep available: cannot show the latest state clean"))
     clean = bool(sweep())
     if clean:
-        return pick("latest", "emergency sweep of every recipe found no SDC", True)
-    return pick("verified", "emergency sweep found SDC in the latest state", False)
+        return pick("latest", why + "emergency sweep of every recipe found no SDC", True)
+    return pick("verified", why + "emergency sweep found SDC in the latest state", False)

@@ -15,10 +15,11 @@ that step:
   restart has loaded a verified checkpoint.
 
 A restart loads what the retrieval policy (:func:`~scout_core.checkpoint.certify.decide_retrieval`) chose for
-the failure that stopped the job: after SDC, an unreachable machine or an unexplained stop (no emergency sweep
-can run on a framework checkpoint), the newest ``verified`` one; after a straggler verdict, the newest one that
-is not ``rejected``. After an unexplained stop with nothing verified yet, the newest not ``rejected`` (no
-evidence says it is bad, and starting over would discard the run). The labels live in one JSON file beside
+the failure that stopped the job: after SDC, an unreachable machine, a straggler verdict or an unexplained stop,
+the newest ``verified`` one (no emergency sweep can run on a framework checkpoint, and a straggler's slowness
+says nothing about an SDC no check has reached yet). After a straggler or an unexplained stop with nothing
+verified yet, the newest not ``rejected`` (no evidence says it is bad, and starting over would discard the
+run); the reason says it is unproven. The labels live in one JSON file beside
 the checkpoints, rewritten atomically (temporary file, fsync, rename, fsync of the folder) by one rank whenever
 a label changes, so an operator or a scheduler can read them too.
 """
@@ -302,21 +303,20 @@ class FrameworkCheckpoints:
             step = max(live)
             return LoadChoice(step, live[step]["label"], "none",
                               "the last run ended normally: its newest checkpoint not rejected")
-        if kind is FailureKind.STRAGGLER:
-            pool, wanted = live, "not rejected"
-            reason = "straggler: slowness is not numerical divergence, the newest checkpoint not rejected"
-        else:
-            pool, wanted = {s: e for s, e in live.items() if e["label"] == "verified"}, "verified"
-            reason = {FailureKind.SDC: "confirmed SDC: only a verified checkpoint is safe",
-                      FailureKind.MACHINE_UNREACHABLE: "a machine is unreachable: only a verified checkpoint",
-                      }.get(kind, "no verdict explains the stop and no sweep can run on a framework checkpoint: "
-                                  "the newest verified one")
-        if not pool and kind is FailureKind.OTHER and live:
-            # A crash, a preemption, a hang: no verdict says the state is bad, and none has been verified yet (early
-            # in a job, or a long recipe cycle). Starting over would throw the run away for no evidence at all.
+        pool, wanted = {s: e for s, e in live.items() if e["label"] == "verified"}, "verified"
+        reason = {FailureKind.SDC: "confirmed SDC: only a verified checkpoint is safe",
+                  FailureKind.MACHINE_UNREACHABLE: "a machine is unreachable: only a verified checkpoint",
+                  FailureKind.STRAGGLER: "straggler: slowness is not numerical divergence, but a newer checkpoint "
+                                         "may carry an SDC no check has reached yet, and no sweep can run on a "
+                                         "framework checkpoint: the newest verified one",
+                  }.get(kind, "no verdict explains the stop and no sweep can run on a framework checkpoint: "
+                              "the newest verified one")
+        if not pool and kind in (FailureKind.STRAGGLER, FailureKind.OTHER) and live:
+            # A crash, a preemption, a hang, a slow rank: no verdict says the state is bad, and none has been
+            # verified yet (early in a job). Starting over would throw the run away for no evidence at all.
             pool = live
-            reason = ("no verdict explains the stop and nothing is verified yet: the newest checkpoint not rejected, "
-                      "unproven")
+            reason = ("no SDC verdict explains the stop and nothing is verified yet: the newest checkpoint not "
+                      "rejected, unproven")
         if not pool:
             return LoadChoice(None, None, kind.value, f"{reason}; no {wanted} checkpoint exists")
         step = max(pool)

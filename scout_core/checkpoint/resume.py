@@ -13,7 +13,9 @@
    the emergency sweep: the latest state is restored and every layer is
    replayed on the newest saved calls across peers, and every expert on every
    shape of the MoE shape catalog (``extra_sweeps``); latest only if clean (a
-   dirty sweep puts the state back as it was before it);
+   dirty sweep puts the state back as it was before it). A recorded straggler
+   stop is decided again the same way: slowness says nothing about whether an
+   SDC no check has reached yet sits in the latest state;
 4. loads the chosen generation: from memory where every rank can get it (a rank
    whose machine was lost receives its shard from the partner keeping its
    replica, over SCOUT's gloo group), else from the durable store;
@@ -165,7 +167,11 @@ class Restarter:
     def _resume(self, failure: str | None) -> ResumeResult:
         s = self._survey()
         recorded = s.last if _binding(s.last, s.latest) else None
-        if recorded is not None:
+        if recorded is not None and recorded.get("failure") == FailureKind.STRAGGLER:
+            # A straggler stop binds the kind of failure, not the generation: the latest state is restored
+            # only if the sweep, which needs the restarted job, shows it clean (see decide_retrieval).
+            decision = self._decide_now(s, FailureKind.STRAGGLER)
+        elif recorded is not None:
             decision = dict(recorded)
         elif s.latest is None and s.verified is None:
             return ResumeResult(step=None, reason="no snapshot or verified checkpoint: fresh start" + s.notes)
@@ -241,10 +247,15 @@ class Restarter:
         # A machine was lost when some rank has no snapshot of its own left at all. A rank whose own
         # slot is merely older (killed while writing the newest) fetches it, but nothing was lost.
         lost = any(inv["own"] is None for inv in s.inventories)
-        kind = FailureKind(failure) if failure else (FailureKind.MACHINE_UNREACHABLE if lost else FailureKind.OTHER)
+        kind = FailureKind(failure) if failure else FailureKind.OTHER
+        if lost and kind in (FailureKind.STRAGGLER, FailureKind.OTHER):
+            # The sweep cannot run on a machine that is gone (a slow or defective one the operator replaced):
+            # what it computed into the latest state cannot be shown clean.
+            kind = FailureKind.MACHINE_UNREACHABLE
         certifier = Certifier(latest=s.latest, verified=s.verified)
         latest = s.latest
-        sweep = (lambda: self._sweep(latest, s.fetch)) if kind is FailureKind.OTHER and latest is not None else None
+        swept = kind in (FailureKind.STRAGGLER, FailureKind.OTHER) and latest is not None
+        sweep = (lambda: self._sweep(latest, s.fetch)) if swept else None
         d = decide_retrieval(certifier, kind, sweep=sweep)
         reason = d.reason
         if self._sweep_failed:  # not SDC: the sweep could not run (a diagnosis_error record says why)
