@@ -168,8 +168,7 @@ class Restarter:
         s = self._survey()
         recorded = s.last if _binding(s.last, s.latest) else None
         if recorded is not None and recorded.get("failure") == FailureKind.STRAGGLER:
-            # A straggler stop binds the kind of failure, not the generation: the latest state is restored
-            # only if the sweep, which needs the restarted job, shows it clean (see decide_retrieval).
+            # Binds the kind of failure, not the generation: latest only if the restart's sweep shows it clean.
             decision = self._decide_now(s, FailureKind.STRAGGLER)
         elif recorded is not None:
             decision = dict(recorded)
@@ -249,8 +248,7 @@ class Restarter:
         lost = any(inv["own"] is None for inv in s.inventories)
         kind = FailureKind(failure) if failure else FailureKind.OTHER
         if lost and kind in (FailureKind.STRAGGLER, FailureKind.OTHER):
-            # The sweep cannot run on a machine that is gone (a slow or defective one the operator replaced):
-            # what it computed into the latest state cannot be shown clean.
+            # No sweep can replay on a machine that is gone: what it computed into latest cannot be shown clean.
             kind = FailureKind.MACHINE_UNREACHABLE
         certifier = Certifier(latest=s.latest, verified=s.verified)
         latest = s.latest
