@@ -84,10 +84,11 @@ class StepBoundary:
             return result
         verdicts = actionable(result.incidents + result.incidents_global)
         cert = p.certifier
-        nonfinite = cert is not None and not self._finite(result.step)
+        finite = self._finite(result.step) if cert is not None else True
+        nonfinite = finite is False
         local = BoundaryEvidence(sdc=result.sdc or bool(expert and expert.sdc),
                                  inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
-                                 missing=result.missing or bool(expert and expert.skipped),
+                                 missing=result.missing or bool(expert and expert.skipped) or finite is None,
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts),
                                  nonfinite=nonfinite)
         job, action = self._certify(cert, result, expert, local)
@@ -104,15 +105,15 @@ class StepBoundary:
             self._act(result, verdicts, job, expert=actionable(expert.incidents) if expert else [])
         return result
 
-    def _finite(self, step: int) -> bool:
-        """Whether this rank's parameters are finite (a check that fails is reported and counts as finite: SCOUT's
-        own failure never stops the job)."""
+    def _finite(self, step: int) -> bool | None:
+        """Whether this rank's model state is finite; None when the check itself failed (reported): that counts as
+        missing evidence, so nothing is captured or promoted at this boundary, and training goes on."""
         p = self.parts
         try:
-            return state_is_finite(p.snapshots.chunks if p.snapshots is not None else p.replay.layers)
+            return state_is_finite(p.adapter.chunks, p.adapter.optimizers)
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
             p.guard.report(step, "checkpoint", exc, "the finite-state check")
-            return True
+            return None
 
     def _nonfinite(self, step: int, mine: bool) -> Incident:
         """The record of a state that is not finite somewhere (rank 0 writes it), naming the ranks."""

@@ -156,3 +156,30 @@ def test_a_state_that_is_not_finite_rejects_the_candidate():
     with torch.no_grad():
         net.weight[1, 2] = float("nan")
     assert not state_is_finite([net])
+
+
+def test_the_finite_check_covers_optimizer_state_and_buffers_and_float8():
+    """An exponent flip in one rank's gradient, averaged, leaves AdamW's exp_avg_sq inf while the parameter stays
+    finite (m / sqrt(inf) = 0): the check must see it. A -inf mask buffer is legitimate; a NaN buffer is not."""
+    import torch
+
+    from scout_core.checkpoint.finite import state_is_finite
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    net.register_buffer("mask", torch.full((2, 2), float("-inf")).triu(1))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(2, 3)).sum().backward()
+    net[0].weight.grad[0, 0] = 3.4e36  # its square overflows float32
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert not torch.isfinite(opt.state[net[0].weight]["exp_avg_sq"]).all()
+    assert state_is_finite([net]) and not state_is_finite([net], [opt])
+    opt.state[net[0].weight]["exp_avg_sq"].zero_()
+    assert state_is_finite([net], [opt])  # the -inf mask is fine
+    net.mask[0, 0] = float("nan")
+    assert not state_is_finite([net], [opt])
+    f8 = torch.nn.Linear(4, 4)
+    f8.weight.data = f8.weight.data.to(torch.float8_e4m3fn)
+    assert state_is_finite([f8])
+    f8.weight.data.view(torch.uint8)[0, 0] = 0x7F  # e4m3fn's NaN
+    assert not state_is_finite([f8])

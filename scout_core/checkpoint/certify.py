@@ -194,5 +194,6 @@ def decide_retrieval(certifier: Certifier, failure: FailureKind, *, sweep=None) 
                                        "no emergency sweep available: cannot show the latest state clean"))
     clean = bool(sweep())
     if clean:
-        return pick("latest", why + "emergency sweep of every recipe found no SDC", True)
+        return pick("latest", why + "emergency sweep (every layer, the embedding, the head, every expert) found "
+                    "no SDC", True)
     return pick("verified", why + "emergency sweep found SDC in the latest state", False)

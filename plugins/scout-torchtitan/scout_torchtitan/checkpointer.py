@@ -103,8 +103,13 @@ class ScoutCheckpointManager(CheckpointManager):
         result = scout.resume()
         restored = result.step
         # A TorchTitan checkpoint may replace SCOUT's restored snapshot only if it is verified: SCOUT's restore is
-        # certified, or swept clean, while an unverified TorchTitan checkpoint is neither.
-        self._failure = "sdc" if restored is not None else None
+        # certified, or swept clean, while an unverified TorchTitan checkpoint is neither. Nor may an unverified
+        # one be loaded when SCOUT's restart found its own latest state dirty, could not sweep it, or lost a
+        # machine: TorchTitan's newest holds the same suspect state.
+        decision = result.decision or {}
+        suspect = (decision.get("sweep_clean") is False or bool(decision.get("sweep_failed"))
+                   or decision.get("failure") in ("sdc", "machine_unreachable"))
+        self._failure = "sdc" if restored is not None or suspect else None
         if restored is not None:
             self.trainer.step = restored  # the Trainer's count (the data loader and LR schedulers came back with
             # the snapshot's caller state)
@@ -198,7 +203,7 @@ class ScoutCheckpointManager(CheckpointManager):
             log.warning("scout_torchtitan: --checkpoint.load_step %d asked for: loaded as asked", asked)
             return {"load": asked, "entries": {str(k): v for k, v in labels.entries.items()},
                     **({"rejected": rejected} if rejected is not None else {})}
-        choice = labels.choose(exists=self._complete)
+        choice = labels.choose(self._failure, exists=self._complete)
         load = choice.step
         # Every step folder newer than the chosen one (all the labelled ones and those after, if none is chosen)
         # leaves TorchTitan's reach, newest first: the rejected one goes before anything else can fail.

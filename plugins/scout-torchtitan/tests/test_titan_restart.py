@@ -137,3 +137,19 @@ def test_only_a_verified_torchtitan_checkpoint_replaces_scouts_restored_snapshot
     m._failure = "sdc"  # what load() sets whenever SCOUT restored a snapshot
     plan = m._plan(-1, restored=2)
     assert plan["load"] is None and _left(tmp_path) == ["step-1", "step-2"]
+
+
+def test_when_scouts_sweep_found_its_latest_dirty_no_unverified_torchtitan_checkpoint_is_loaded(tmp_path):
+    """A straggler stopped the job before anything was verified; SCOUT's restart swept its latest snapshot, found
+    SDC and restored nothing. TorchTitan's newest holds the same suspect state: it must not be loaded either
+    (load() passes "sdc" on from the sweep), while a crash with no evidence keeps the newest, unproven."""
+    m = _job(tmp_path, sdc_at=None, steps=3)
+    m.labels.entries = {s: {**e, "label": "candidate"} for s, e in m.labels.entries.items()}
+    m.labels.stopped_for = "straggler"
+    assert m._plan(-1)["load"] == 3  # no sweep said anything: the newest, unproven (the reason says so)
+    m = _job(tmp_path / "swept", sdc_at=None, steps=3)
+    m.labels.entries = {s: {**e, "label": "candidate"} for s, e in m.labels.entries.items()}
+    m.labels.stopped_for = "straggler"
+    m._failure = "sdc"  # what load() sets when SCOUT's decision says sweep_clean False
+    plan = m._plan(-1)
+    assert plan["load"] == -1 and _left(tmp_path / "swept") == []
