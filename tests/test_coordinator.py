@@ -86,7 +86,7 @@ def test_coordinator_end_to_end(tmp_path):
     assert result.values()[0]["replicas"] == ["replica-r00002-s000000004-w00004.pt",
                                                   "replica-r00003-s000000004-w00004.pt"]
     for host in ("hostA", "hostB"):
-        names = sorted(os.listdir(tmp_path / "shm" / host))
+        names = sorted(n for n in os.listdir(tmp_path / "shm" / host) if n.endswith(".pt"))  # not boot markers
         assert len([n for n in names if n.startswith("own-")]) == 2 and len(names) == 4, names
     records = [json.loads(line) for line in open(args["decisions"])]
     assert len(records) == 1 and records[0]["source"] == "verified" and "SDC" in records[0]["reason"]
@@ -106,7 +106,26 @@ def test_resume_housekeeping_of_memory_slots(tmp_path):
     assert slots.inventory()["replicas"] == {3: 6}
     # A later incarnation at another world size deletes the slots it can never resume from.
     MemorySlots(str(tmp_path / "shm"), rank=0, hosts={0: "a", 1: "a", 2: "a"}, fallback=str(tmp_path / "disk"))
-    assert os.listdir(tmp_path / "shm" / "a") == []
+    assert os.listdir(tmp_path / "shm" / "a") == ["machine-r00000"]  # the boot its slots were written on
+
+
+def test_own_slots_written_on_another_machine_count_as_a_lost_machine(tmp_path, monkeypatch):
+    """A pod rescheduled onto another node keeps its hostname, and a disk fallback on a shared volume keeps its
+    slots: the slot restores, but the inventory says it was written on another machine (boot id), so the
+    restart cannot sweep what that machine computed (resume treats it as a lost machine)."""
+    import scout_core.checkpoint.memory as memory
+
+    root, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    monkeypatch.setattr(memory, "machine_identity", lambda: "boot-A")
+    MemorySlots(root, rank=0, hosts={0: "a"}, fallback=disk).write_own({"step": 4})
+    assert MemorySlots(root, rank=0, hosts={0: "a"}, fallback=disk).inventory() == {"own": 4, "replicas": {}}
+    monkeypatch.setattr(memory, "machine_identity", lambda: "boot-B")
+    moved = MemorySlots(root, rank=0, hosts={0: "a"}, fallback=disk)
+    assert moved.inventory() == {"own": 4, "replicas": {}, "moved": True}
+    moved.write_own({"step": 5})  # this machine's own from now on
+    assert moved.inventory() == {"own": 5, "replicas": {}}
+    monkeypatch.setattr(memory, "machine_identity", lambda: "")  # unknown: nothing said either way
+    assert MemorySlots(root, rank=0, hosts={0: "a"}, fallback=disk).inventory() == {"own": 5, "replicas": {}}
 
 
 def _stale_memory(ctx: RankContext):

@@ -173,6 +173,9 @@ class MemorySlots:
         self.fallback = fallback
         self.fell_back = ""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.machine = machine_identity()
+        self.written_on = self._read_marker()  # the boot this rank's own slots were written on, before any write
+        self._marked = False
         for d in self._dirs():  # a writer killed mid-slot left its temporary behind, holding RAM
             remove_stale_temporaries(d)
         self._drop_other_world_sizes()
@@ -284,8 +287,21 @@ class MemorySlots:
                 return os.path.join(d, name)
         return os.path.join(self.dir, name)
 
+    def _marker(self) -> str:
+        return f"machine-r{self.rank:05d}"
+
+    def _read_marker(self) -> str:
+        for d in self._dirs():
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                with open(os.path.join(d, self._marker()), encoding="ascii") as fh:
+                    return fh.read().strip()
+        return ""
+
     def write_own(self, snap: dict[str, Any]) -> str:
         path = os.path.join(self.dir, self._name("own", self.rank, int(snap["step"])))
+        if not self._marked and self.machine:  # once per process: the machine this rank's slots are written on
+            atomic_write(os.path.join(self.dir, self._marker()), self.machine.encode("ascii"))
+            self._marked, self.written_on = True, self.machine
         atomic_save(path, snap)
         self._drop_older("own", self.rank, path)
         return path
@@ -318,7 +334,12 @@ class MemorySlots:
         """What this rank can offer: its own step and the replicas it keeps {owner: step}."""
         own = [s for k, o, s in self.slots().values() if k == "own" and o == self.rank]
         replicas = {o: s for k, o, s in self.slots().values() if k == "replica"}
-        return {"own": max(own) if own else None, "replicas": replicas}
+        out: dict[str, Any] = {"own": max(own) if own else None, "replicas": replicas}
+        if own and self.written_on and self.machine and self.written_on != self.machine:
+            # Written on another machine (a rescheduled pod that kept its hostname, a shared disk fallback) or
+            # before a reboot: restorable, but what the machine that wrote it computed cannot be swept here.
+            out["moved"] = True
+        return out
 
     def path_of(self, kind: str, owner: int, step: int) -> str:
         return self._path(kind, owner, step)
@@ -352,9 +373,22 @@ class MemorySlots:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
         for d in self._dirs():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(d, self._marker()))
+        for d in self._dirs():
             with contextlib.suppress(OSError):
                 os.rmdir(d)
                 os.rmdir(os.path.dirname(d))
+
+
+def machine_identity() -> str:
+    """This machine's boot, as the kernel names it (shared by every container on the machine, new after a reboot):
+    a pod rescheduled onto another node keeps its hostname, not this. "" where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
 
 
 def _safe(host: str) -> str:

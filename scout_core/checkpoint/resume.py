@@ -243,9 +243,10 @@ class Restarter:
 
     def _decide_now(self, s: _Survey, failure: str | None) -> dict[str, Any]:
         """The retrieval policy on what every rank holds (no decision recorded, or none that binds)."""
-        # A machine was lost when some rank has no snapshot of its own left at all. A rank whose own
-        # slot is merely older (killed while writing the newest) fetches it, but nothing was lost.
-        lost = any(inv["own"] is None for inv in s.inventories)
+        # A machine was lost when some rank has no snapshot of its own left at all, or one another machine wrote
+        # (its boot id differs). A rank whose own slot is merely older (killed while writing the newest) fetches
+        # it, but nothing was lost.
+        lost = any(inv["own"] is None or inv.get("moved") for inv in s.inventories)
         kind = FailureKind(failure) if failure else FailureKind.OTHER
         if lost and kind in (FailureKind.STRAGGLER, FailureKind.OTHER):
             # No sweep can replay on a machine that is gone: what it computed into latest cannot be shown clean.
