@@ -45,7 +45,9 @@ def test_coverage_closes_only_when_every_unit_was_seen_in_any_order():
 
 def test_the_optimizer_requires_what_its_slice_rotates_over_now():
     """Before its first slice, and once pure FSDP's self-check (its only compared surface) is set aside, the
-    optimizer requires nothing; a parameter that stopped getting gradients leaves its rotation."""
+    optimizer requires nothing. A parameter without a gradient at one boundary (an unrouted expert) stays
+    required until its update is replayed; one without a gradient for as many boundaries as the slice has units
+    (frozen for good) leaves the rotation."""
     assert "optimizer" not in required_units(_replay(eligible=None), None)
     assert "optimizer" not in required_units(_replay(self_check_off=True, compare_slices=False), None)
     assert "optimizer" in required_units(_replay(self_check_off=True, compare_slices=True), None)
@@ -54,6 +56,12 @@ def test_the_optimizer_requires_what_its_slice_rotates_over_now():
     cov.add([("hidden", 0), ("optimizer", 1)])
     assert not cov.would_complete([])
     cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=()), None))  # 2: no gradient now
+    assert not cov.would_complete([])  # 2 was updated since the capture: its update is not vouched for yet
+    cov.need(required_units(_replay(eligible=frozenset({1, 2}), n_hidden=1, extra=()), None))  # routed again
+    assert cov.would_complete([("optimizer", 2)])
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=()), None))
+    assert not cov.would_complete([])
+    cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=()), None))  # 2 frozen for good
     assert cov.would_complete([])
     cov.need(required_units(_replay(eligible=frozenset({1}), n_hidden=1, extra=(), self_check_off=True,
                                     compare_slices=False), None))

@@ -44,18 +44,32 @@ class Coverage:
         self.required: dict[str, frozenset[int]] = {}
         """Per rotation, the units to see."""
         self.seen: dict[str, set[int]] = {}
+        self.absent: dict[int, int] = {}
+        """Optimizer units required since the reset but not eligible now: boundaries in a row without a gradient."""
 
     def need(self, required: Mapping[str, frozenset[int]]) -> None:
         """The units each configured rotation has now. A layer or expert rotation required since the last reset
         stays required (a recipe switched to cadence 0 by ``scout ctl``): a candidate is promoted only once it was
-        replayed after the capture. The optimizer's units are what its slice rotates over now (the parameters
-        with a gradient, where its evidence is compared): a parameter that stopped getting gradients, or a
-        self-check set aside as misconfigured, must not hold certification back for the rest of the run."""
+        replayed after the capture. The optimizer's units are the parameters its slice rotates over (those with a
+        gradient, where its evidence is compared) since the reset: a parameter without a gradient at the boundary
+        where coverage would complete (an unrouted expert, a tower this batch skipped) stays required until its
+        update is replayed, unless it goes without a gradient for as many boundaries as the slice has units (a
+        parameter frozen for good must not hold certification back for the rest of the run). A self-check set
+        aside as misconfigured drops the optimizer's rotation."""
         for rotation in [r for r in self.required if r in REPLACED and r not in required]:
             del self.required[rotation]
         for rotation, units in required.items():
             old = self.required.get(rotation)
+            if rotation in REPLACED and old is not None:
+                units = self._still_required(old, units)
             self.required[rotation] = units if old is None or rotation in REPLACED else old | units
+
+    def _still_required(self, old: frozenset[int], now: frozenset[int]) -> frozenset[int]:
+        for unit in now:
+            self.absent.pop(unit, None)
+        for unit in old - now:
+            self.absent[unit] = self.absent.get(unit, 0) + 1
+        return now | {u for u in old - now if self.absent[u] <= len(now)}
 
     def would_complete(self, units: Iterable[Unit]) -> bool:
         """Whether this rank's coverage is complete once ``units`` (this boundary's) count."""
@@ -78,6 +92,7 @@ class Coverage:
         """A cycle closed (a new candidate), or recovery ran: nothing is vouched for after this point yet."""
         self.seen.clear()
         self.required.clear()
+        self.absent.clear()
 
 
 def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int]]:
