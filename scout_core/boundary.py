@@ -25,7 +25,7 @@ from scout_core.live_control import LiveControl
 from scout_core.parts import ScoutParts
 from scout_core.progress.record import Phase
 from scout_core.replay.engine import BoundaryResult
-from scout_core.report import Incident, IncidentKind
+from scout_core.report import Incident, IncidentKind, IncidentScope
 
 __all__ = ["StepBoundary"]
 
@@ -47,6 +47,7 @@ class StepBoundary:
         self._stop_code: int | None = None  # a verdict asked to stop: raised at the next settle point
         self._settle_extra = False  # a capture waits for the caller's end-of-step state
         self.caller_check = CallerStateCheck()  # can a restart load the caller's state? (first capture per keys)
+        self._finite_skips_said = False  # tensors the finite-state check cannot test were named (once)
 
     def set_stop_on_verdict(self, _key: str, value: Any) -> None:
         """``scout ctl set actions.on_verdict=...``: what the next verdict does."""
@@ -109,11 +110,22 @@ class StepBoundary:
         """Whether this rank's model state is finite; None when the check itself failed (reported): that counts as
         missing evidence, so nothing is captured or promoted at this boundary, and training goes on."""
         p = self.parts
+        skipped: list[str] = []
         try:
-            return state_is_finite(p.adapter.chunks, p.adapter.optimizers)
+            finite = state_is_finite(p.adapter.chunks, p.adapter.optimizers, skipped=skipped)
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
             p.guard.report(step, "checkpoint", exc, "the finite-state check")
             return None
+        if skipped and not self._finite_skips_said:  # once: the same tensors are left out at every boundary
+            self._finite_skips_said = True
+            why = (f"{len(skipped)} tensor(s) of this rank's state cannot be tested for NaN or inf and are left out "
+                   f"of the finite-state check (the rest is still checked): {'; '.join(skipped[:3])}")
+            _log.warning("rank %d: SCOUT %s", p.rank, why)
+            if p.reporter is not None:
+                p.reporter.emit(Incident(kind=IncidentKind.DIAGNOSIS_ERROR, scope=IncidentScope.RANK, ranks=[p.rank],
+                                         hosts=[], step=step, surface="checkpoint:the finite-state check",
+                                         reason=why, evidence={"skipped": skipped[:20]}))
+        return finite
 
     def _nonfinite(self, step: int, mine: bool) -> Incident:
         """The record of a state that is not finite somewhere (rank 0 writes it), naming the ranks."""

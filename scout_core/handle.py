@@ -125,7 +125,8 @@ class ScoutHandle(HandleView):
         """Restore the checkpoint the retrieval policy chooses (see :mod:`scout_core.checkpoint.resume`).
 
         Call once, on every rank, right after ``enable()``. Returns ``ResumeResult(step=None)`` on a
-        fresh start. ``failure`` forces the failure kind when no decision was recorded.
+        fresh start. ``failure`` forces the failure kind when no decision was recorded, except that a lost machine (some
+        rank's own snapshot gone or written on another machine) always restores verified: no sweep can run there.
         """
         return self.restart.resume(failure)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind, decide_retrieval
 
 OK = BoundaryEvidence(covered=True)  # an accepted check after which every rank's coverage is complete
@@ -183,3 +185,40 @@ def test_the_finite_check_covers_optimizer_state_and_buffers_and_float8():
     assert state_is_finite([f8])
     f8.weight.data.view(torch.uint8)[0, 0] = 0x7F  # e4m3fn's NaN
     assert not state_is_finite([f8])
+
+
+def test_the_finite_check_leaves_out_what_it_cannot_test_and_chunks_large_tensors(monkeypatch):
+    """An optimizer-state tensor without an isfinite kernel is named and left out (the rest still counts); a
+    parameter that cannot be tested raises (the boundary then counts the check as missing); a tensor larger than
+    one chunk is tested chunk by chunk, a NaN in its last chunk included."""
+    import torch
+
+    import scout_core.checkpoint.finite as finite
+
+    net = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    real = finite._finite
+
+    def picky(t, *, nan_only=False):
+        if t.data_ptr() == opt.state[net.bias]["exp_avg"].data_ptr():
+            raise NotImplementedError("no isfinite kernel for this subclass")
+        return real(t, nan_only=nan_only)
+
+    monkeypatch.setattr(finite, "_finite", picky)
+    skipped: list[str] = []
+    assert finite.state_is_finite([net], [opt], skipped=skipped)
+    assert len(skipped) == 1 and "optimizer state 'exp_avg'" in skipped[0] and "NotImplementedError" in skipped[0]
+    opt.state[net.weight]["exp_avg_sq"][0, 0] = float("inf")
+    assert not finite.state_is_finite([net], [opt], skipped=[])  # the rest still counts
+    monkeypatch.setattr(finite, "_finite", real)
+    monkeypatch.setattr(finite, "_CHUNK", 4)
+    big = torch.nn.Linear(5, 5)
+    assert finite.state_is_finite([big])
+    with torch.no_grad():
+        big.weight[4, 4] = float("nan")  # the last chunk
+    assert not finite.state_is_finite([big])
+    monkeypatch.setattr(finite, "_finite", lambda t, nan_only=False: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(RuntimeError):
+        finite.state_is_finite([big])

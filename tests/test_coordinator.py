@@ -126,6 +126,9 @@ def test_own_slots_written_on_another_machine_count_as_a_lost_machine(tmp_path, 
     assert moved.inventory() == {"own": 5, "replicas": {}}
     monkeypatch.setattr(memory, "machine_identity", lambda: "")  # unknown: nothing said either way
     assert MemorySlots(root, rank=0, hosts={0: "a"}, fallback=disk).inventory() == {"own": 5, "replicas": {}}
+    # Rank 0 now runs elsewhere: its marker goes with its slots (a job of another size on this machine).
+    MemorySlots(root, rank=1, hosts={0: "b", 1: "a"}, fallback=disk)
+    assert os.listdir(os.path.join(root, "a")) == []
 
 
 def _stale_memory(ctx: RankContext):

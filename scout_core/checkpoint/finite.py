@@ -4,9 +4,9 @@ Replay compares replicas: a corruption that reaches every replica alike is invis
 case is a defect whose output is an inf or NaN on one rank: the loss, then the averaged gradients, then every
 replica's weights become NaN within a step, and from then on every replay agrees (on NaN). Certification would
 then verify a NaN state. So at each certification boundary each rank checks that its parameters, buffers and
-optimizer state are finite (one pass over them, one device sync); a state that is not finite anywhere is evidence
-like an inconclusive check: the candidate is rejected, nothing is captured, and an ``inconclusive`` record of scope
-``job`` names the ranks whose state is not finite (every one, usually: it cannot name the cause).
+optimizer state are finite (one pass over them, one host sync per device); a state that is not finite anywhere
+is evidence like an inconclusive check: the candidate is rejected, nothing is captured, and an ``inconclusive``
+record of scope ``job`` names the ranks whose state is not finite (every one, usually: it cannot name the cause).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def _finite(t: torch.Tensor, *, nan_only: bool = False) -> torch.Tensor:
     """A 0-d bool tensor on ``t``'s device (no host sync): every element of ``t`` finite (``nan_only``: not NaN).
     Float8 types are tested in float32 (``isfinite`` has no float8 kernel; e4m3fn has no inf but has NaN, which
     survives the cast)."""
-    flat = t.reshape(-1)
     cast = t.dtype.itemsize == 1
     test = (lambda c: ~torch.isnan(c)) if nan_only else torch.isfinite
-    parts = [test(c.float() if cast else c).all() for c in flat.split(_CHUNK)]
-    return parts[0] if len(parts) == 1 else torch.stack(parts).all()
+    if t.numel() <= _CHUNK or not t.is_contiguous():
+        return test(t.float() if cast else t).all()
+    return torch.stack([test(c.float() if cast else c).all() for c in t.view(-1).split(_CHUNK)]).all()
 
 
 def _floating(tensors: Iterable[object]) -> Iterable[torch.Tensor]:
@@ -47,18 +47,31 @@ def _floating(tensors: Iterable[object]) -> Iterable[torch.Tensor]:
                 yield t
 
 
-def state_is_finite(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer] = ()) -> bool:
+def state_is_finite(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer] = (), *,
+                    skipped: list[str] | None = None) -> bool:
     """Whether every floating tensor this rank holds of the model's state is finite: parameters, each optimizer's
     state (an inf in AdamW's ``exp_avg_sq`` freezes its parameter's element while the parameter stays finite,
     and every replica agrees on it), and buffers free of NaN (a buffer may hold -inf on purpose: an attention
-    mask). One device sync for all of them."""
+    mask). One host sync per device the state lives on.
+
+    A parameter that cannot be tested raises. An optimizer-state tensor or buffer that cannot (a tensor
+    subclass without an ``isfinite`` kernel) is left out and named in ``skipped``: one odd tensor must not stop
+    every capture for the rest of the run."""
     modules = list(modules)
     flags = [_finite(t) for m in modules for t in _floating(m.parameters())]
-    flags += [_finite(t, nan_only=True) for m in modules for t in _floating(m.buffers())]
-    flags += [_finite(t) for o in optimizers for st in o.state.values() for t in _floating(st.values())]
-    if not flags:
-        return True
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+    others = [(t, True, "buffer") for m in modules for t in _floating(m.buffers())]
+    others += [(t, False, f"optimizer state {k!r}") for o in optimizers for st in o.state.values()
+               for k, x in st.items() for t in _floating([x])]
+    for t, nan_only, what in others:
+        try:
+            flags.append(_finite(t, nan_only=nan_only))
+        except Exception as exc:  # noqa: BLE001 - left out and said so, the rest is still checked
+            if skipped is not None:
+                skipped.append(f"{what} {tuple(t.shape)} {t.dtype} ({type(exc).__name__}: {exc})")
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return all(bool(torch.stack(fs).all()) for fs in by_device.values())
 
 
 def nonfinite_ranks(mine: bool, group: object) -> list[int]:

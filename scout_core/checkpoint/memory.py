@@ -45,6 +45,8 @@ __all__ = ["NONCE", "MemorySlots", "default_memory_root", "job_token", "partners
 
 _log = logging.getLogger("scout")
 _SLOT = re.compile(r"^(own|replica)-r(\d{5})-s(\d{9})-w(\d{5})(?:-j([0-9a-f]{12}))?\.pt$")
+_MARKER = re.compile(r"^machine-r(\d{5})$")
+"""The boot id of the machine that wrote a rank's slots in this folder (see :meth:`MemorySlots.inventory`)."""
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
 NONCE = "job-nonce"
 """The file in the checkpoint folder that names this folder's incarnation (written once, at ``enable()``)."""
@@ -190,7 +192,16 @@ class MemorySlots:
 
     def _drop_other_world_sizes(self) -> None:
         """Slots of this job's earlier incarnation at another world size: no resume of this size can use
-        them (shards differ), and on a RAM-backed filesystem they would hold memory for good."""
+        them (shards differ), and on a RAM-backed filesystem they would hold memory for good. Also the boot
+        markers of ranks no longer on this machine (their slots went with them)."""
+        here = {r for r, h in self.hosts.items() if _safe(h) == self.host}
+        for d in self._dirs():
+            with contextlib.suppress(OSError):
+                for n in os.listdir(d):
+                    m = _MARKER.match(n)
+                    if m and int(m.group(1)) not in here:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(d, n))
         for d, n, m in self._slot_files():
             if (m.group(5) or "") == self.token and int(m.group(4)) != self.world:
                 with contextlib.suppress(FileNotFoundError):
@@ -267,6 +278,8 @@ class MemorySlots:
                           "(mount a larger /dev/shm or set checkpoint.memory_dir)")
         _log.warning("rank %d: %s", self.rank, self.fell_back)
         with contextlib.suppress(OSError):
+            os.unlink(os.path.join(self.dir, self._marker()))  # its slots are written on disk from now on
+        with contextlib.suppress(OSError):
             os.rmdir(self.dir)  # nothing of ours is left in the small filesystem
         self.root = self.fallback
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
@@ -288,7 +301,7 @@ class MemorySlots:
         return os.path.join(self.dir, name)
 
     def _marker(self) -> str:
-        return f"machine-r{self.rank:05d}"
+        return f"machine-r{self.rank:05d}"  # matches _MARKER
 
     def _read_marker(self) -> str:
         for d in self._dirs():
@@ -299,10 +312,13 @@ class MemorySlots:
 
     def write_own(self, snap: dict[str, Any]) -> str:
         path = os.path.join(self.dir, self._name("own", self.rank, int(snap["step"])))
-        if not self._marked and self.machine:  # once per process: the machine this rank's slots are written on
-            atomic_write(os.path.join(self.dir, self._marker()), self.machine.encode("ascii"))
-            self._marked, self.written_on = True, self.machine
         atomic_save(path, snap)
+        if not self._marked and self.machine:  # once per process, after its first slot: where they are written
+            try:
+                atomic_write(os.path.join(self.dir, self._marker()), self.machine.encode("ascii"))
+                self._marked, self.written_on = True, self.machine
+            except OSError as exc:  # the slot is good; a restart elsewhere may then not know it moved
+                _log.warning("rank %d: could not write %s beside its snapshot: %s", self.rank, self._marker(), exc)
         self._drop_older("own", self.rank, path)
         return path
 

@@ -8,13 +8,12 @@
    replicas kept for partners) and votes on ``latest``: the newest step for
    which every rank's snapshot exists somewhere; votes on ``verified`` in the
    durable store (the newest generation every rank holds intact);
-3. without a recorded decision, decides now: ``machine_unreachable`` when some
-   rank's own snapshot is gone (its machine was replaced), else ``other`` with
-   the emergency sweep: the latest state is restored and every layer is
-   replayed on the newest saved calls across peers, and every expert on every
-   shape of the MoE shape catalog (``extra_sweeps``); latest only if clean (a
-   dirty sweep puts the state back as it was before it). A recorded straggler
-   stop is decided again the same way: slowness says nothing about whether an
+3. without a recorded decision, decides now: ``machine_unreachable`` when some rank's own snapshot
+   is gone (its machine was replaced) or another machine wrote it (its boot id differs), else
+   ``other`` with the emergency sweep: the latest state is restored and every layer is replayed on
+   the newest saved calls across peers, and every expert on every shape of the MoE shape catalog
+   (``extra_sweeps``); latest only if clean (a dirty sweep puts the state back as it was before it).
+   A recorded straggler stop is decided again the same way: slowness says nothing about whether an
    SDC no check has reached yet sits in the latest state;
 4. loads the chosen generation: from memory where every rank can get it (a rank
    whose machine was lost receives its shard from the partner keeping its

@@ -38,12 +38,21 @@ from scout_core.checkpoint.store import fsync_dir
 from scout_core.config import CheckpointConfig
 from scout_torchtitan.config import ScoutSection
 
-__all__ = ["SET_ASIDE", "ScoutCheckpointManager", "with_scout_checkpointer"]
+__all__ = ["SET_ASIDE", "ScoutCheckpointManager", "evidence_of_sdc", "with_scout_checkpointer"]
 
 SET_ASIDE = "scout-set-aside"
 """Where a restart moves the step folders newer than the one it loads (inside TorchTitan's checkpoint folder)."""
 
 log = logging.getLogger("scout_torchtitan")
+
+
+def evidence_of_sdc(decision: dict[str, Any] | None) -> bool:
+    """SCOUT's restart found SDC in its own latest snapshot (its sweep was dirty), or the job stopped on SDC:
+    TorchTitan's newer checkpoints hold the same suspect state, so only a verified one may load. A lost machine or
+    a sweep that could not run is no evidence either way: the labels' own policy holds (the newest verified, else
+    the newest not rejected, which the reason calls unproven)."""
+    decision = decision or {}
+    return decision.get("sweep_clean") is False or decision.get("failure") == "sdc"
 
 
 class ScoutCheckpointManager(CheckpointManager):
@@ -104,12 +113,8 @@ class ScoutCheckpointManager(CheckpointManager):
         restored = result.step
         # A TorchTitan checkpoint may replace SCOUT's restored snapshot only if it is verified: SCOUT's restore is
         # certified, or swept clean, while an unverified TorchTitan checkpoint is neither. Nor may an unverified
-        # one be loaded when SCOUT's restart found its own latest state dirty, could not sweep it, or lost a
-        # machine: TorchTitan's newest holds the same suspect state.
-        decision = result.decision or {}
-        suspect = (decision.get("sweep_clean") is False or bool(decision.get("sweep_failed"))
-                   or decision.get("failure") in ("sdc", "machine_unreachable"))
-        self._failure = "sdc" if restored is not None or suspect else None
+        # one be loaded when SCOUT has evidence against the newest state (see evidence_of_sdc).
+        self._failure = "sdc" if restored is not None or evidence_of_sdc(result.decision) else None
         if restored is not None:
             self.trainer.step = restored  # the Trainer's count (the data loader and LR schedulers came back with
             # the snapshot's caller state)

@@ -9,7 +9,7 @@ import pytest
 
 from scout_core.checkpoint.certify import BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.durable import FrameworkCheckpoints
-from scout_torchtitan.checkpointer import SET_ASIDE, ScoutCheckpointManager
+from scout_torchtitan.checkpointer import SET_ASIDE, ScoutCheckpointManager, evidence_of_sdc
 
 
 class _Manager:
@@ -150,6 +150,18 @@ def test_when_scouts_sweep_found_its_latest_dirty_no_unverified_torchtitan_check
     m = _job(tmp_path / "swept", sdc_at=None, steps=3)
     m.labels.entries = {s: {**e, "label": "candidate"} for s, e in m.labels.entries.items()}
     m.labels.stopped_for = "straggler"
-    m._failure = "sdc"  # what load() sets when SCOUT's decision says sweep_clean False
+    m._failure = "sdc" if evidence_of_sdc({"failure": "straggler", "sweep_clean": False}) else None  # as load()
     plan = m._plan(-1)
     assert plan["load"] == -1 and _left(tmp_path / "swept") == []
+
+
+def test_only_evidence_of_sdc_keeps_unverified_torchtitan_checkpoints_out():
+    """A dirty sweep or an SDC stop is evidence against the newest state; a lost machine (a drained straggler's,
+    a rebooted node's) or a sweep that could not run is not: the labels' own policy holds."""
+    assert evidence_of_sdc({"failure": "straggler", "sweep_clean": False})
+    assert evidence_of_sdc({"failure": "other", "sweep_clean": False})
+    assert evidence_of_sdc({"failure": "sdc", "sweep_clean": None})
+    assert not evidence_of_sdc({"failure": "machine_unreachable", "sweep_clean": None})
+    assert not evidence_of_sdc({"failure": "other", "sweep_clean": None, "sweep_failed": True})
+    assert not evidence_of_sdc({"failure": "straggler", "sweep_clean": True})
+    assert not evidence_of_sdc({}) and not evidence_of_sdc(None)
