@@ -222,3 +222,38 @@ def test_the_finite_check_leaves_out_what_it_cannot_test_and_chunks_large_tensor
     monkeypatch.setattr(finite, "_finite", lambda t, nan_only=False: (_ for _ in ()).throw(RuntimeError("x")))
     with pytest.raises(RuntimeError):
         finite.state_is_finite([big])
+
+
+def test_the_finite_check_reads_a_module_whose_wrapper_shadows_buffers():
+    """Megatron's DistributedDataParallel keeps a list named ``buffers``: the check uses nn.Module's own methods."""
+    import torch
+
+    from scout_core.checkpoint.finite import state_is_finite
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+            self.buffers = [object()]  # shadows nn.Module.buffers, as Megatron's DDP does
+            self.parameters = [object()]
+
+    w = Wrapper()
+    assert state_is_finite([w])
+    with torch.no_grad():
+        w.module.weight[0, 0] = float("nan")
+    assert not state_is_finite([w])
+
+
+def test_the_finite_check_leaves_out_an_optimizer_without_a_state_mapping():
+    import torch
+
+    from scout_core.checkpoint.finite import state_is_finite
+
+    class Odd:
+        @property
+        def state(self):
+            raise AttributeError("no state here")
+
+    skipped: list[str] = []
+    assert state_is_finite([torch.nn.Linear(2, 2)], [Odd()], skipped=skipped)
+    assert skipped and "Odd" in skipped[0]

@@ -58,10 +58,16 @@ def state_is_finite(modules: Iterable[torch.nn.Module], optimizers: Iterable[tor
     subclass without an ``isfinite`` kernel) is left out and named in ``skipped``: one odd tensor must not stop
     every capture for the rest of the run."""
     modules = list(modules)
-    flags = [_finite(t) for m in modules for t in _floating(m.parameters())]
-    others = [(t, True, "buffer") for m in modules for t in _floating(m.buffers())]
-    others += [(t, False, f"optimizer state {k!r}") for o in optimizers for st in o.state.values()
-               for k, x in st.items() for t in _floating([x])]
+    # nn.Module's own methods, unbound: a wrapper may shadow them (Megatron's DDP keeps a list named ``buffers``).
+    flags = [_finite(t) for m in modules for t in _floating(torch.nn.Module.parameters(m))]
+    others = [(t, True, "buffer") for m in modules for t in _floating(torch.nn.Module.buffers(m))]
+    for o in optimizers:
+        try:  # a framework's optimizer wrapper may not hold a torch optimizer's ``state`` mapping
+            others += [(t, False, f"optimizer state {k!r}") for st in o.state.values() if isinstance(st, dict)
+                       for k, x in st.items() for t in _floating([x])]
+        except Exception as exc:  # noqa: BLE001 - left out and said so, the rest is still checked
+            if skipped is not None:
+                skipped.append(f"the state of {type(o).__name__} ({type(exc).__name__}: {exc})")
     for t, nan_only, what in others:
         try:
             flags.append(_finite(t, nan_only=nan_only))
