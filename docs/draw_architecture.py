@@ -26,6 +26,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "topology, groups": ("topology", "groups"),
     "C3 consensus": ("consensus", "consensus_rules", "confirmation"),
     "signatures": ("signature",),
+    "plain-data wire": ("wire",),
     "hang path (progress/)": ("progress",),
     "replay/": ("replay",),
     "moe/": ("moe",),

@@ -9,9 +9,9 @@ call is split into
 
 * ``tensors``: the tensor leaves in a fixed depth-first order, and
 * ``spec``: a nested structure of plain Python values with :class:`Slot`
-  markers where tensors were. The spec pickles (it travels through an object
-  broadcast), and because tensor positions are explicit markers, a ``None``
-  argument can never be confused with a tensor.
+  markers where tensors were. Because tensor positions are explicit markers, a
+  ``None`` argument can never be confused with a tensor. A spec travels, and is
+  saved, as plain data (:mod:`scout_core.replay.spec_codec`), never as a pickle.
 
 Dataclasses are rebuilt without calling ``__init__`` (``init=False`` fields and
 ``__post_init__`` side effects stay as they were); named tuples and dict
@@ -192,7 +192,7 @@ def rebuild(spec: Any, tensors: list[Any], leaf: Callable[[Any], Any] | None = N
         kind, items = spec[1], [rebuild(s, tensors, leaf) for s in spec[2]]
         return kind(items) if kind in (list, tuple) else _make_seq(kind, items)
     if tag == _NT:
-        return spec[1](*[rebuild(s, tensors, leaf) for s in spec[2]])
+        return tuple.__new__(spec[1], [rebuild(s, tensors, leaf) for s in spec[2]])  # no user __new__ runs
     if tag == _MAP:
         kind, items = spec[1], [(k, rebuild(s, tensors, leaf)) for k, s in spec[2]]
         return dict(items) if kind is dict else _make_map(kind, items)
@@ -258,30 +258,3 @@ def _make_map(kind: type, items: list[tuple[Any, Any]]) -> Any:
         return obj
     except TypeError:
         return dict(items)
-
-
-# -- persistence (the emergency sweep replays the newest calls after a restart) -------------------
-
-class _SpecUnpickler(__import__("pickle").Unpickler):
-    """Resolves only classes of modules this process already imported: a spec names model classes,
-    never code to import."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import sys
-
-        if module not in sys.modules:
-            raise __import__("pickle").UnpicklingError(f"call spec names {module}.{name}, which is not imported")
-        return super().find_class(module, name)
-
-
-def spec_to_tensor(spec: Any) -> torch.Tensor:
-    """A spec as bytes in a uint8 tensor (storable with ``weights_only`` loading)."""
-    import pickle
-
-    return torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
-
-
-def spec_from_tensor(data: torch.Tensor) -> Any:
-    import io
-
-    return _SpecUnpickler(io.BytesIO(data.numpy().tobytes())).load()

@@ -30,6 +30,7 @@ from scout_core.replay.recipe import OptimizerRecipe, RecipeRunner, peers_hold_e
 from scout_core.replay.result import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult
 from scout_core.replay.rng import RngProvider
 from scout_core.replay.schedule import DueCheck, Schedule
+from scout_core.replay.spec_codec import allow_call_packages
 from scout_core.replay.sweep import EmergencySweep
 from scout_core.replay.timing import CommTiming
 from scout_core.replay.trust import Trust
@@ -88,6 +89,11 @@ class ReplayEngine:
         self.schedule = Schedule(config, self.captures, n_hidden=n_hidden, extra=self.extra,
                                  n_peers=len(self.peers), health=self.health)
         self.trust = Trust()
+        # The packages of the checked layers' classes are the model's code: a replayed call may name their
+        # types and functions (a dataclass of arguments, a mask function), and nothing outside them.
+        allow_call_packages(*{c.__module__.split(".")[0] for layer in (*self.layers, boundary_owner, *owners)
+                              if layer is not None for m in layer.modules() for c in type(m).__mro__
+                              if c.__module__ not in ("builtins", "abc")})
         self.recipes = RecipeRunner(
             self.layers, self.names, self.captures, config, n_hidden, boundary_owner, owners, dict(rng_providers or {}),
             compare_param_state=compare_param_state, compare_param_grads=compare_param_grads,

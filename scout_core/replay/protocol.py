@@ -8,7 +8,6 @@ rank makes every rank skip the rest of the check together, so no peer is left wa
 from __future__ import annotations
 
 import contextlib
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -25,8 +24,10 @@ from scout_core.replay.layer import ShippedCall, broadcast_call, call_meta, devi
 from scout_core.replay.recipe import RecipeRunner, Replayed
 from scout_core.replay.result import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult
 from scout_core.replay.scratch import Scratch
+from scout_core.replay.spec_codec import decode_metadata, encode_metadata
 from scout_core.report import Reporter
 from scout_core.signature import sign_many
+from scout_core.wire import broadcast_bytes
 
 __all__ = ["DIAGNOSIS_ERROR", "CheckProtocol"]
 
@@ -127,15 +128,15 @@ class CheckProtocol:
         guard = self.guard
         captured = guard.run("capture", lambda: {idx: self.recipes.captures[idx].take() for _, idx in due}) or {}
         payload = None
-        if self.rank == src:  # pickled here, so an unpicklable argument is a local failure, not a hang
-            payload = guard.run("call metadata", lambda: pickle.dumps(
+        if self.rank == src:  # encoded here, so an argument that is not plain data is a local failure, not a hang
+            payload = guard.run("call metadata", lambda: encode_metadata(
                 {idx: None if captured.get(idx) is None else call_meta(captured[idx], self.recipes.rng_providers)
                  for _, idx in due}))
         if not guard.agree(step):
             return None
-        box = [payload]
-        dist.broadcast_object_list(box, src=src, group=self.groups.peer_control)
-        return captured, guard.run("call metadata", lambda: pickle.loads(box[0])) or {}
+        raw = broadcast_bytes(payload if self.rank == src else b"", src, self.groups.peer_control,
+                              what="call metadata")
+        return captured, guard.run("call metadata", lambda: decode_metadata(raw, src)) or {}
 
     def _reserve_scratch(self, due: Sequence[tuple[str, int]], calls: dict[int, ShippedCall]) -> dict[int, Scratch]:
         """Everything the collectives below allocate, allocated now: an out-of-memory error inside a

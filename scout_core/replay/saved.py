@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from scout_core.replay.calls import spec_from_tensor, spec_to_tensor
 from scout_core.replay.layer import ShippedCall
+from scout_core.replay.spec_codec import spec_from_tensor, spec_to_tensor
 
 __all__ = ["call_from_dict", "call_to_dict", "to_device"]
 

@@ -23,6 +23,7 @@ from scout_core.replay.scratch import module_compute_device
 from scout_core.replay.trust import Trust
 from scout_core.replay.verdicts import VerdictContext, peer_writer, sdc_verdicts
 from scout_core.report import Incident
+from scout_core.wire import WireError
 
 __all__ = ["EmergencySweep"]
 
@@ -38,16 +39,28 @@ class EmergencySweep:
         self.extra = extra  # boundary recipe -> its layer index
         self.calls: dict[str, tuple[ShippedCall, int]] = {}
         """The newest replayed call per recipe (identical on every peer): the sweep's inputs."""
+        self.unreadable: str | None = None
+        """Why a restored snapshot's saved call could not be read (the sweep then fails on every rank)."""
 
     def saved_calls(self) -> dict[str, Any]:
         """The calls as a snapshot stores them (weights-only safe)."""
         return {recipe: call_to_dict(call, idx) for recipe, (call, idx) in self.calls.items()}
 
     def load_calls(self, saved: Mapping[str, Any]) -> None:
-        self.calls = {r: call_from_dict(d) for r, d in saved.items()}
+        """The restored snapshot's calls. One that does not read as SCOUT data (tampered, truncated, or pickled
+        by an older release) is left out and named: the sweep then fails on every rank together, so the
+        latest state is not proven clean, and nothing in it runs."""
+        self.calls, self.unreadable = {}, None
+        for recipe, d in saved.items():
+            try:
+                self.calls[recipe] = call_from_dict(d)
+            except (WireError, KeyError, TypeError, ValueError, AttributeError) as e:
+                self.unreadable = f"the saved call of {recipe} cannot be read: {e}"
 
     def _work(self) -> list[tuple[int, ShippedCall]]:
         """Every layer with a saved call of its kind: each repeated layer on its class's call, embedding, head."""
+        if self.unreadable is not None:
+            raise ValueError(self.unreadable)
         layers, work = self.recipes.layers, []
         for recipe, (call, idx) in sorted(self.calls.items()):
             if recipe.startswith("hidden"):
