@@ -26,7 +26,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "topology, groups": ("topology", "groups"),
     "C3 consensus": ("consensus", "consensus_rules", "confirmation"),
     "signatures": ("signature",),
-    "plain-data wire": ("wire",),
+    "wire, private folders": ("wire", "private_dir"),
     "hang path (progress/)": ("progress",),
     "replay/": ("replay",),
     "moe/": ("moe",),

@@ -9,10 +9,12 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "enable", "enable_with", "FrameworkAdapter", "ScoutHandle", "ScoutStop"]
+__all__ = ["__version__", "allow_call_packages", "enable", "enable_with", "FrameworkAdapter", "ScoutHandle",
+           "ScoutStop"]
 
 _LAZY = {"enable": "scout_core.runtime", "enable_with": "scout_core.runtime", "ScoutHandle": "scout_core.handle",
-         "FrameworkAdapter": "scout_core.adapter", "ScoutStop": "scout_core.actions"}
+         "FrameworkAdapter": "scout_core.adapter", "ScoutStop": "scout_core.actions",
+         "allow_call_packages": "scout_core.replay.spec_codec"}
 
 
 def __getattr__(name: str) -> Any:

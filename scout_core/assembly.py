@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scout_core.actions import hang_action
 from scout_core.boundary import StepBoundary
@@ -44,6 +43,7 @@ from scout_core.replay.engine import ReplayEngine
 from scout_core.replay.layer import device_of
 from scout_core.replay.scratch import fsdp_owners
 from scout_core.report import Incident, LoggingSink
+from scout_core.wire import all_gather_data
 
 __all__ = ["build_checkpoint", "build_experts", "build_labels", "build_replay", "build_snapshots",
            "install_step_hooks", "new_certifier", "new_handle", "register_live_keys", "start_observer"]
@@ -150,8 +150,7 @@ def _load_catalog(parts: ScoutParts, path: str, moe: Any) -> Catalog:
                               local_experts=len(moe.local_experts(moe.layers[0])), ep_size=ep)
     except Exception as exc:  # noqa: BLE001 - any rank's failure, malformed files included, is everyone's
         error = f"{type(exc).__name__}: {exc}"
-    errors: list[Any] = [None] * parts.world_size
-    dist.all_gather_object(errors, error, group=parts.groups.world_control)
+    errors = all_gather_data(error, parts.groups.world_control, what="MoE catalog check")
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         raise ValueError(f"replay.moe_catalog {path} cannot be used on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")

@@ -26,6 +26,7 @@ from scout_core.parts import ScoutParts
 from scout_core.progress.record import Phase
 from scout_core.replay.engine import BoundaryResult
 from scout_core.report import Incident, IncidentKind, IncidentScope
+from scout_core.wire import all_gather_data
 
 __all__ = ["StepBoundary"]
 
@@ -167,13 +168,12 @@ class StepBoundary:
         Each peer group's lowest rank contributes its group's verdicts, and each expert-peer group's lowest rank
         its expert verdicts (an expert SDC is known only inside the expert's replicas)."""
         p = self.parts
-        everyone: list[Any] = [None] * p.world_size
         expert_ids = {id(i) for i in expert or []}
         dense = [i for i in verdicts if id(i) not in expert_ids]
         mine = [verdict_summary(i) for i in dense] if p.rank == min(p.groups.peer_ranks) else []
         if expert and p.experts is not None and p.rank == min(p.experts.peers):
             mine += [verdict_summary(i) for i in expert]
-        dist.all_gather_object(everyone, mine, group=p.groups.world_control)
+        everyone = all_gather_data(mine, p.groups.world_control, what="verdict summaries")
         summaries = list({(v["kind"], v["scope"], tuple(v["ranks"]), v["step"]): v
                           for vs in everyone for v in vs}.values())
         failure = FailureKind.SDC if (job.sdc or job.inconclusive or job.nonfinite) else FailureKind.STRAGGLER

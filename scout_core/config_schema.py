@@ -139,6 +139,11 @@ class ReplayConfig:
     whose runs differ is reported ``inconclusive`` (nondeterministic), never SDC, and from then on every
     check is vetted. The expert recipe does the same per recipe cycle (the first cycle, then every this many
     cycles). 0: never (trust ``deterministic``)."""
+    call_packages: list[str] = field(default_factory=list)
+    """Top-level packages (besides torch and the packages of the checked layers' classes) whose types and
+    functions a replayed call may name: where your model's argument dataclasses or mask functions live when that
+    is not the layers' own package. A call naming anything else is not shipped (its check is skipped with a
+    record); nothing a peer or a snapshot names outside these is ever looked up (docs/security.md)."""
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ from scout_core.consensus_rules import (
     group_disagreements,
     statistical,
 )
+from scout_core.wire import all_gather_data
 
 __all__ = [
     "C3Status",
@@ -65,10 +66,9 @@ def c3_exchange(
     if len(names) != k:
         raise ValueError(f"{len(names)} surface names for {k} pieces of evidence")
     world = dist.get_world_size(group)
-    gathered: list[Any] = [None] * world
-    # One object all-gather carries every surface; shape checks happen after so
+    # One all-gather carries every surface; shape checks happen after so
     # a peer with a different K is reported instead of deadlocking the group.
-    dist.all_gather_object(gathered, (names, local), group=group)
+    gathered = all_gather_data((names, local), group, what="evidence exchange")
     peer_ranks = _group_ranks(group, world)
     for peer, (peer_names, peer_local) in zip(peer_ranks, gathered):
         if list(peer_names) != names or len(peer_local) != k:

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from scout_core.private_dir import UnsafeFolderError, private_dir
+
 __all__ = ["LIVE_KEYS", "ControlError", "RunControl", "check_live", "control_root", "safe_run_id", "send_command",
            "wait_applied"]
 
@@ -170,15 +172,15 @@ class RunControl:
     def _make_folder(self, run_id: str) -> None:
         """The folder, owner-only, made fresh (a restart under the same run id starts clean: commands left for
         the previous job are not this one's); nothing in it is followed through a link."""
-        root = self.folder.parent
-        root.mkdir(parents=True, exist_ok=True)
-        if self.folder.is_symlink():
-            raise ControlError(f"{self.folder} is a symbolic link: refusing to use it as a control folder")
+        try:  # the root first: once it is this user's and owner-only, nobody else can swap the folder below
+            private_dir(str(self.folder.parent), "control.directory")
+            if os.path.lexists(self.folder):
+                private_dir(str(self.folder), "control.directory")  # a link or another user's folder: refused
+        except UnsafeFolderError as e:
+            raise ControlError(str(e)) from None
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(mode=0o700)
         (self.folder / "commands").mkdir(mode=0o700)
-        if os.lstat(self.folder).st_uid != os.getuid():
-            raise ControlError(f"{self.folder} is not this user's")
         self._secret = secrets.token_hex(16)
         fd = os.open(self.folder / "secret", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -196,6 +198,8 @@ class RunControl:
         import torch
         import torch.distributed as dist
 
+        from scout_core.wire import broadcast_data
+
         pending: list[dict[str, Any]] = []
         if self.rank == 0:
             try:  # rank 0 alone reads the folder: nothing it finds there may keep it from the broadcast
@@ -206,9 +210,7 @@ class RunControl:
         dist.broadcast(count, src=0, group=self.world_control)
         if int(count.item()) == 0:
             return []
-        box: list[Any] = [pending]
-        dist.broadcast_object_list(box, src=0, group=self.world_control)
-        return list(box[0])
+        return list(broadcast_data(pending, 0, self.world_control, what="control commands"))
 
     def _read(self) -> list[dict[str, Any]]:
         out = []

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scout_core.checkpoint.vetted_state import vet_serialized
+
 __all__ = ["capture_extra_states", "extra_state_modules", "extra_state_tensors", "restore_extra_states"]
 
 _KIND = "__scout_extra_kind__"
@@ -72,7 +74,21 @@ def restore_extra_states(root: nn.Module, saved: dict[str, Any]) -> None:
         raise ValueError(f"extra state differs from the model's modules: {sorted(set(live) ^ set(saved))[:5]}")
     for name, value in saved.items():
         # A fresh object each time: set_extra_state may keep what it is given, and the saved copy must stay intact.
-        live[name].set_extra_state(_original(_storable(value) if isinstance(value, torch.Tensor) else value))
+        original = _original(_storable(value) if isinstance(value, torch.Tensor) else value)
+        raw = _raw_bytes(original)
+        if raw is not None:  # the module may unpickle it (Transformer Engine does): data only
+            vet_serialized(raw, f"saved extra state of module {name or '(root)'}")
+        live[name].set_extra_state(original)
+
+
+def _raw_bytes(value: Any) -> bytes | None:
+    if isinstance(value, io.BytesIO):
+        return value.getvalue()
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
+        return value.numpy().tobytes()
+    return None
 
 
 def extra_state_tensors(saved: dict[str, Any]) -> list[torch.Tensor]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from scout_core.wire import all_gather_data
+
 __all__ = ["ScoutGroups", "build_groups", "gathered_groups", "local_groups"]
 
 
@@ -46,8 +48,7 @@ def gathered_groups(group: Any) -> list[list[int]]:
     """Every rank's ``group`` of the job's own layout (a framework's data- or expert-parallel group), each sorted,
     ordered by their lowest rank: the partition a plugin hands SCOUT as peer groups. One gather; every rank calls
     it. torch orders a group's ranks by global rank, so an EP group's sorted ranks are its EP positions in order."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(dist.get_process_group_ranks(group)))
+    everyone = all_gather_data(sorted(dist.get_process_group_ranks(group)), what="group layout")
     return [list(g) for g in sorted({tuple(g) for g in everyone}, key=lambda g: min(g))]
 
 

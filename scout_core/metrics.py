@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from scout_core.config import PrometheusConfig
+from scout_core.private_dir import shared_dir
 from scout_core.report import Incident, IncidentKind, IncidentScope
 
 __all__ = ["JOB_ID_ENV", "LOCAL_RANK_ENV", "ScoutMetrics", "job_name", "local_rank", "start_metrics"]
@@ -216,7 +217,7 @@ class ScoutMetrics:
         """Rewrite this rank's textfile atomically (node exporter reads whole files only)."""
         from prometheus_client import write_to_textfile
 
-        os.makedirs(self.cfg.textfile_dir, exist_ok=True)
+        shared_dir(self.cfg.textfile_dir, "report.prometheus.textfile_dir")
         write_to_textfile(self.textfile_path, self.registry)
 
     def serve(self, port: int) -> None:
@@ -275,7 +276,7 @@ def start_metrics(cfg: PrometheusConfig, *, rank: int) -> ScoutMetrics | None:
     metrics = ScoutMetrics(cfg, rank=rank)
     if textfile_dir:
         try:  # an unwritable directory fails here, at enable(), not silently at every boundary
-            os.makedirs(textfile_dir, exist_ok=True)
+            shared_dir(textfile_dir, "report.prometheus.textfile_dir")
             with tempfile.NamedTemporaryFile(dir=textfile_dir, prefix=".scout-probe-"):
                 pass
         except OSError as exc:

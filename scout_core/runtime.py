@@ -57,6 +57,7 @@ from scout_core.replay.rng import RngProvider
 from scout_core.report import Incident, JsonlSink, LoggingSink, Reporter
 from scout_core.topology import peer_groups as peer_groups_of_shape
 from scout_core.topology import peer_groups_from_mesh
+from scout_core.wire import all_gather_data
 
 __all__ = ["ScoutHandle", "enable", "enable_with", "HOSTNAME_ENV"]
 
@@ -212,8 +213,7 @@ def _join_job(adapter: FrameworkAdapter, cfg: ScoutConfig,
                 "device": str(device_of(adapter.chunks[0])), "run_id": run_id_mine,
                 "control": plane.to_dict() if plane else None, "control_error": plane_error,
                 "launch": uuid.uuid4().hex[:8], "start_error": start_error, "control_folder_error": control_error}
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=groups.world_control)
+        everyone = all_gather_data(mine, groups.world_control, what="start-up exchange")
         if everyone[0]["control_error"]:
             raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")
         if everyone[0]["control_folder_error"]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from typing import Any
 
 import torch
@@ -74,7 +75,9 @@ def encode(value: Any) -> bytes:
     return data
 
 
-_DTYPES = {_dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+# Whole-byte dtypes only: sub-byte, bit and quantized ones cannot be rebuilt from bytes by a view.
+_DTYPES = {_dtype_name(d): d for d in vars(torch).values() if isinstance(d, torch.dtype) and not d.is_complex
+           and d.itemsize >= 1 and not re.fullmatch(r"u?int[1-7]|bits.*|q.*", _dtype_name(d))}
 
 
 def _tagged(obj: dict[str, Any], depth: int, where: str) -> Any:
@@ -97,9 +100,10 @@ def _tagged(obj: dict[str, Any], depth: int, where: str) -> Any:
         return float(body)
     if tag == "$b" and isinstance(body, str):
         return _b64(body, where)
-    if tag == "$dtype" and body in _DTYPES:
+    if tag == "$dtype" and isinstance(body, str) and body in _DTYPES:
         return _DTYPES[body]
-    if tag == "$tensor" and isinstance(body, list) and len(body) == 3 and body[0] in _DTYPES:
+    if tag == "$tensor" and isinstance(body, list) and len(body) == 3 and isinstance(body[0], str) \
+            and body[0] in _DTYPES and isinstance(body[2], str):
         dtype, shape, raw = _DTYPES[body[0]], body[1], _b64(body[2], where)
         if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                                 for n in shape)):
@@ -134,21 +138,26 @@ def decode(data: bytes | bytearray | memoryview, *, where: str = "payload") -> A
         raise WireError(f"{where}: {len(data)} bytes is more than the {MAX_WIRE_BYTES} a payload may hold")
     try:
         parsed = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or a number too long to read
         raise WireError(f"{where}: not SCOUT data ({e})") from None
     except RecursionError:
         raise WireError(f"{where}: nested too deeply") from None
-    return _from_json(parsed, 0, where)
+    try:
+        return _from_json(parsed, 0, where)
+    except WireError:
+        raise
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, OverflowError, RecursionError) as e:
+        raise WireError(f"{where}: not SCOUT data ({type(e).__name__}: {e})") from None
 
 
 # -- collectives -----------------------------------------------------------------------------------
 
 def _device(group: Any) -> torch.device:
-    """Where the group's backend takes tensors: the current CUDA device for NCCL, the host otherwise."""
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the group's backend takes tensors: torch's own choice for its object collectives (the current
+    accelerator for NCCL and its kind, the host for gloo and mixed backends)."""
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    return torch.device(_get_object_coll_device(group))
 
 
 def _encoded(value: Any) -> tuple[bytes, str | None]:

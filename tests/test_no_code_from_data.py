@@ -107,6 +107,55 @@ def test_a_spec_naming_code_outside_the_declared_model_is_refused(node: Any) -> 
         spec_from_tensor(_spec_doc(node))
 
 
+@pytest.mark.parametrize("name", [
+    "torch:os.system",                       # a module torch imported, reached through torch's namespace
+    "torch.serialization:pickle.loads",
+    "torch:builtins.eval",
+    "torch:onnx.export",                     # torch's module __getattr__ would import torch.onnx
+    "torch:Tensor.__reduce_ex__",
+])
+def test_names_resolve_only_to_what_the_named_module_itself_defines(name: str) -> None:
+    with pytest.raises(NotShippable):
+        spec_from_tensor(_spec_doc({"val": {"fn": name}}))
+
+
+def _wrapped_fn_node(cmd: str) -> dict[str, Any]:
+    """A torch inner function whose closure calls ``fn(*inputs)``: with fn = os.system, a command."""
+    import torch.autograd.gradcheck  # noqa: F401 - imported, so only the rebuild rules stand in the way
+
+    line = vars(__import__("sys").modules["torch.autograd.gradcheck"])["_with_prepare_inputs"].__code__
+    inner = next(c for c in line.co_consts if getattr(c, "co_name", "") == "wrapped_fn")
+    # fn is torch.save, which names resolve to: only the rule on rebuilding torch's closures refuses this
+    cells = {"fast_mode": {"val": False}, "fn": {"val": {"fn": "torch.serialization:save"}}, "input_idx": {"val": 0},
+             "input_to_perturb": {"val": None}, "inputs": {"seq": "builtins:tuple", "items": [{"val": cmd}]}}
+    return {"function": "torch.autograd.gradcheck:_with_prepare_inputs.<locals>.wrapped_fn",
+            "line": inner.co_firstlineno, "defaults": {"val": None}, "kwdefaults": {"val": None},
+            "cells": [cells[n] for n in inner.co_freevars]}
+
+
+def test_a_block_mask_cannot_carry_a_torch_closure_that_runs_a_command(tmp_path: Path) -> None:
+    """The review's exploit: a BlockMask whose ``as_tuple`` (flex attention calls it) is shadowed by a torch
+    inner function closing over ``os.system``. Each of its three steps is refused on its own."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    marker = tmp_path / "ran"
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, None, 128, 128, device="cpu")
+    tensors, spec = flatten_call(mask)
+    node = encode_spec(spec)
+    for inner in (_wrapped_fn_node(str(marker)), {"val": {"fn": "torch:os.system"}}, {"val": 1}):
+        forged = {**node, "fields": [*node["fields"], ["as_tuple", inner]]}
+        with pytest.raises(NotShippable):
+            decode_spec(forged)                        # a field that shadows a method of the class
+        if inner != {"val": 1}:
+            with pytest.raises(NotShippable):
+                decode_spec(inner)                     # the closure, or the function by a borrowed name
+    cm = {"function": "torch.serialization:contextmanager.<locals>.helper", "line": 1,
+          "defaults": {"val": None}, "kwdefaults": {"val": None}, "cells": []}
+    with pytest.raises(NotShippable):
+        decode_spec(cm)                                # code of contextlib, reached through torch's namespace
+    assert decode_spec(node)[1] is type(mask) and not marker.exists()
+
+
 def test_a_dataclass_rebuild_sets_only_its_declared_fields() -> None:
     _, spec = flatten_call(Args(mask=None))
     data = encode_spec(spec)
@@ -155,13 +204,15 @@ def _exchanges(ctx: RankContext) -> Any:
         wire.all_gather_data(object() if ctx.rank == 2 else 1, what="test exchange")
     except wire.WireError as e:
         out["refused"] = str(e)
-    # A source announcing 2**40 bytes: refused from the length, before anything is allocated.
-    length = torch.tensor([1 << 40 if ctx.rank == 0 else 0], dtype=torch.int64)
-    dist.broadcast(length, src=0)
+    # A source announcing more than a payload may hold (the limit lowered here, as 2**40 bytes cannot be sent):
+    # every rank refuses from the length, before the payload buffer is allocated or anything else moves.
+    limit, wire.MAX_WIRE_BYTES = wire.MAX_WIRE_BYTES, 64
     try:
-        wire._lengths_or_raise([int(length)], [0], "huge", None)
+        wire.broadcast_bytes(b"x" * 100 if ctx.rank == 0 else None, 0, what="huge")
     except wire.WireError as e:
         out["huge"] = str(e)
+    finally:
+        wire.MAX_WIRE_BYTES = limit
     out["after"] = wire.all_gather_data(ctx.rank)  # the group still works: nobody hung
     dist.destroy_process_group()
     return out
@@ -173,3 +224,62 @@ def test_wire_collectives_agree_and_fail_together_on_three_ranks() -> None:
     for out in result.values():
         assert out["gather"] == [{"rank": r} for r in range(3)] and out["bcast"] == ("from", 1)
         assert "rank(s) [2]" in out["refused"] and "rank(s) [0]" in out["huge"] and out["after"] == [0, 1, 2]
+
+
+_UNSAFE = ("all_gather_object(", "broadcast_object_list(", "gather_object(", "scatter_object_list(",
+           "pickle.load", "Unpickler", "weights_only=False", "marshal.load", "yaml.load(")
+# Where a pickle is read on purpose, and why that is not data from outside this process.
+_EXEMPT = {
+    "scout_core/extra_state.py": "decodes the bytes this rank's own live module just handed out (Transformer "
+                                 "Engine's FP8 state), never bytes read from disk or a peer",
+    "scout_core/testing/launcher.py": "test machinery: a forked child's result sent to its own parent",
+    "scout_core/checkpoint/vetted_state.py": "a dry-run unpickler that knows only tensors, dtypes and containers, "
+                                             "checking saved module state before the module unpickles it",
+}
+
+
+def test_no_production_module_reads_a_pickle() -> None:
+    """A static scan, like test_layout: every object collective and unpickling call is gone from the product,
+    apart from the two named exemptions (docs/security.md explains them)."""
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for path in [*root.glob("scout_core/**/*.py"), *root.glob("plugins/*/scout_*/**/*.py")]:
+        rel = path.relative_to(root).as_posix()
+        if rel in _EXEMPT:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if any(u in code for u in _UNSAFE) and '"' not in code.split("(")[0]:
+                found.append(f"{rel}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+class _Fp8Like(torch.nn.Module):
+    """Keeps its state the way Transformer Engine >= 2 does: pickle.dumps of a dict in a uint8 tensor, unpickled
+    by set_extra_state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = {"scale_fwd": torch.ones(3), "extra_fp8_variables": {"num_gemms": 3}}
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(self.state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.state = pickle.loads(state.numpy().tobytes())
+
+
+def test_saved_module_state_is_vetted_before_the_module_unpickles_it(tmp_path: Path) -> None:
+    from scout_core.checkpoint.vetted_state import UnsafeState
+    from scout_core.extra_state import capture_extra_states, restore_extra_states
+
+    model = torch.nn.Sequential(_Fp8Like())
+    saved = capture_extra_states(model)
+    model[0].state = {}
+    restore_extra_states(model, saved)  # real FP8-like state: handed over as before
+    assert torch.equal(model[0].state["scale_fwd"], torch.ones(3))
+    marker = tmp_path / "ran"
+    planted = {"0": torch.frombuffer(bytearray(pickle.dumps({"x": _Reduce(f"touch {marker}")})), dtype=torch.uint8)}
+    with pytest.raises(UnsafeState, match="module 0"):
+        restore_extra_states(model, planted)
+    assert not marker.exists() and torch.equal(model[0].state["scale_fwd"], torch.ones(3))

@@ -36,6 +36,7 @@ from typing import Any
 
 from scout_core.checkpoint.certify import Action, Certifier, FailureKind
 from scout_core.checkpoint.store import fsync_dir
+from scout_core.wire import broadcast_data
 
 __all__ = ["LABELS_FILE", "SET_ASIDE", "FrameworkCheckpoints", "LoadChoice", "RejectedCheckpointError",
            "agreed_restart_plan", "point_tracker", "refuse_rejected", "rejected_message", "set_aside"]
@@ -79,9 +80,7 @@ def agreed_restart_plan(folder: str, plan: Callable[[], dict[str, Any] | None], 
             made = plan()
         except Exception as exc:  # noqa: BLE001 - reported below on every rank
             made = {"error": f"{type(exc).__name__}: {exc}", "fatal": stopped == "sdc"}
-    box = [made]
-    dist.broadcast_object_list(box, src=0)
-    made = box[0]
+    made = broadcast_data(made, 0, what="checkpoint plan")
     if made is not None and "error" in made:
         if made["fatal"]:
             raise RuntimeError(f"{who}: the job stopped on an SDC verdict and the restart point ({what}) cannot be "
@@ -129,9 +128,7 @@ def refuse_rejected(folder: str, named: Callable[[int, Mapping[str, Any]], bool]
     if not dist.is_initialized() or dist.get_rank() == 0:
         found = rejected_message(FrameworkCheckpoints(folder, writer=False), named, what, who=who)
     if dist.is_initialized():
-        box = [found]
-        dist.broadcast_object_list(box, src=0)
-        found = box[0]
+        found = broadcast_data(found, 0, what="checkpoint check")
     if found is None:
         return
     if allowed:

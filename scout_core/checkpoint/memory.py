@@ -1,6 +1,6 @@
 """In-memory snapshot slots: RAM-backed files, one folder per machine, that outlive the trainer.
 
-Layout (``ROOT`` is ``checkpoint.memory_dir``, default ``/dev/shm/scout-<job>``)::
+Layout (``ROOT`` is ``checkpoint.memory_dir``, default ``/dev/shm/scout-<uid>-<job>``)::
 
     ROOT/<host>/own-r00003-s000000040-w00016-j<id>.pt       rank 3's newest snapshot (step 40) of a 16-rank job
     ROOT/<host>/replica-r00011-s000000040-w00016-j<id>.pt   rank 11's snapshot, kept here by its partner
@@ -36,9 +36,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from scout_core.checkpoint.store import atomic_save, atomic_write, fsync_dir, remove_stale_temporaries
+from scout_core.private_dir import private_dir
+from scout_core.wire import broadcast_data
 
 __all__ = ["NONCE", "MemorySlots", "default_memory_root", "job_token", "partners", "read_nonce", "share_nonce",
            "write_nonce"]
@@ -58,7 +59,8 @@ def default_memory_root(directory: str, memory_dir: str = "") -> str:
     """Where a job's slots live: stable across restarts of the same job (keyed by its durable directory)."""
     base = memory_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     job = hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:12]
-    return os.path.join(base, f"scout-{job}")
+    # The user in the name: another user who made this job's folder first cannot keep it from starting.
+    return os.path.join(base, f"scout-{os.geteuid()}-{job}")
 
 
 def read_nonce(folder: str) -> str | None:
@@ -122,8 +124,7 @@ def share_nonce(folder: str, *, rank: int, group: Any, on_error: Callable[[BaseE
         except Exception as exc:  # noqa: BLE001 - every rank goes on with a nonce of this launch
             on_error(exc)
             box[0] = (uuid.uuid4().hex, made, False)
-    dist.broadcast_object_list(box, src=0, group=group)
-    nonce, made, kept = box[0]
+    nonce, made, kept = broadcast_data(box[0], 0, group, what="snapshot nonce")
     if rank != 0 and kept:
         try:
             write_nonce(folder, nonce)  # only where absent: a node-local folder
@@ -174,7 +175,7 @@ class MemorySlots:
         self.root = root
         self.fallback = fallback
         self.fell_back = ""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._make_dirs()
         self.machine = machine_identity()
         self.written_on = self._read_marker()  # the boot this rank's own slots were written on, before any write
         self._marked = False
@@ -282,7 +283,13 @@ class MemorySlots:
         with contextlib.suppress(OSError):
             os.rmdir(self.dir)  # nothing of ours is left in the small filesystem
         self.root = self.fallback
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._make_dirs()
+
+    def _make_dirs(self) -> None:
+        """The root and this machine's folder, owner-only and this user's (another user of the machine could
+        otherwise plant a slot that a restart restores)."""
+        private_dir(self.root, "checkpoint.memory_dir")
+        private_dir(self.dir, "checkpoint.memory_dir")
 
     def _held_bytes(self) -> int:
         return sum(os.path.getsize(os.path.join(self.dir, n)) for n in os.listdir(self.dir) if _SLOT.match(n))

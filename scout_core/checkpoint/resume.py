@@ -50,6 +50,7 @@ from scout_core.checkpoint.coordinator import CheckpointCoordinator, read_record
 from scout_core.checkpoint.fetch import exchange_replicas, load_shard, vote_latest
 from scout_core.checkpoint.store import DurableStore, agree_on_generation
 from scout_core.replay.guard import DiagnosisGuard
+from scout_core.wire import all_gather_data, broadcast_data
 
 __all__ = ["ResumeResult", "Restarter", "drop_newer", "vote_latest"]
 
@@ -149,9 +150,7 @@ class Restarter:
         self._memory_failed = self._sweep_failed = False  # an in-memory step failed; the sweep could not run
 
     def _broadcast(self, value: Any) -> Any:
-        box = [value if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        return broadcast_data(value if self.rank == 0 else None, 0, self.group, what="restore decision")
 
     def resume(self, failure: str | None = None) -> ResumeResult:
         self.guard.reset()
@@ -216,8 +215,8 @@ class Restarter:
                                if path and self.rank == 0 else None)
         held = guard.run("taking inventory of the in-memory snapshots",
                          lambda: (coord.memory.inventory(), coord.memory.foreign))
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, held or ({"own": None, "replicas": {}}, (0, "")), group=self.group)
+        gathered = all_gather_data(held or ({"own": None, "replicas": {}}, (0, "")), self.group,
+                                   what="snapshot inventories")
         inventories = [inv for inv, _ in gathered]
         foreign = sum(n for _, (n, _why) in gathered)
         whys = dict.fromkeys(why for _, (_n, why) in gathered if why)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from scout_core.wire import all_gather_data
+
 __all__ = ["DurableStore", "ROLES", "agree_on_generation", "atomic_save", "atomic_stream", "atomic_write",
            "remove_stale_temporaries"]
 
@@ -287,14 +289,11 @@ def agree_on_generation(store: DurableStore, role: str | None = None, group: Any
     Returns ``None`` when no generation is held by every rank. Every rank gets
     the same answer.
     """
-    import torch.distributed as dist
 
     mine = store.local_generations()
     if role is not None:
         mine = {g: r for g, r in mine.items() if r == role}
-    world = dist.get_world_size(group)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, sorted(mine), group=group)
+    everyone = all_gather_data(sorted(mine), group, what="snapshot generations")
     common = set(everyone[0])
     for gens in everyone[1:]:
         common &= set(gens)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from scout_core.consensus import C3Result, C3Status, StatisticalRule, c3_exchange
 from scout_core.signature import sign_many
 from scout_core.topology import GroupTiming, Localization, LocalizationStreak, localize_slow_groups
+from scout_core.wire import all_gather_data
 
 __all__ = ["AllToAllReplay", "TransferVerdict", "attribute_transfers"]
 
@@ -165,9 +166,8 @@ class AllToAllReplay:
         previous check's times (``None`` when nothing is slow or not yet confirmed). Local work runs under
         ``guard`` (the job-wide diagnosis guard); if it fails anywhere, every rank skips the exchange
         together."""
-        everyone: list[Any] = [None] * dist.get_world_size()
         mine = None if my_splits is None else [int(x) for x in my_splits]
-        dist.all_gather_object(everyone, (mine, self._times), group=self.world_control)
+        everyone = all_gather_data((mine, self._times), self.world_control, what="AllToAll splits")
         loc = self._localize([t for _, t in everyone]) if all(t is not None for _, t in everyone) else None
         owner = self.ep_groups[check % len(self.ep_groups)]
         built = guard.run("AllToAll plan", lambda: self._build(check, [everyone[r][0] for r in owner], owner))
@@ -194,8 +194,7 @@ class AllToAllReplay:
                               surfaces=[f"alltoall.plan{owner[0]}.from{i}" for i in range(len(out_splits))])
         mine = [(self.rank, self.my_ep[i]) for i, r in enumerate(results)
                 if r.status is C3Status.ATTRIBUTED and self.rank in r.outlier_ranks]
-        odd: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(odd, mine, group=self.world_control)
+        odd = all_gather_data(mine, self.world_control, what="AllToAll outliers")
         plan = [everyone[r][0] for r in owner]  # every EP group ran this plan: which transfers moved rows
         carried = {(g[j], g[i]) for g in self.ep_groups for i in range(len(g)) for j in range(len(g)) if plan[i][j]}
         return results, loc, attribute_transfers({tuple(t) for ts in odd for t in ts}, carried)
@@ -238,6 +237,5 @@ def _rows(check: int, src: int, dst: int, n: int, width: int) -> torch.Tensor:
 
 def _partition_of(mine: Sequence[int], control: Any) -> list[list[int]]:
     """Every group of a partition, from each rank's own (one world all-gather)."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine), group=control)
+    everyone = all_gather_data(sorted(mine), control, what="group memberships")
     return [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]

@@ -58,6 +58,7 @@ from scout_core.replay.vetting import (
     vet_due,
 )
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
+from scout_core.wire import broadcast_data
 
 __all__ = ["ExpertCheck", "ExpertReplay", "MoEBinding"]
 
@@ -204,9 +205,8 @@ class ExpertReplay:
             box[0] = guard.run("expert input", lambda: self._source_input(li, ei, reps[ri] if reps else None))
         if not guard.agree(step):
             return self._skip(result)
-        shape_box = [None if box[0] is None else (tuple(box[0].shape), str(box[0].dtype))]
-        dist.broadcast_object_list(shape_box, src=source, group=self.ctrl)
-        shape, dtype = shape_box[0]
+        shape, dtype = broadcast_data(None if box[0] is None else (tuple(box[0].shape), str(box[0].dtype)),
+                                      source, self.ctrl, what="expert input layout")
         x = guard.run("expert input buffer", lambda: box[0].to(device) if box[0] is not None else torch.empty(
             shape, dtype=getattr(torch, dtype.split(".")[-1]), device=device))
         if not guard.agree(step) or x is None:

@@ -226,11 +226,16 @@ def _local_code(module: str, qualname: str, line: int) -> types.CodeType:
     if key not in _CODES:
         if module not in sys.modules:
             raise ValueError(f"call spec names function {module}.{qualname}, whose module is not imported")
-        top: Any = sys.modules[module]
+        mod = sys.modules[module]
+        top: Any = mod
+        # Looked up in the module's and its classes' own namespaces: never a module's __getattr__ (which may
+        # import), never through a module it imported (torch's "os").
         for part in qualname.split(".<locals>.")[0].split("."):
-            top = getattr(top, part, None)
-        top = inspect.unwrap(getattr(top, "__func__", top)) if callable(top) else top
-        stack = [top.__code__] if hasattr(top, "__code__") else []
+            top = vars(top).get(part) if isinstance(top, (types.ModuleType, type)) and part.isidentifier() else None
+            top = getattr(top, "__func__", top)  # staticmethod, classmethod
+        top = inspect.unwrap(top) if isinstance(top, types.FunctionType) else None
+        here = getattr(mod, "__file__", None)
+        stack = [top.__code__] if top is not None and here and top.__code__.co_filename == here else []
         found = []
         while stack:
             code = stack.pop()

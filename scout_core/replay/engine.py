@@ -93,7 +93,7 @@ class ReplayEngine:
         # types and functions (a dataclass of arguments, a mask function), and nothing outside them.
         allow_call_packages(*{c.__module__.split(".")[0] for layer in (*self.layers, boundary_owner, *owners)
                               if layer is not None for m in layer.modules() for c in type(m).__mro__
-                              if c.__module__ not in ("builtins", "abc")})
+                              if c.__module__ not in ("builtins", "abc")}, *config.call_packages)
         self.recipes = RecipeRunner(
             self.layers, self.names, self.captures, config, n_hidden, boundary_owner, owners, dict(rng_providers or {}),
             compare_param_state=compare_param_state, compare_param_grads=compare_param_grads,

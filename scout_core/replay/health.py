@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from scout_core.report import Incident, IncidentKind, IncidentScope
+from scout_core.wire import all_gather_data
 
 __all__ = ["FAILURES_BEFORE_OFF", "SKIPS_BEFORE_RECORD", "RecipeHealth"]
 
@@ -67,8 +66,7 @@ class RecipeHealth:
     def failed(self, step: int, where: str | None, recipes: Sequence[str]) -> None:
         """Every rank skipped a check after a local failure (``where``: this rank's failed stage, if any)."""
         self._skips = 0
-        stages: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(stages, where, group=self.world_control)  # job-wide; a rare path
+        stages = all_gather_data(where, self.world_control, what="failed stages")  # job-wide; a rare path
         failed = sorted({w for w in stages if w})
         culprits = {r for r in map(self._recipe_of, failed) if r} & set(recipes)
         self._failures = {r: self._failures.get(r, 0) + 1 for r in culprits}

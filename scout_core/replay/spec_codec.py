@@ -8,11 +8,17 @@ receiver must never let it run code of the sender's choosing. Here a spec become
 
 * only in modules it imported itself (no import, no module ``__getattr__``: a name is looked up in the
   module's and classes' own ``__dict__``),
+* only what that module itself defines (its own namespace, then classes in it: never a module it imported,
+  so ``torch:os.system`` names nothing), checked by the object's own ``__module__`` and ``__qualname__``,
 * only inside the packages the job declared as its model's code: torch, the packages of the layers replay
-  checks (registered when the replay runtime starts), and what :func:`allow_call_packages` adds,
+  checks (registered when the replay runtime starts), ``replay.call_packages`` and what
+  :func:`allow_call_packages` adds (never the standard library),
 * only as the kind the spec says: a dataclass must be a dataclass (rebuilt field by field, by its declared
   field names, without ``__init__``), a named tuple a named tuple (``tuple.__new__``), a sequence or mapping one
-  of the builtin kinds or a subclass of them from the declared packages, an enum member a member of an enum.
+  of the builtin kinds or a subclass of them from the declared packages, an enum member a member of an enum,
+  a BlockMask only its data attributes (never a name its class defines, such as ``as_tuple``),
+* a closure only from code its module's file holds, of the model's packages or torch's FlexAttention masks
+  (torch's other inner functions would call whatever the sender put in their cells).
 
 Anything else in a spec (an object of another kind, a function outside those packages) raises
 :class:`NotShippable` where it is encoded: the check that carries it is skipped with a record, as before.
@@ -42,6 +48,9 @@ class NotShippable(WireError):
 
 
 _ALLOWED: set[str] = {"torch"}
+# Closures are rebuilt with the values the sender chose in their cells, so only code written to be handed
+# around as mask functions is rebuilt from torch (and_masks, or_masks); the model's own packages are the rest.
+_TORCH_CLOSURES = ("torch.nn.attention",)
 _BUILTIN_SEQS: dict[str, type] = {"builtins:list": list, "builtins:tuple": tuple, "torch:Size": torch.Size}
 _BUILTIN_MAPS: dict[str, type] = {"builtins:dict": dict, "collections:OrderedDict": collections.OrderedDict}
 
@@ -52,6 +61,8 @@ def allow_call_packages(*packages: str) -> None:
     for p in packages:
         if not p or "." in p or ":" in p:
             raise ValueError(f"{p!r} is not a top-level package name")
+        if p in sys.stdlib_module_names or p == "builtins":
+            continue  # the standard library is not model code (os, subprocess, functools)
         _ALLOWED.add(p)
 
 
@@ -65,7 +76,7 @@ def _name_of(obj: Any) -> str:
     name = f"{obj.__module__}:{obj.__qualname__}"
     if _resolve(name) is not obj:  # what the receiver would find under that name is something else
         raise NotShippable(f"{name} cannot be named: it is not found under that name, or not in the declared "
-                           f"packages ({', '.join(sorted(_ALLOWED))})")
+                           f"packages ({', '.join(sorted(_ALLOWED))}; scout_core.allow_call_packages adds one)")
     return name
 
 
@@ -81,7 +92,7 @@ def _leaf(value: Any) -> Any:
     if isinstance(value, type):
         return {"type": _name_of(value)}
     raise NotShippable(f"a call argument of type {type(value).__module__}.{type(value).__qualname__} is not "
-                       f"plain data")
+                       f"plain data, a dataclass or named tuple of the model's packages, or a tensor")
 
 
 def encode_spec(spec: Any) -> Any:
@@ -100,6 +111,7 @@ def encode_spec(spec: Any) -> Any:
     if tag == _FN:
         _, module, qualname, defaults, kwdefaults, cells, line = spec
         _check_module(module, qualname)
+        _check_closure(module, qualname)
         return {tag: f"{module}:{qualname}", "line": int(line), "defaults": encode_spec(defaults),
                 "kwdefaults": encode_spec(kwdefaults),
                 "cells": [{"empty": True} if c[0] == _EMPTY_CELL else encode_spec(c) for c in cells]}
@@ -118,6 +130,14 @@ def _check_module(module: str, what: str) -> types.ModuleType:
     return mod
 
 
+def _check_closure(module: str, qualname: str) -> None:
+    if ".<locals>." not in qualname:  # only closures travel by code; a module-level function goes by name
+        raise NotShippable(f"call spec rebuilds {module}:{qualname}, which is not a function's inner function")
+    if module.split(".")[0] == "torch" and not module.startswith(_TORCH_CLOSURES):
+        raise NotShippable(f"call spec rebuilds {module}:{qualname}: of torch, only FlexAttention's mask "
+                           f"closures are rebuilt")
+
+
 def _resolve(name: Any) -> Any:
     if not isinstance(name, str) or name.count(":") != 1:
         raise NotShippable(f"{name!r} is not a module:qualname reference")
@@ -125,13 +145,17 @@ def _resolve(name: Any) -> Any:
         return _BUILTIN_SEQS.get(name) or _BUILTIN_MAPS[name]
     module, qualname = name.split(":")
     obj: Any = _check_module(module, qualname)
-    for part in qualname.split("."):
+    for i, part in enumerate(qualname.split(".")):
         if not part.isidentifier() or part.startswith("__"):
             raise NotShippable(f"{name} is not a plain qualified name")
-        found = vars(obj).get(part) if isinstance(obj, (types.ModuleType, type)) else None
+        # The module's own namespace, then classes only: never into a module it imported (torch's "os").
+        found = vars(obj).get(part) if (i == 0 or isinstance(obj, type)) else None
         if found is None:
             raise NotShippable(f"{name} is not defined in {module}")
         obj = found
+    if getattr(obj, "__module__", None) != module or getattr(obj, "__qualname__", None) != qualname:
+        raise NotShippable(f"{name} is another name for {getattr(obj, '__module__', '?')}."
+                           f"{getattr(obj, '__qualname__', '?')}, not something {module} defines")
     return obj
 
 
@@ -180,8 +204,9 @@ def _value(data: Any) -> Any:
 
 def decode_spec(data: Any) -> Any:
     """The spec :func:`encode_spec` wrote, ready for :func:`~scout_core.replay.calls.rebuild`, or
-    :class:`NotShippable`. Nothing is constructed here: types are looked up, and rebuilding happens later
-    without running any constructor but the builtin containers'."""
+    :class:`NotShippable`. Nothing is constructed here, only looked up. Rebuilding later runs no constructor of
+    a dataclass, named tuple or BlockMask; a list, tuple or dict subclass of the model's packages is built by
+    its own constructor, as the source built it."""
     if not isinstance(data, dict):
         raise NotShippable(f"call spec node {str(data)[:80]} is not an object")
     if set(data) == {"slot"} and type(data["slot"]) is int and data["slot"] >= 0:
@@ -201,7 +226,10 @@ def decode_spec(data: Any) -> Any:
         names = {f.name for f in dataclasses.fields(cls)} if tag == _DC else None
         fields = []
         for name, s in items:
-            if not isinstance(name, str) or name.startswith("__") or (names is not None and name not in names):
+            # A BlockMask's data attributes only: a name of the class (a method such as as_tuple, which flex
+            # attention calls) would be shadowed by whatever the sender put there.
+            plain = isinstance(name, str) and name.isidentifier() and not name.startswith("__")
+            if not plain or (names is not None and name not in names) or (names is None and hasattr(cls, name)):
                 raise NotShippable(f"{data[tag]} has no field {name!r}")
             fields.append((name, decode_spec(s)))
         return (tag, cls, fields)
@@ -209,8 +237,7 @@ def decode_spec(data: Any) -> Any:
             and isinstance(data["cells"], list) and isinstance(data[_FN], str) and data[_FN].count(":") == 1:
         module, qualname = data[_FN].split(":")
         _check_module(module, qualname)
-        if ".<locals>." not in qualname:  # only closures travel by code; a module-level function goes by name
-            raise NotShippable(f"call spec rebuilds {module}:{qualname}, which is not a function's inner function")
+        _check_closure(module, qualname)
         try:
             _local_code(module, qualname, data["line"])  # the receiver's own code, found exactly once
         except ValueError as e:

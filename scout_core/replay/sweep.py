@@ -23,7 +23,6 @@ from scout_core.replay.scratch import module_compute_device
 from scout_core.replay.trust import Trust
 from scout_core.replay.verdicts import VerdictContext, peer_writer, sdc_verdicts
 from scout_core.report import Incident
-from scout_core.wire import WireError
 
 __all__ = ["EmergencySweep"]
 
@@ -54,7 +53,7 @@ class EmergencySweep:
         for recipe, d in saved.items():
             try:
                 self.calls[recipe] = call_from_dict(d)
-            except (WireError, KeyError, TypeError, ValueError, AttributeError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever is wrong with it, it is left out and named
                 self.unreadable = f"the saved call of {recipe} cannot be read: {e}"
 
     def _work(self) -> list[tuple[int, ShippedCall]]:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from scout_core.consensus import C3Result, C3Status, NoiseFloor, StatisticalRule, tail_floor
 from scout_core.replay.layer import sync
 from scout_core.topology import GroupTiming, LocalizationStreak, localize_slow_groups
+from scout_core.wire import all_gather_data
 
 __all__ = ["BASELINE_ROUNDS", "CommTiming", "job_wide_compute", "mesh_groups", "time_hsdp_collectives"]
 
@@ -103,9 +104,7 @@ class CommTiming:
         among 8 one noisy round hides it. Otherwise (ranks replayed different layers or shapes) the round is
         "no measurement" for every rank (:func:`job_wide_compute`), never a mix of job-wide and group rounds.
         """
-        world = dist.get_world_size()
-        timings: list[Any] = [None] * world
-        dist.all_gather_object(timings, (t_rs, t_ar, *work), group=self.world_control)
+        timings = all_gather_data((t_rs, t_ar, *work), self.world_control, what="timings")
         return self._localize(timings, shard_pg, repl_pg), job_wide_compute(timings, self.compute_rule)
 
     def _localize(self, timings: list[Any], shard_pg: Any, repl_pg: Any) -> Any:
@@ -207,8 +206,7 @@ def _all_groups(pg: Any, control: Any) -> list[list[int]]:
     """Every group of the same dimension as ``pg`` (one world all-gather of memberships, then cached)."""
     if pg not in _GROUPS_OF:
         mine = sorted(dist.get_process_group_ranks(pg))
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine, group=control)
+        everyone = all_gather_data(mine, control, what="group memberships")
         _GROUPS_OF[pg] = [list(g) for g in dict.fromkeys(tuple(g) for g in everyone)]
     return _GROUPS_OF[pg]
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -29,6 +28,7 @@ from torch import nn
 from scout_core.adapter import dense_part
 from scout_core.groups import gathered_groups
 from scout_core.moe.binding import MoEBinding
+from scout_core.wire import all_gather_data
 
 __all__ = ["dense_parts", "moe_binding", "moe_layers"]
 
@@ -69,8 +69,7 @@ def moe_binding(model: nn.Module) -> MoEBinding | None:
     layers, names = moe_layers(model)
     sizes = sorted({int(m.ep_size) for m in layers})
     mine = [bool(layers), len(sizes) <= 1]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_data(mine, what="MoE layout")
     everywhere, one_size = all(f[0] for f in everyone), all(f[1] for f in everyone)
     if not everywhere:
         if layers:

@@ -33,7 +33,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from scout_core.adapter import discover_layers, torch_adapter
@@ -42,6 +41,7 @@ from scout_core.groups import gathered_groups
 from scout_core.progress.hooks import late_bound
 from scout_core.replay.rng import RngProvider
 from scout_core.runtime import ScoutHandle, enable_with
+from scout_core.wire import all_gather_data
 from scout_megatron.moe import dense_parts, moe_binding, moe_metrics_kept
 
 __all__ = ["attach", "mark_data", "observe_bucket_collectives", "peer_groups", "replica_groups", "rng_providers",
@@ -82,9 +82,8 @@ def replica_groups(model_config: Any) -> list[list[int]] | None:
     if tp <= 1 or ep > 1 or getattr(model_config, "sequence_parallel", False):
         return None
     # Tensor-parallel partners of the same pipeline stage and context-parallel position.
-    stages: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(stages, (parallel_state.get_pipeline_model_parallel_rank(),
-                                    parallel_state.get_context_parallel_rank()))
+    stages = all_gather_data((parallel_state.get_pipeline_model_parallel_rank(),
+                              parallel_state.get_context_parallel_rank()), what="pipeline stages")
     return [[r for r, s in enumerate(stages) if s == stage] for stage in sorted(set(stages))]
 
 

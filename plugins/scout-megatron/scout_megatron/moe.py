@@ -28,13 +28,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from scout_core.groups import gathered_groups
 from scout_core.moe.binding import MoEBinding
+from scout_core.wire import all_gather_data
 
 __all__ = ["dense_parts", "moe_binding", "moe_layers", "moe_metrics_kept"]
 
@@ -72,8 +71,7 @@ def moe_binding(inner: list[nn.Module]) -> MoEBinding | None:
     mine = [bool(layers), all(isinstance(m.experts, SequentialMLP) for m in layers),
             all(isinstance(m.token_dispatcher, MoEAlltoAllTokenDispatcher)
                 and not getattr(m.token_dispatcher, "drop_and_pad", False) for m in layers)]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_data(mine, what="MoE layout")
     everywhere, sequential, alltoall = (all(flags) for flags in zip(*everyone))
     if not everywhere:
         if layers:

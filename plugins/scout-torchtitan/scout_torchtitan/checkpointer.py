@@ -36,6 +36,7 @@ from torchtitan.tools import filesystem
 from scout_core.checkpoint.durable import RejectedCheckpointError, rejected_message
 from scout_core.checkpoint.store import fsync_dir
 from scout_core.config import CheckpointConfig
+from scout_core.wire import broadcast_data
 from scout_torchtitan.config import ScoutSection
 
 __all__ = ["SET_ASIDE", "ScoutCheckpointManager", "evidence_of_sdc", "with_scout_checkpointer"]
@@ -154,9 +155,7 @@ class ScoutCheckpointManager(CheckpointManager):
                 why = f"{type(exc).__name__}: {exc}"
                 # Fatal only when TorchTitan's newest would be loaded: a restored SCOUT snapshot stays otherwise.
                 plan = {"error": why, "fatal": self.labels.stopped_for == "sdc" and restored is None}
-        box = [plan]
-        dist.broadcast_object_list(box, src=0, group=self.scout.groups.world_control)
-        plan = box[0]
+        plan = broadcast_data(plan, 0, self.scout.groups.world_control, what="checkpoint plan")
         if plan is not None and "rejected" in plan:
             if not self.scout.config.checkpoint.load_rejected:
                 raise RejectedCheckpointError(plan["rejected"])

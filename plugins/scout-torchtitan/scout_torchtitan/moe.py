@@ -31,6 +31,7 @@ from torch import nn
 from scout_core.moe.binding import MoEBinding
 from scout_core.replay.scratch import fsdp_owners
 from scout_core.signature import local_tensor
+from scout_core.wire import all_gather_data
 
 __all__ = ["GroupedExpertSlice", "expert_binding", "expert_peer_groups"]
 
@@ -92,8 +93,7 @@ def expert_peer_groups(ep_mesh: Any) -> tuple[list[list[int]], list[list[int]]]:
     """``(expert peer groups, EP groups)``: the ranks at each EP position (they hold the same experts once FSDP
     gathers them), and the EP groups (the ranks one AllToAll spans), every rank's view gathered."""
     mine = (int(ep_mesh.get_local_rank()), tuple(sorted(dist.get_process_group_ranks(ep_mesh.get_group()))))
-    views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, mine)
+    views = all_gather_data(mine, what="expert-parallel layout")
     positions = sorted({p for p, _ in views})
     peers = [[r for r, (p, _) in enumerate(views) if p == pos] for pos in positions]
     ep_groups = sorted({g for _, g in views})
