@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -212,7 +213,7 @@ def _join_job(adapter: FrameworkAdapter, cfg: ScoutConfig,
         mine = {"host": os.environ.get(HOSTNAME_ENV) or socket.gethostname(),
                 "device": str(device_of(adapter.chunks[0])), "run_id": run_id_mine,
                 "control": plane.to_dict() if plane else None, "control_error": plane_error,
-                "launch": uuid.uuid4().hex[:8], "start_error": start_error, "control_folder_error": control_error}
+                "launch": secrets.token_hex(16), "start_error": start_error, "control_folder_error": control_error}
         everyone = all_gather_data(mine, groups.world_control, what="start-up exchange")
         if everyone[0]["control_error"]:
             raise RuntimeError(f"the observers' control plane could not start: {everyone[0]['control_error']}")

@@ -115,7 +115,7 @@ class TrainerEnding:
         if int(store.add(f"closed/{spec.rank}", 1)) == 1:
             store.append(CLOSED_LIST, f"{spec.rank},")
             if spec.control.needs_beats:
-                store.underlying_store.add(daemon_key(CLOSED_KEY), 1)
+                store.underlying_store.add(daemon_key(CLOSED_KEY, self.spec.control.secret), 1)
         if self.record is None or not store.check([f"ep/{self.proto.episode if self.proto else 0}/open"]):
             return
         proto = self._protocol(store)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -57,6 +58,9 @@ class ControlPlane:
     port: int
     kind: str
     """``configured``, ``agent`` (torchrun's store) or ``daemon`` (started by rank 0)."""
+    secret: str = ""
+    """A random token only the job's processes know (rank 0 makes it and shares it in the start-up exchange):
+    the daemon's job-wide counters live under it, so nobody who merely reaches the port can stop the daemon."""
 
     @property
     def needs_beats(self) -> bool:
@@ -64,7 +68,7 @@ class ControlPlane:
         return self.kind == "daemon"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "port": self.port, "kind": self.kind}
+        return {"host": self.host, "port": self.port, "kind": self.kind, "secret": self.secret}
 
 
 def _parse(address: str, what: str) -> tuple[str, int]:
@@ -90,7 +94,8 @@ def choose_control_plane(configured: str, *, rank: int, world_size: int, bind_po
     import socket
 
     host = advertise or os.environ.get("MASTER_ADDR") or socket.gethostname()
-    return ControlPlane(host, start_store_daemon(world_size, bind_port), kind="daemon")
+    secret = secrets.token_hex(16)
+    return ControlPlane(host, start_store_daemon(world_size, bind_port, secret=secret), kind="daemon", secret=secret)
 
 
 def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> Any:
@@ -105,7 +110,8 @@ DAEMON_START_S = 60.0
 """How long rank 0 waits for the daemon's port (a fresh interpreter importing torch)."""
 
 
-def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S) -> int:
+def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S, *,
+                       secret: str = "") -> int:
     """Start a store daemon detached from this process; return the port it serves.
 
     A fresh interpreter (``python -m scout_core.progress.control``), not a fork of the trainer: the trainer
@@ -127,10 +133,13 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
     with log:
         first = subprocess.Popen(
             [sys.executable, "-m", "scout_core.progress.control", str(port), str(world_size), str(idle_exit_s)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
             close_fds=True, env=env, cwd="/",
         )
-        assert first.stdout is not None
+        assert first.stdout is not None and first.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # the secret on stdin: never in its command line (ps shows that)
+            first.stdin.write(secret.encode() + b"\n")
+            first.stdin.close()
         line = b""
         with selectors.DefaultSelector() as sel:  # not select(): the pipe's number may be above 1023
             sel.register(first.stdout, selectors.EVENT_READ)
@@ -153,6 +162,7 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
 
 
 def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
+    secret = sys.stdin.readline().strip()
     if os.fork() > 0:  # detach: our parent (rank 0) reaps this first process at once
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
@@ -166,24 +176,20 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     last, since = None, time.monotonic()
     while True:
         time.sleep(min(5.0, idle_exit_s / 4))
-        if int(server.add(_any_run_key(CLOSED_KEY), 0)) >= world_size:
+        if int(server.add(daemon_key(CLOSED_KEY, secret), 0)) >= world_size:
             time.sleep(1.0)  # let the last closers finish their message
             return
-        beats = server.add(_any_run_key(BEAT_KEY), 0)
+        beats = server.add(daemon_key(BEAT_KEY, secret), 0)
         if beats != last:
             last, since = beats, time.monotonic()
         elif time.monotonic() - since > idle_exit_s:
             return
 
 
-def _any_run_key(key: str) -> str:
-    # One daemon serves one job, so its liveness keys need no run id.
-    return f"scout/{key}"
-
-
-def daemon_key(key: str) -> str:
-    """The raw (unprefixed) key of a daemon-wide counter, for ``store.underlying_store``."""
-    return _any_run_key(key)
+def daemon_key(key: str, secret: str = "") -> str:
+    """The raw (unprefixed) key of a daemon-wide counter, for ``store.underlying_store``. One daemon serves one
+    job, so it needs no run id; the job's secret keeps anyone else from counting."""
+    return f"scout/{secret}/{key}" if secret else f"scout/{key}"
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ class _Observer(TrainerEnding, VerdictReporting):
                     retry_at = None
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
-                    self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
+                    self.store.underlying_store.add(daemon_key(BEAT_KEY, self.spec.control.secret), 1)
                 if gone and gone_until is None:
                     # Answer for the dead trainer until an episode names someone: its peers may only go silent
                     # later (on NCCL they wait in a collective; on gloo theirs fail at once).
