@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -445,7 +446,8 @@ def _ddp_weights(ctx: RankContext):
     init_gloo(ctx)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.Tanh(), torch.nn.Linear(65, 7))
-    ddp = DDP(net, bucket_cap_mb=0.01)  # several buckets
+    mode = ctx.args.get("mode", "default")
+    ddp = DDP(net, bucket_cap_mb=0.01, gradient_as_bucket_view=mode == "bucket_view")  # several buckets
     tracker = None
     if ctx.args["hooked"]:
         tracker = ProgressTracker(RecordingRecord())
@@ -453,20 +455,25 @@ def _ddp_weights(ctx: RankContext):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + ctx.rank)
     for _ in range(4):
+        if mode == "no_sync":  # gradient accumulation: one micro-batch without the reduction
+            with ddp.no_sync():
+                ddp(torch.randn(5, 33, generator=gen)).pow(2).mean().backward()
         ddp(torch.randn(5, 33, generator=gen)).pow(2).mean().backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=mode != "bucket_view")  # kept grads alias their bucket from the 2nd step
     if tracker is not None:
         tracker.remove_hooks()
     return [p.detach().clone() for p in net.parameters()]
 
 
-def test_the_bucket_hook_averages_bit_for_bit_like_ddp_at_any_world_size():
-    """DDP scales each gradient by the reciprocal of the world size as it copies it into the bucket; a hook that
-    divided the bucket instead changed about a third of the elements at 3, 5, 6 or 12 ranks (never at 2, 4, 16)."""
-    for world in (3, 6):
-        plain = launch(_ddp_weights, world, timeout_s=120, args={"hooked": False})
-        hooked = launch(_ddp_weights, world, timeout_s=120, args={"hooked": True})
+@pytest.mark.parametrize("mode", ["default", "bucket_view", "no_sync"])
+def test_the_bucket_hook_averages_bit_for_bit_like_ddp_at_any_world_size(mode):
+    """DDP scales each gradient by the reciprocal of the world size as it copies it into the bucket, but divides
+    a gradient that already is its bucket's view (gradient_as_bucket_view with kept gradients); a hook that
+    scaled otherwise changed about a third of the elements at 3, 5, 6 or 12 ranks (never at 2, 4, 16)."""
+    for world in (3, 5, 6, 12):
+        plain = launch(_ddp_weights, world, timeout_s=120, args={"hooked": False, "mode": mode})
+        hooked = launch(_ddp_weights, world, timeout_s=120, args={"hooked": True, "mode": mode})
         assert plain.ok and hooked.ok, (plain.failures(), hooked.failures())
         for a, b in zip(plain.values()[0], hooked.values()[0]):
             assert torch.equal(a, b), f"{world} ranks: {(a != b).sum().item()} of {a.numel()} elements differ"

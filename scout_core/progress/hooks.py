@@ -330,13 +330,28 @@ class ProgressTracker:
         """
         group = ddp_model.process_group
         tracker = self
+        # DDP scales each gradient as its own reduction would: times the reciprocal of the world size as it copies
+        # the gradient into the bucket, but divided when the gradient already is its bucket's view (kept
+        # gradients under gradient_as_bucket_view). The two differ in the last bit at 3, 5, 6, 12 ... ranks, so
+        # which one each gradient gets is noted as autograd hands it over, before it is accumulated.
+        aliased: dict[int, bool] = {}
+        view_mode = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
+        if view_mode:
+            for p in ddp_model.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(
+                        lambda _g, p=p: aliased.__setitem__(id(p), p.grad is not None and p.grad._base is not None)))
 
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
             buffer = bucket.buffer()
-            # As DDP itself does when it copies each gradient into its bucket: times the reciprocal of the world
-            # size, before the sum (a division after it differs in the last bit at 3, 5, 6, 12 ... ranks).
-            buffer.mul_(1.0 / dist.get_world_size(group))
+            world = dist.get_world_size(group)
+            params = bucket.parameters() if view_mode else []
+            if any(aliased.get(id(p)) for p in params):
+                for p, g in zip(params, bucket.gradients(), strict=True):
+                    g.div_(world) if aliased.get(id(p)) else g.mul_(1.0 / world)
+            else:
+                buffer.mul_(1.0 / world)
             # DDP cannot unregister a comm hook: after close() it stays, averaging as before, silent.
             if tracker.closed:
                 work = dist.all_reduce(buffer, group=group, async_op=True)
