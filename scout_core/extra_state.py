@@ -67,16 +67,19 @@ def capture_extra_states(root: nn.Module) -> dict[str, Any]:
     return {name: _storable(m.get_extra_state()) for name, m in extra_state_modules(root)}
 
 
-def restore_extra_states(root: nn.Module, saved: dict[str, Any]) -> None:
-    """Put back what :func:`capture_extra_states` took (the modules must be the same)."""
+def restore_extra_states(root: nn.Module, saved: dict[str, Any], *, from_outside: bool = True) -> None:
+    """Put back what :func:`capture_extra_states` took (the modules must be the same). ``from_outside``: the
+    states were read back from a snapshot (a slot, the durable store, a peer's replica), so serialized ones are
+    vetted before the module unpickles them; False for this process's own capture of a moment ago (replay puts
+    a layer's live state back after its forwards, and must never fail to)."""
     live = dict(extra_state_modules(root))
     if set(live) != set(saved):
         raise ValueError(f"extra state differs from the model's modules: {sorted(set(live) ^ set(saved))[:5]}")
     for name, value in saved.items():
         # A fresh object each time: set_extra_state may keep what it is given, and the saved copy must stay intact.
         original = _original(_storable(value) if isinstance(value, torch.Tensor) else value)
-        raw = _raw_bytes(original)
-        if raw is not None:  # the module may unpickle it (Transformer Engine does): data only
+        raw = _raw_bytes(original) if from_outside else None
+        if raw is not None:  # the module may unpickle it (Transformer Engine does, from a tensor of any shape)
             vet_serialized(raw, f"saved extra state of module {name or '(root)'}")
         live[name].set_extra_state(original)
 
@@ -86,8 +89,10 @@ def _raw_bytes(value: Any) -> bytes | None:
         return value.getvalue()
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
-    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1:
-        return value.numpy().tobytes()
+    if isinstance(value, torch.Tensor):  # any dtype and shape: its bytes are what a module would unpickle
+        t = value.detach().cpu().contiguous()
+        return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() and t.dtype != torch.bool \
+            else t.numpy().tobytes()
     return None
 
 

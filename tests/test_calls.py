@@ -14,6 +14,7 @@ from scout_core.replay.capture import LayerCapture
 from scout_core.replay.layer import call_meta, receive_buffers, replay_layer
 from scout_core.replay.spec_codec import (
     NotShippable,
+    allow_call_closures,
     allow_call_packages,
     decode_metadata,
     encode_metadata,
@@ -22,6 +23,7 @@ from scout_core.replay.spec_codec import (
 )
 
 allow_call_packages(__name__.split(".")[0])  # this module's classes and functions are the "model code" here
+allow_call_closures(__name__)  # and its mask factories' inner functions are mask functions
 
 
 def _shipped(spec):

@@ -1,5 +1,7 @@
-"""The observers' store daemon answers to the job only (issue 32, item 3): its job-wide counters live under a
-secret rank 0 hands it on stdin, so a process that reaches its port without the secret cannot stop it."""
+"""The observers' store daemon counts only its own job's closers (issue 32, item 3, in part): its job-wide counters
+live under a secret rank 0 hands it on stdin (never in its command line), so a process that counts the unscoped key
+of an earlier release, or a guessed one, does not stop it. (Any client can still list a TCPStore's keys: see
+docs/security.md.)"""
 
 from __future__ import annotations
 

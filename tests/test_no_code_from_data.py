@@ -22,6 +22,7 @@ from scout_core import wire
 from scout_core.replay.calls import flatten_call
 from scout_core.replay.spec_codec import (
     NotShippable,
+    allow_call_closures,
     allow_call_packages,
     decode_metadata,
     decode_spec,
@@ -32,6 +33,7 @@ from scout_core.replay.spec_codec import (
 from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 allow_call_packages(__name__.split(".")[0])
+allow_call_closures(__name__)  # the BlockMask below closes over a lambda of this module
 
 
 @dataclasses.dataclass
@@ -135,7 +137,9 @@ def _wrapped_fn_node(cmd: str) -> dict[str, Any]:
 
 def test_a_block_mask_cannot_carry_a_torch_closure_that_runs_a_command(tmp_path: Path) -> None:
     """The review's exploit: a BlockMask whose ``as_tuple`` (flex attention calls it) is shadowed by a torch
-    inner function closing over ``os.system``. Each of its three steps is refused on its own."""
+    inner function whose cells hold a function and its arguments. Each of its steps is refused on its own: the
+    field (a method's name), the closure (its module is not registered for closures: any inner function could
+    call what the sender put in its cells), a function by a borrowed name."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     marker = tmp_path / "ran"
@@ -283,3 +287,72 @@ def test_saved_module_state_is_vetted_before_the_module_unpickles_it(tmp_path: P
     with pytest.raises(UnsafeState, match="module 0"):
         restore_extra_states(model, planted)
     assert not marker.exists() and torch.equal(model[0].state["scale_fwd"], torch.ones(3))
+
+
+def _fake_te_recipe_module(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A stand-in for transformer_engine.common.recipe: what TE >= 2 pickles into its FP8 state (a DelayedScaling
+    dataclass whose Format enum members hold named tuples, and a named-tuple field)."""
+    import enum
+    import sys
+    import types
+    from typing import NamedTuple
+
+    name = "transformer_engine.common.recipe"
+    mod = types.ModuleType(name)
+
+    class _FormatHelper(NamedTuple):
+        max_fwd: float
+        max_bwd: float
+
+    class Format(enum.Enum):
+        E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+        HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
+
+    class _OverrideLinearPrecision(NamedTuple):
+        fprop: bool = False
+        dgrad: bool = False
+        wgrad: bool = False
+
+    @dataclasses.dataclass
+    class DelayedScaling:
+        margin: int = 0
+        fp8_format: Format = Format.HYBRID
+        amax_history_len: int = 1024
+        override_linear_precision: _OverrideLinearPrecision = _OverrideLinearPrecision()
+
+    for cls in (_FormatHelper, Format, _OverrideLinearPrecision, DelayedScaling):
+        cls.__module__, cls.__qualname__ = name, cls.__name__
+        setattr(mod, cls.__name__, cls)
+    for parent in ("transformer_engine", "transformer_engine.common"):  # removed again after the test
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+def test_transformer_engines_fp8_state_with_its_recipe_is_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TE >= 2 pickles its recipe with the FP8 tensors: a restore must accept it, or every FP8 job's snapshot
+    would fail to restore."""
+    from scout_core.extra_state import capture_extra_states, restore_extra_states
+
+    recipe = _fake_te_recipe_module(monkeypatch).DelayedScaling()
+    model = torch.nn.Sequential(_Fp8Like())
+    model[0].state = {"recipe": recipe, "scale_fwd": torch.ones(3), "extra_fp8_variables": {"num_gemms": 3}}
+    saved = capture_extra_states(model)
+    model[0].state = {}
+    restore_extra_states(model, saved)
+    assert model[0].state["recipe"] == recipe
+
+
+@pytest.mark.parametrize("shape", ["1d-uint8", "2d-uint8", "int8"])
+def test_a_planted_pickle_of_any_dtype_or_shape_is_refused(tmp_path: Path, shape: str) -> None:
+    """TE unpickles ``state.numpy().tobytes()`` of whatever tensor it is given, so every tensor is vetted."""
+    from scout_core.checkpoint.vetted_state import UnsafeState
+    from scout_core.extra_state import restore_extra_states
+
+    marker = tmp_path / "ran"
+    raw = torch.frombuffer(bytearray(pickle.dumps({"x": _Reduce(f"touch {marker}")})), dtype=torch.uint8)
+    value = {"1d-uint8": raw, "2d-uint8": raw.reshape(1, -1), "int8": raw.view(torch.int8)}[shape]
+    model = torch.nn.Sequential(_Fp8Like())
+    with pytest.raises(UnsafeState):
+        restore_extra_states(model, {"0": value})
+    assert not marker.exists()

@@ -100,7 +100,8 @@ def test_the_observer_holds_none_of_the_trainers_files():
 def test_a_closing_rank_is_counted_out_once(tmp_path):
     record = create_record("count", 3, directory=str(tmp_path))
     spec = ObserverSpec(run_id="count", rank=3, world_size=4, record_path=record.path,
-                        control=ControlPlane("localhost", 1, "daemon"), peer_groups=[[0, 1, 2, 3]], hosts={},
+                        control=ControlPlane("localhost", 1, "daemon", secret="c0" * 16), peer_groups=[[0, 1, 2, 3]],
+                        hosts={},
                         devices={}, silence_threshold_s=1.0, gather_timeout_s=1.0, startup_timeout_s=1.0,
                         jsonl_path=None)
     store = dist.PrefixStore("scout/count", dist.HashStore())
@@ -109,7 +110,7 @@ def test_a_closing_rank_is_counted_out_once(tmp_path):
     observer.store = store
     observer._answer_closed()
     observer._closed_messages(store)  # a retry after the first attempt was cut off
-    assert int(store.underlying_store.add(daemon_key(CLOSED_KEY), 0)) == 1
+    assert int(store.underlying_store.add(daemon_key(CLOSED_KEY, "c0" * 16), 0)) == 1  # the daemon's own count
     assert store.get(CLOSED_LIST) == b"3,"
     assert record.observer_busy, "the closing messages keep close() waiting until the observer exits"
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

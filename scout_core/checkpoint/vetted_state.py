@@ -7,8 +7,8 @@ anything but data. Before a restore gives the bytes to the module, they are
 
 * a ``torch.save`` archive: loaded once with ``torch.load(weights_only=True)``, which refuses any other global;
 * a plain pickle: unpickled once, as a dry run, by an unpickler that knows only tensors (their storages again by
-  ``weights_only`` loading), torch dtypes, builtin containers, and dataclasses and enums of Transformer Engine
-  already imported here (its recipe);
+  ``weights_only`` loading), torch dtypes, builtin containers, and dataclasses, enums and named tuples that
+  Transformer Engine's already imported modules define (its recipe);
 
 and handed over only if that succeeds: the module's own unpickling then meets the same globals and nothing else.
 """
@@ -52,7 +52,11 @@ class _DryRun(pickle.Unpickler):
             return vars(torch)[name]
         if module.split(".")[0] in _PACKAGES and module in sys.modules:
             obj = vars(sys.modules[module]).get(name)
-            if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            # Its recipe: dataclasses, enums, and named tuples (an enum member's value, a precision override),
+            # defined in that module itself, not a name it imported.
+            data_kind = isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
+                                                   or issubclass(obj, tuple) and hasattr(obj, "_fields"))
+            if data_kind and obj.__module__ == module and obj.__qualname__ == name:
                 return obj
         raise pickle.UnpicklingError(f"{module}.{name} is not data")
 

@@ -143,7 +143,8 @@ class VerdictReporting:
                 reason=f"the observers' control store at {host}:{spec.control.port} ({spec.control.kind}) has been "
                        f"unreachable from {mine} for {spec.gather_timeout_s:.0f} s while the trainers there run: "
                        f"its machine is probably lost ({error})",
-                evidence={"class": "control_plane_lost", "control": spec.control.to_dict(), "error": error},
+                evidence={"class": "control_plane_lost", "error": error,
+                          "control": {k: v for k, v in spec.control.to_dict().items() if k != "secret"}},
             ))
 
 

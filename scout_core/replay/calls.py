@@ -239,7 +239,8 @@ def _local_code(module: str, qualname: str, line: int) -> types.CodeType:
         found = []
         while stack:
             code = stack.pop()
-            if _code_name(code) == qualname and code.co_firstlineno == line:
+            is_function = code.co_flags & inspect.CO_NEWLOCALS and code.co_flags & inspect.CO_OPTIMIZED
+            if _code_name(code) == qualname and code.co_firstlineno == line and is_function:  # not a class body
                 found.append(code)
             stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         if len(found) != 1:

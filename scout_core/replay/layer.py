@@ -241,7 +241,7 @@ def replay_layer(forward: Any, layer: torch.nn.Module, name: str, call: ShippedC
             for b, saved in saved_buffers:
                 b.copy_(saved)
         if saved_extra:
-            restore_extra_states(layer, saved_extra)
+            restore_extra_states(layer, saved_extra, from_outside=False)  # its own state of a moment ago
 
     # On the host, one thread: this thread's CPU time is then all of the replay's compute (intra-op helper
     # threads would be invisible to it), and a reduction's order cannot depend on a rank's thread count.

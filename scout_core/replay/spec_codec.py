@@ -17,8 +17,9 @@ receiver must never let it run code of the sender's choosing. Here a spec become
   field names, without ``__init__``), a named tuple a named tuple (``tuple.__new__``), a sequence or mapping one
   of the builtin kinds or a subclass of them from the declared packages, an enum member a member of an enum,
   a BlockMask only its data attributes (never a name its class defines, such as ``as_tuple``),
-* a closure only from code its module's file holds, of the model's packages or torch's FlexAttention masks
-  (torch's other inner functions would call whatever the sender put in their cells).
+* a closure only from a function's code its module's file holds, and only of a module registered for closures
+  (FlexAttention's masks; TorchTitan's attention masks through its plugin; :func:`allow_call_closures`): any
+  other inner function would call whatever the sender put in its cells.
 
 Anything else in a spec (an object of another kind, a function outside those packages) raises
 :class:`NotShippable` where it is encoded: the check that carries it is skipped with a record, as before.
@@ -39,8 +40,8 @@ from scout_core import wire
 from scout_core.replay.calls import _DC, _EMPTY_CELL, _FN, _MAP, _NT, _OBJ, _SEQ, _VAL, Slot, _local_code
 from scout_core.wire import WireError
 
-__all__ = ["NotShippable", "allow_call_packages", "allowed_packages", "decode_spec", "encode_spec", "spec_from_tensor",
-           "spec_to_tensor"]
+__all__ = ["NotShippable", "allow_call_closures", "allow_call_packages", "allowed_packages", "decode_spec",
+           "encode_spec", "spec_from_tensor", "spec_to_tensor"]
 
 
 class NotShippable(WireError):
@@ -48,9 +49,11 @@ class NotShippable(WireError):
 
 
 _ALLOWED: set[str] = {"torch"}
-# Closures are rebuilt with the values the sender chose in their cells, so only code written to be handed
-# around as mask functions is rebuilt from torch (and_masks, or_masks); the model's own packages are the rest.
-_TORCH_CLOSURES = ("torch.nn.attention",)
+# A closure is rebuilt with the values, defaults and cells the sender chose: any inner function could become a way
+# to call whatever it calls with arguments of the sender's choosing. So closures are rebuilt only from modules
+# that declared their inner functions to be mask functions: FlexAttention's (and_masks, or_masks), and what a
+# plugin or the user registers (TorchTitan's attention masks).
+_CLOSURE_MODULES: set[str] = {"torch.nn.attention.flex_attention"}
 _BUILTIN_SEQS: dict[str, type] = {"builtins:list": list, "builtins:tuple": tuple, "torch:Size": torch.Size}
 _BUILTIN_MAPS: dict[str, type] = {"builtins:dict": dict, "collections:OrderedDict": collections.OrderedDict}
 
@@ -64,6 +67,16 @@ def allow_call_packages(*packages: str) -> None:
         if p in sys.stdlib_module_names or p == "builtins":
             continue  # the standard library is not model code (os, subprocess, functools)
         _ALLOWED.add(p)
+
+
+def allow_call_closures(*modules: str) -> None:
+    """Let replayed calls carry closures (FlexAttention mask functions) defined inside functions of these modules
+    (full module names, ``"torchtitan.models.common.attention"``). Their cells travel from the sender; only
+    register modules whose inner functions call nothing but what a mask function calls."""
+    for m in modules:
+        if not m or ":" in m:
+            raise ValueError(f"{m!r} is not a module name")
+        _CLOSURE_MODULES.add(m)
 
 
 def allowed_packages() -> frozenset[str]:
@@ -133,9 +146,9 @@ def _check_module(module: str, what: str) -> types.ModuleType:
 def _check_closure(module: str, qualname: str) -> None:
     if ".<locals>." not in qualname:  # only closures travel by code; a module-level function goes by name
         raise NotShippable(f"call spec rebuilds {module}:{qualname}, which is not a function's inner function")
-    if module.split(".")[0] == "torch" and not module.startswith(_TORCH_CLOSURES):
-        raise NotShippable(f"call spec rebuilds {module}:{qualname}: of torch, only FlexAttention's mask "
-                           f"closures are rebuilt")
+    if module not in _CLOSURE_MODULES:
+        raise NotShippable(f"call spec rebuilds {module}:{qualname}, but {module} is not registered for closures "
+                           f"(scout_core.replay.spec_codec.allow_call_closures; FlexAttention's masks are)")
 
 
 def _resolve(name: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from scout_core.adapter import dense_part, torch_adapter
+from scout_core.replay.spec_codec import allow_call_closures
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_core.topology import peer_groups as peer_groups_of_shape
 from scout_torchtitan.config import ScoutSection, to_core
@@ -115,6 +116,9 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
     adapter.layers, adapter.layer_names = dense_parts(blocks, list(adapter.layer_names or []),
                                                       trainer.parallel_dims.ep)
     adapter.marked_layers = blocks  # hangs are placed by TorchTitan's blocks, whatever part replay samples
+    # TorchTitan's FlexAttention masks are closures of its attention module (and of a model's own module):
+    # replay ships them to peers, so those modules are registered for closures.
+    allow_call_closures("torchtitan.models.common.attention", *{type(c).__module__ for c in chunks})
     handle = enable_with(adapter, config=to_core(section))
     if handle.rank == 0:
         log.info("scout_torchtitan: SCOUT attached to %d model part(s), %d optimizer(s), peer groups %s; hidden "

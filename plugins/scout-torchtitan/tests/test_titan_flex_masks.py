@@ -8,7 +8,12 @@ import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, create_mask
 
 from scout_core.replay.calls import flatten_call, rebuild
-from scout_core.replay.spec_codec import allow_call_packages, spec_from_tensor, spec_to_tensor
+from scout_core.replay.spec_codec import (
+    allow_call_closures,
+    allow_call_packages,
+    spec_from_tensor,
+    spec_to_tensor,
+)
 
 attention = pytest.importorskip("torchtitan.models.common.attention")
 
@@ -39,6 +44,7 @@ def test_torchtitans_masks_rebuild_exactly_on_a_peer(batch, kind):
     block_mask = create_block_mask(mask_mod, batch, None, 128, 128, device="cpu")
     tensors, spec = flatten_call(((torch.ones(1), block_mask, pos), {}))
     allow_call_packages("torchtitan")  # what the replay runtime declares for a TorchTitan model's layers
+    allow_call_closures("torchtitan.models.common.attention")  # what scout_torchtitan.attach registers
     shipped = spec_from_tensor(spec_to_tensor(spec))
     (_, rebuilt, _), _ = rebuild(shipped, [t.clone() for t in tensors])
     assert torch.equal(create_mask(rebuilt.mask_mod, batch, 1, 128, 128),
