@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scout_core.private_dir import UnsafeFolderError, private_dir
+from scout_core.private_dir import private_dir
 
 __all__ = ["LIVE_KEYS", "ControlError", "RunControl", "check_live", "control_root", "safe_run_id", "send_command",
            "wait_applied"]
@@ -176,8 +176,8 @@ class RunControl:
             private_dir(str(self.folder.parent), "control.directory")
             if os.path.lexists(self.folder):
                 private_dir(str(self.folder), "control.directory")  # a link or another user's folder: refused
-        except UnsafeFolderError as e:
-            raise ControlError(str(e)) from None
+        except OSError as e:  # UnsafeFolderError, or a level this user may not even look at
+            raise ControlError(f"control.directory: {e}") from None
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder.mkdir(mode=0o700)
         (self.folder / "commands").mkdir(mode=0o700)

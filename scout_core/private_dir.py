@@ -36,10 +36,11 @@ def _user(uid: int) -> str:
 
 
 def check_parent(parent: str, what: str) -> None:
-    """Every existing folder from ``parent`` up to ``/`` must be this user's or root's, and writable by every
-    user only with the sticky bit: otherwise someone else could rename a level and put their own in its place
-    between SCOUT's check and its use. (A folder writable by its group is accepted: the group is the job's
-    operators.)"""
+    """``parent`` must be this user's or root's, and no folder from it up to ``/`` may be writable by every user
+    without the sticky bit: otherwise anyone could rename a level and put their own in its place between SCOUT's
+    check and its use. Higher levels may belong to others (a project folder on a shared filesystem): their
+    owners are trusted as the job's. A folder writable by its group is accepted: the group is the job's
+    operators."""
     me = os.geteuid()
     level = os.path.abspath(parent)
     while True:
@@ -50,7 +51,7 @@ def check_parent(parent: str, what: str) -> None:
         if st is not None:
             if not stat.S_ISDIR(st.st_mode):
                 raise UnsafeFolderError(f"{what}: {level} is not a folder")
-            if st.st_uid not in (me, 0):
+            if st.st_uid not in (me, 0) and level == os.path.abspath(parent):
                 owners = _user(me) + (" or root" if me else "")
                 raise UnsafeFolderError(f"{what}: {level} belongs to {_user(st.st_uid)}, not to {owners}; choose "
                                         f"a folder of your own")

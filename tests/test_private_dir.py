@@ -51,11 +51,15 @@ def test_modes_ours_closed_shared_kept_and_open_to_all_refused(tmp_path: Path) -
 
 @as_root
 def test_every_level_above_is_checked_not_only_the_nearest(tmp_path: Path) -> None:
+    """A level anyone can write, however high, is refused; a project folder of another user that only its owner
+    writes (a shared filesystem's) is accepted above the folder's own parent."""
     top = _planted(tmp_path, "theirs")
     os.chmod(top, 0o777)
     (top / "mine").mkdir()
-    with pytest.raises(UnsafeFolderError, match="theirs belongs to"):
+    with pytest.raises(UnsafeFolderError, match="theirs can be written by every user"):
         private_dir(str(top / "mine" / "slots"), "checkpoint.memory_dir")
+    os.chmod(top, 0o755)
+    private_dir(str(top / "mine" / "slots"), "checkpoint.memory_dir")
 
 
 def test_a_symbolic_link_in_its_place_is_refused(tmp_path: Path) -> None:

@@ -98,6 +98,7 @@ class ProgressTracker:
         self._local = threading.local()
         self._trainer = threading.get_ident()
         self._handles: list[Any] = []
+        self._ddp_flags: list[Any] = []  # which gradients alias their DDP bucket: live as long as the comm hook
         self._poller: threading.Thread | None = None
         self._cuda_device: int | None = None
         """The device of the CUDA collectives in flight: the poller thread sets it before it polls them."""
@@ -338,8 +339,8 @@ class ProgressTracker:
         view_mode = bool(getattr(ddp_model, "gradient_as_bucket_view", False))
         if view_mode:
             for p in ddp_model.parameters():
-                if p.requires_grad:
-                    self._handles.append(p.register_hook(
+                if p.requires_grad:  # kept for as long as the comm hook (DDP never drops it), not closed with it
+                    self._ddp_flags.append(p.register_hook(
                         lambda _g, p=p: aliased.__setitem__(id(p), p.grad is not None and p.grad._base is not None)))
 
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
