@@ -20,6 +20,7 @@ class RecordingRecord:
     """Stands in for the shared-memory record to capture the publish sequence."""
 
     path = "<memory>"
+    last_publish = 0.0  # the completion poller's quiet check
 
     def __init__(self, log=None):
         self.log = log if log is not None else []
@@ -477,3 +478,65 @@ def test_the_bucket_hook_averages_bit_for_bit_like_ddp_at_any_world_size(mode):
         assert plain.ok and hooked.ok, (plain.failures(), hooked.failures())
         for a, b in zip(plain.values()[0], hooked.values()[0]):
             assert torch.equal(a, b), f"{world} ranks: {(a != b).sum().item()} of {a.numel()} elements differ"
+
+
+def _user_hook_weights(ctx: RankContext):
+    """Final weights of a short DDP run whose user registers a compression hook, with or without SCOUT's first."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_gloo(ctx)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.Tanh(), torch.nn.Linear(65, 7))
+    ddp = DDP(net, bucket_cap_mb=0.01)
+    log: list = []
+    tracker = None
+    if ctx.args["hooked"]:
+        tracker = ProgressTracker(RecordingRecord())
+        launch_ = tracker.launch
+        tracker.launch = lambda fp: log.append(fp.text()) or launch_(fp)
+        install_collective_hooks(tracker)
+        assert tracker.install_ddp_comm_hook(ddp)
+    kind = ctx.args["kind"]
+    if kind == "builtin_fp16":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    elif kind == "powersgd":  # a stateful hook with its own all-reduces (bf16 compression needs NCCL)
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    else:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    second_refused = False
+    try:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    except RuntimeError:
+        second_refused = True
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + ctx.rank)
+    for _ in range(3):
+        ddp(torch.randn(5, 33, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if tracker is not None:
+        uninstall_collective_hooks(tracker)
+        tracker.remove_hooks()
+    return {"weights": [p.detach().clone() for p in net.parameters()], "second_refused": second_refused,
+            "published": log}
+
+
+@pytest.mark.parametrize("kind", ["fp16", "builtin_fp16", "powersgd"])
+def test_a_users_own_comm_hook_after_enable_runs_untouched_and_is_seen(kind):
+    """DDP allows one comm hook and SCOUT's takes the slot: a user's compression hook registered afterwards used
+    to raise. It now gets every bucket, the run equals the same hook without SCOUT bit for bit, a second user
+    hook is refused as DDP refuses it, and the hook's collectives are still published."""
+    plain = launch(_user_hook_weights, 3, timeout_s=120, args={"hooked": False, "kind": kind})
+    hooked = launch(_user_hook_weights, 3, timeout_s=120, args={"hooked": True, "kind": kind})
+    assert plain.ok and hooked.ok, (plain.failures(), hooked.failures())
+    for a, b in zip(plain.values()[0]["weights"], hooked.values()[0]["weights"]):
+        assert torch.equal(a, b), f"{(a != b).sum().item()} of {a.numel()} elements differ"
+    assert all(v["second_refused"] for v in plain.values() + hooked.values())
+    published = [v["published"] for v in hooked.values()]
+    assert published[0] == published[1] == published[2] and len(published[0]) >= 3, published  # each step
+    if kind != "powersgd":
+        assert all("float16" in text for text in published[0]), published[0]  # the compressed buffer moves

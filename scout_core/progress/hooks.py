@@ -32,7 +32,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -327,8 +327,13 @@ class ProgressTracker:
 
         Same arithmetic as DDP's default (average over the group). Returns False
         when the model already has a comm hook (DDP allows one): the buckets then
-        stay invisible and hang verdicts for them are group-scoped.
+        stay invisible and hang verdicts for them are group-scoped. A hook the user
+        registers afterwards (``register_comm_hook``, or a built-in such as
+        FP16_COMPRESS) takes over the arithmetic: SCOUT's hook hands every bucket to
+        it untouched, and its collectives are published by the collective wrappers.
         """
+        if "register_comm_hook" in vars(ddp_model):  # SCOUT's hook holds the slot already
+            return False
         group = ddp_model.process_group
         tracker = self
         # DDP scales each gradient as its own reduction would: times the reciprocal of the world size as it copies
@@ -343,10 +348,20 @@ class ProgressTracker:
                     self._ddp_flags.append(p.register_hook(
                         lambda _g, p=p: aliased.__setitem__(id(p), p.grad is not None and p.grad._base is not None)))
 
+        user_hook: list[tuple[Any, Callable[..., Any]]] = []  # the user's own hook, registered after SCOUT's
+
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
-            buffer = bucket.buffer()
+            if user_hook:
+                user_state, user_fn = user_hook[0]
+                return user_fn(user_state, bucket)
             world = dist.get_world_size(group)
+            if isinstance(bucket, tuple):  # DDP's delayed all-reduce path hands (grad, param), result unused
+                grad = bucket[0]
+                grad.div_(world)
+                dist.all_reduce(grad, group=group)
+                return None
+            buffer = bucket.buffer()
             params = bucket.parameters() if view_mode else []
             if any(aliased.get(id(p)) for p in params):
                 for p, g in zip(params, bucket.gradients(), strict=True):
@@ -367,6 +382,7 @@ class ProgressTracker:
             ddp_model.register_comm_hook(None, hook)
         except RuntimeError:
             return False
+        _take_later_hooks(ddp_model, user_hook)
         return True
 
     def remove_hooks(self) -> None:
@@ -376,3 +392,36 @@ class ProgressTracker:
         self._handles.clear()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=1.0)  # it sleeps at most POLL_QUIET_S between looks at `closed`
+
+
+def _take_later_hooks(ddp_model: Any, user_hook: list[tuple[Any, Callable[..., Any]]]) -> None:
+    """Make the DDP instance's hook registration hand the user's hook to SCOUT's, which delegates to it.
+
+    DDP allows one comm hook per model and SCOUT's holds the slot, so a user's own registration after
+    ``enable()`` (a compression hook, PowerSGD) would raise. Registration keeps DDP's checks and its
+    logging of the hook's name, and refuses a second user hook as DDP itself does.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+        ddp_model._check_comm_hook(hook)
+        if user_hook:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if ddp_model.logger is not None:
+            ddp_model.logger._set_comm_hook_name(hook.__qualname__)
+        user_hook.append((state, hook))
+
+    def register_builtin_comm_hook(comm_hook_type: Any) -> None:
+        # The same arithmetic as DDP's C++ built-ins: divide, then all-reduce (FP16: cast, divide, all-reduce).
+        builtins = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                    dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in builtins:
+            raise ValueError(f"unknown built-in DDP comm hook {comm_hook_type!r}")
+        if user_hook:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if ddp_model.logger is not None:
+            ddp_model.logger._set_comm_hook_name(str(comm_hook_type))
+        user_hook.append((ddp_model.process_group, builtins[comm_hook_type]))
+
+    ddp_model.register_comm_hook = register_comm_hook
+    ddp_model._register_builtin_comm_hook = register_builtin_comm_hook
