@@ -245,7 +245,7 @@ def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatc
 
     from scout_core.progress import control
 
-    def in_rank0(world_size, port=0, idle_exit_s=0.0, *, secret=""):
+    def in_rank0(world_size, port=0, idle_exit_s=0.0, *, secret="", bind=""):
         server = dist.TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
         control._IN_PROCESS = server  # lives (and dies) with rank 0's trainer
         return server.port

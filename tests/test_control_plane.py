@@ -1,7 +1,6 @@
-"""The observers' store daemon counts only its own job's closers (issue 32, item 3, in part): its job-wide counters
-live under a secret rank 0 hands it on stdin (never in its command line), so a process that counts the unscoped key
-of an earlier release, or a guessed one, does not stop it. (Any client can still list a TCPStore's keys: see
-docs/security.md.)"""
+"""The observers' control plane against a process outside the job (issue 32, item 3): the store daemon listens on
+the job's one address, and only closers' entries sealed with the job's secret (which rank 0 hands it on stdin, never
+in a command line or a key name) make it exit, whatever an outsider who lists and writes keys does."""
 
 from __future__ import annotations
 
@@ -9,9 +8,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 from torch.distributed import TCPStore
 
 from scout_core.progress.control import CLOSED_KEY, daemon_key, start_store_daemon
+from scout_core.progress.sealed import seal_entry
 from scout_core.testing.launcher import free_port
 
 
@@ -36,6 +37,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_only_the_jobs_secret_stops_the_daemon() -> None:
+    """An outsider who lists the keys and writes whatever it likes cannot make the daemon exit: only closers'
+    entries sealed with the job's secret count, each rank once. The secret is in no key name and no argv."""
     secret = "5e" * 16
     port = start_store_daemon(2, free_port(), idle_exit_s=20.0, secret=secret)  # a port of its own: found in ps
     deadline = time.monotonic() + 10
@@ -44,13 +47,62 @@ def test_only_the_jobs_secret_stops_the_daemon() -> None:
     pids = _daemon_pids(port)
     assert len(pids) == 1
     assert secret.encode() not in Path(f"/proc/{pids[0]}/cmdline").read_bytes()  # not visible to `ps`
+    key = daemon_key(CLOSED_KEY)
+    closer = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+    closer.append(key, seal_entry(secret, key, "0"))  # one of the job's two ranks closed
     outsider = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
-    outsider.add(daemon_key(CLOSED_KEY), 100)  # the unscoped key every earlier release counted
-    outsider.add(f"scout/{'0' * 32}/{CLOSED_KEY}", 100)  # a guessed secret
+    listed = outsider.list_keys()
+    assert not any(secret in k for k in listed), listed
+    copied = outsider.get(key).decode()
+    outsider.append(key, copied + copied)  # the genuine entry again: still one rank
+    outsider.append(key, "1,1:" + "0" * 32 + "," + seal_entry("0" * 32, key, "1"))  # unsealed, and a guessed secret
+    outsider.add(key + "s", 100)
+    outsider.add("scout/closed", 100)  # the unscoped counter an earlier release counted
     time.sleep(6.5)  # the daemon looks every 5 s
     assert _alive(pids[0]), "a process without the job's secret stopped the daemon"
-    outsider.add(daemon_key(CLOSED_KEY, secret), 2)  # the job's own closers, who know it
+    closer.append(key, seal_entry(secret, key, "1"))  # the job's other rank
     deadline = time.monotonic() + 15
     while _alive(pids[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(pids[0])
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+def test_the_daemon_listens_on_one_address_only() -> None:
+    """torch's TCPStore server listens on every interface; the daemon hands it a socket bound to the job's one
+    address, so nobody off this machine reaches a one-machine job's control plane."""
+    port = start_store_daemon(1, free_port(), idle_exit_s=8.0, secret="ab" * 16, bind="127.0.0.1")
+    try:
+        assert _listening(port) == ["0100007F"], _listening(port)  # 127.0.0.1, and no 0.0.0.0 beside it
+        store = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10)).append(
+            daemon_key(CLOSED_KEY), seal_entry("ab" * 16, daemon_key(CLOSED_KEY), "0"))
+
+
+def test_bind_address_follows_where_the_ranks_are(monkeypatch) -> None:
+    from scout_core.progress.control import bind_address
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert bind_address("node-0.example", 8) == "127.0.0.1"  # every rank here: loopback, never resolved
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert bind_address("localhost", 16) == "127.0.0.1"
+    assert bind_address("10.1.2.3", 16) == "10.1.2.3"  # several machines: the job's own interface
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert bind_address("127.0.0.1", 16) == "0.0.0.0"  # other machines must reach it: said in a warning
+    with pytest.raises(RuntimeError, match="does not resolve"):
+        bind_address("no-such-host.invalid", 16)

@@ -4,6 +4,7 @@ repeats suppressed, and what an episode costs at scale (the in-process simulatio
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -140,3 +141,49 @@ def test_an_episode_deferred_on_a_ranks_io_tells_every_observer_to_try_again():
     outcome, _ = _episode(obs, ev, list(range(8)))
     assert [(v.hang_class.value, v.ranks) for v in outcome.verdicts] == [("data_stall", (4,))]
     assert not outcome.deferred
+
+
+def test_values_someone_outside_the_job_wrote_name_nobody():
+    """Anyone who reaches a TCPStore can list and write its keys. With the job's secret every value a verdict is
+    built from is sealed: forged evidence makes the episode name nobody and say why, a forged entry of the
+    closed list is ignored, and a forged verdict is not believed."""
+    from scout_core.progress.sealed import seal
+
+    store, clock = CountingStore(), [0.0]
+    obs = [EpisodeProtocol(store, rank=r, peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=10.0,
+                           clock=lambda: clock[0], secret="f0" * 16) for r in range(8)]
+    ev = {r: _ev(r) for r in range(8)}
+    ev[5] = _ev(5, coordinate=(3, 1), pending=False, seq=44)  # the real culprit
+    store.data["closed"] = b"6,"  # an outsider claims rank 6 closed SCOUT: it is still waited for
+    assert obs[0]._closed_ranks() == set()
+    for r in range(8):
+        obs[r].post(ev[r])
+    forged = dataclasses.replace(ev[2], step=3, op_id=0, pending=False, silent=True, seq=99)
+    store.data["ep/0/r/2"] = json.dumps(forged.to_dict()).encode()  # "rank 2 is behind"
+    starts = {r: clock[0] for r in range(8)}
+    roles = {r: obs[r].claim(0) for r in range(8)}
+    for r in range(8):
+        if roles[r][0]:
+            obs[r].lead_group(0, starts[r])
+    outcome = obs[0].report(0, starts[0])
+    assert [(v.hang_class.value, v.ranks) for v in outcome.verdicts] == [("inconclusive", ())]
+    assert "ep/0/r/2" in outcome.verdicts[0].reason and "outside the job" in outcome.verdicts[0].reason
+    assert [v.ranks for v in obs[3].await_verdict(0, starts[3]).verdicts] == [()]  # every observer reads the same
+    # A verdict written with a guessed secret is not believed either.
+    store.data["ep/1/verdict"] = seal("0" * 32, "ep/1/verdict", json.dumps(
+        {"verdicts": [{"class": "lagging", "ranks": [7], "peer_group": [4, 5, 6, 7], "reason": "forged",
+                       "evidence": {}}]})).encode()
+    assert [v.ranks for v in obs[4]._finish(1, obs[4]._read_verdict(1), reporter=False).verdicts] == [()]
+
+
+def test_sealed_values_leave_the_verdict_as_it_was():
+    """The same episode with and without the secret: sealing changes nothing a verdict is built from."""
+    for secret in ("", "ab" * 16):
+        store, clock = CountingStore(), [0.0]
+        obs = [EpisodeProtocol(store, rank=r, peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=10.0,
+                               clock=lambda clock=clock: clock[0], secret=secret) for r in range(8)]
+        ev = {r: _ev(r) for r in range(8)}
+        ev[0] = _ev(0, coordinate=(3, 1), pending=False, silent=False)
+        outcome, others = _episode(obs, ev, [3, 1, 2, 0, 4, 5, 6, 7])
+        assert [(v.hang_class.value, v.ranks) for v in outcome.verdicts] == [("lagging", (0,))], secret
+        assert all([v.ranks for v in o.verdicts] == [(0,)] for o in others)

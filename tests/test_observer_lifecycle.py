@@ -13,10 +13,11 @@ import pytest
 import torch.distributed as dist
 
 from scout_core.observer_link import ObserverLink
-from scout_core.progress.control import CLOSED_KEY, ControlPlane, daemon_key
+from scout_core.progress.control import ControlPlane, closed_ranks
 from scout_core.progress.episode import CLOSED_LIST
 from scout_core.progress.observer import ObserverSpec, _Closing, _Observer, _release_inherited_files
 from scout_core.progress.record import Phase, ProgressRecord, create_record
+from scout_core.progress.sealed import unseal_entries
 
 
 def _child(busy_s: float, then_s: float, record_path: str) -> int:
@@ -110,8 +111,8 @@ def test_a_closing_rank_is_counted_out_once(tmp_path):
     observer.store = store
     observer._answer_closed()
     observer._closed_messages(store)  # a retry after the first attempt was cut off
-    assert int(store.underlying_store.add(daemon_key(CLOSED_KEY, "c0" * 16), 0)) == 1  # the daemon's own count
-    assert store.get(CLOSED_LIST) == b"3,"
+    assert closed_ranks(store.underlying_store, "c0" * 16) == {"3"}  # the daemon's own list, sealed
+    assert unseal_entries("c0" * 16, CLOSED_LIST, store.get(CLOSED_LIST)) == ["3", "3"]  # the retry: still rank 3
     assert record.observer_busy, "the closing messages keep close() waiting until the observer exits"
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

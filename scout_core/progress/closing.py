@@ -23,6 +23,7 @@ from scout_core.progress.classify import Evidence
 from scout_core.progress.control import CLOSED_KEY, connect, daemon_key
 from scout_core.progress.episode import CLOSED_LIST, EpisodeProtocol
 from scout_core.progress.record import Phase, ProgressRecord, pid_alive
+from scout_core.progress.sealed import seal_entry
 from scout_core.progress.spec import ObserverSpec
 
 __all__ = ["STOP_GRACE_S", "TrainerEnding"]
@@ -111,11 +112,12 @@ class TrainerEnding:
             raise RuntimeError("no store")
         # Short waits: an unreachable store must not hold the trainer's close() (it waits while we are busy).
         store.set_timeout(timedelta(seconds=_CLOSING_STORE_TIMEOUT_S))
-        # Counted once, even if a first attempt was cut off after this message: the daemon exits at world size.
-        if int(store.add(f"closed/{spec.rank}", 1)) == 1:
-            store.append(CLOSED_LIST, f"{spec.rank},")
-            if spec.control.needs_beats:
-                store.underlying_store.add(daemon_key(CLOSED_KEY, self.spec.control.secret), 1)
+        # Sealed entries, read as sets of ranks: a retry after a first attempt was cut off appends the same rank
+        # again and counts once (no unsealed counter an outsider could set to keep this rank off the list).
+        store.append(CLOSED_LIST, seal_entry(spec.control.secret, CLOSED_LIST, str(spec.rank)))
+        if spec.control.needs_beats:
+            key = daemon_key(CLOSED_KEY)
+            store.underlying_store.append(key, seal_entry(spec.control.secret, key, str(spec.rank)))
         if self.record is None or not store.check([f"ep/{self.proto.episode if self.proto else 0}/open"]):
             return
         proto = self._protocol(store)

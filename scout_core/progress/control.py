@@ -28,10 +28,14 @@ what the other machines see when node 0 is gone (see ``observer.py``).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import json
+import logging
 import os
 import secrets
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,16 +44,18 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ControlPlane", "choose_control_plane", "connect", "daemon_key",
+__all__ = ["ControlPlane", "bind_address", "choose_control_plane", "closed_ranks", "connect", "daemon_key",
            "start_store_daemon", "CONTROL_STORE_ENV",
            "DAEMON_IDLE_EXIT_S", "BEAT_KEY", "CLOSED_KEY"]
+
+_log = logging.getLogger(__name__)
 
 CONTROL_STORE_ENV = "SCOUT_CONTROL_STORE"
 DAEMON_IDLE_EXIT_S = 120.0
 """A store daemon with no heartbeat for this long exits (its job is gone)."""
 BEAT_KEY = "beat"
 CLOSED_KEY = "closed"
-"""Each rank's observer adds one when its trainer closes SCOUT; the daemon exits when all have."""
+"""Each rank's observer appends its rank, sealed, when its trainer closes SCOUT; the daemon exits when all have."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +65,9 @@ class ControlPlane:
     kind: str
     """``configured``, ``agent`` (torchrun's store) or ``daemon`` (started by rank 0)."""
     secret: str = ""
-    """A random token only the job's processes know (rank 0 makes it and shares it in the start-up exchange):
-    the daemon's job-wide counters live under it, so nobody who merely reaches the port can stop the daemon."""
+    """A random token only the job's processes know (rank 0 makes it and shares it in the start-up exchange,
+    over the job's process group): the observers seal what a verdict is built from with it
+    (:mod:`scout_core.progress.sealed`), and the daemon's job-wide counters live under it."""
 
     @property
     def needs_beats(self) -> bool:
@@ -85,17 +92,51 @@ def choose_control_plane(configured: str, *, rank: int, world_size: int, bind_po
     Returns None on ranks other than 0 when a daemon is needed: rank 0 starts it and shares its address.
     """
     address = configured or os.environ.get(CONTROL_STORE_ENV, "")
+    # Rank 0's plane, secret included, is the job's (handed to every rank in the start-up exchange).
+    secret = secrets.token_hex(16)
     if address:
-        return ControlPlane(*_parse(address, "observer.control_store"), kind="configured")
+        return ControlPlane(*_parse(address, "observer.control_store"), kind="configured", secret=secret)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR"):
-        return ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), kind="agent")
+        return ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), kind="agent", secret=secret)
     if rank != 0:
         return None
-    import socket
-
     host = advertise or os.environ.get("MASTER_ADDR") or socket.gethostname()
-    secret = secrets.token_hex(16)
-    return ControlPlane(host, start_store_daemon(world_size, bind_port, secret=secret), kind="daemon", secret=secret)
+    bind = bind_address(host, world_size)
+    if bind == LOOPBACK:
+        host = LOOPBACK  # every rank is on this machine: they reach it there
+    port = start_store_daemon(world_size, bind_port, secret=secret, bind=bind)
+    return ControlPlane(host, port, kind="daemon", secret=secret)
+
+
+LOOPBACK = "127.0.0.1"
+WILDCARD = "0.0.0.0"
+
+
+def bind_address(host: str, world_size: int) -> str:
+    """The one address the store daemon listens on: where the job's ranks reach it, and no other interface.
+
+    Loopback when every rank runs on this machine (the launcher's ``LOCAL_WORLD_SIZE`` equals the world size)
+    or when ``host`` (the address the daemon advertises) is a loopback address; otherwise the address ``host``
+    resolves to here, which must be one of this machine's. The one exception: a multi-machine job whose
+    advertised name resolves to loopback here (Debian's ``127.0.1.1`` for the hostname) listens on every
+    interface, as before, with a warning; set ``observer.store_addr`` to this machine's address to avoid it.
+    """
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) == world_size:
+        return LOOPBACK
+    try:
+        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise RuntimeError(f"the store daemon's address {host!r} does not resolve here ({exc}); set "
+                           "observer.store_addr to this machine's address") from exc
+    if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+        return address
+    if local.isdigit() and int(local) < world_size:
+        _log.warning("SCOUT's store daemon listens on every interface: its advertised address %r resolves to "
+                     "loopback (%s) here, and ranks on other machines must reach it; set observer.store_addr "
+                     "to this machine's address", host, address)
+        return WILDCARD
+    return address if address.startswith("127.") else LOOPBACK
 
 
 def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> Any:
@@ -111,8 +152,8 @@ DAEMON_START_S = 60.0
 
 
 def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S, *,
-                       secret: str = "") -> int:
-    """Start a store daemon detached from this process; return the port it serves.
+                       secret: str = "", bind: str = LOOPBACK) -> int:
+    """Start a store daemon detached from this process, listening on ``bind`` only; return the port it serves.
 
     A fresh interpreter (``python -m scout_core.progress.control``), not a fork of the trainer: the trainer
     may run CUDA, NCCL and threads whose locks a forked child would inherit held. It forks once more at
@@ -138,7 +179,7 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
         )
         assert first.stdout is not None and first.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # the secret on stdin: never in its command line (ps shows that)
-            first.stdin.write(secret.encode() + b"\n")
+            first.stdin.write(json.dumps({"secret": secret, "bind": bind}).encode() + b"\n")
             first.stdin.close()
         line = b""
         with selectors.DefaultSelector() as sel:  # not select(): the pipe's number may be above 1023
@@ -162,13 +203,18 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
 
 
 def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
-    secret = sys.stdin.readline().strip()
+    given = json.loads(sys.stdin.readline())
+    secret, bind = str(given["secret"]), str(given["bind"])
     if os.fork() > 0:  # detach: our parent (rank 0) reaps this first process at once
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
     from torch.distributed import TCPStore
 
-    server = TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    # torch's own server listens on every interface: the socket is made here, on the one address, and handed over.
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    listener = socket.create_server((bind, port), family=family, backlog=1024)
+    server = TCPStore(bind, listener.getsockname()[1], None, True, timeout=timedelta(seconds=30),
+                      wait_for_workers=False, master_listen_fd=listener.fileno())
     print(server.port, flush=True)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
@@ -176,20 +222,31 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     last, since = None, time.monotonic()
     while True:
         time.sleep(min(5.0, idle_exit_s / 4))
-        if int(server.add(daemon_key(CLOSED_KEY, secret), 0)) >= world_size:
+        if len(closed_ranks(server, secret)) >= world_size:
             time.sleep(1.0)  # let the last closers finish their message
             return
-        beats = server.add(daemon_key(BEAT_KEY, secret), 0)
+        beats = server.add(daemon_key(BEAT_KEY), 0)
         if beats != last:
             last, since = beats, time.monotonic()
         elif time.monotonic() - since > idle_exit_s:
             return
 
 
-def daemon_key(key: str, secret: str = "") -> str:
-    """The raw (unprefixed) key of a daemon-wide counter, for ``store.underlying_store``. One daemon serves one
-    job, so it needs no run id; the job's secret keeps anyone else from counting."""
-    return f"scout/{secret}/{key}" if secret else f"scout/{key}"
+def daemon_key(key: str) -> str:
+    """The raw (unprefixed) key of a daemon-wide value, for ``store.underlying_store``. One daemon serves one
+    job, so it needs no run id. Never the secret: any client can list a TCPStore's keys."""
+    return f"scout/daemon/{key}"
+
+
+def closed_ranks(store: Any, secret: str) -> set[str]:
+    """The ranks whose observers said their trainer closed SCOUT, from the daemon-wide list: only entries sealed
+    with the job's secret count, each rank once, so nobody outside the job can make the daemon exit."""
+    from scout_core.progress.sealed import unseal_entries
+
+    key = daemon_key(CLOSED_KEY)
+    if not store.check([key]):
+        return set()
+    return set(unseal_entries(secret, key, store.get(key)))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ class VerdictReporting:
                     self.spec.on_incident(inc)
                 except Exception:  # a user callback must not kill the observer
                     traceback.print_exc()
-        if stop_on_verdict and incidents and not self._trainer_gone():
+        # A verdict over values someone outside the job wrote names nobody and never stops a trainer.
+        steered = any("tampered" in v.evidence for v in outcome.verdicts)
+        if stop_on_verdict and incidents and not steered and not self._trainer_gone():
             if not self._trainer_closing():  # a trainer closing SCOUT is ending already: its close is not cut short
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.spec.trainer_pid, signal.SIGTERM)

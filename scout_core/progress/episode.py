@@ -15,8 +15,8 @@ Keys, under the job's prefix (``scout/<run id>/``):
   writes a ``resolved`` record when it is no longer zero;
 * ``named``: ranks named by the last verdict with their record sequence, so that a later
   episode over the same stopped ranks (peers that went silent later) does not repeat it;
-* ``closed/<rank>`` (a counter: appended to ``closed`` once) and ``closed``, the list of those ranks: their
-  trainers closed SCOUT; a leader counts them gone, not lost, and does not wait for them.
+* ``closed``: the list of ranks whose trainers closed SCOUT (each entry sealed; a rank may appear twice after a
+  retried close); a leader counts them gone, not lost, and does not wait for them.
 
 Costs per episode: every observer posts once and reads the verdict (O(1)); a group leader
 reads its group (O(peer group)); the reporter reads one summary per group. While healthy an
@@ -24,6 +24,10 @@ observer sends one ``check`` of ``ep/<n>/open`` per heartbeat and nothing else.
 
 Leadership is first come, first served (``compare_set`` on an absent key): no observer is
 special, so the death of any rank, rank 0 included, leaves the protocol whole.
+
+Evidence, summaries, the verdict, ``named`` and the closed list are sealed with the job's secret
+(:mod:`scout_core.progress.sealed`): a value someone outside the job wrote makes its episode's verdict name
+nobody and say so, and never stops a trainer.
 """
 
 from __future__ import annotations
@@ -37,10 +41,11 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-from scout_core.progress.classify import Evidence, HangVerdict, classify_group, deferred, merge
+from scout_core.progress.classify import Evidence, HangClass, HangVerdict, classify_group, deferred, merge
 from scout_core.progress.record import Phase
+from scout_core.progress.sealed import TamperedValue, seal, unseal, unseal_entries
 
-__all__ = ["CLOSED_LIST", "EpisodeProtocol", "EpisodeOutcome"]
+__all__ = ["CLOSED_LIST", "EpisodeProtocol", "EpisodeOutcome", "tampered_verdict"]
 
 CLOSED_LIST = "closed"
 """Comma-separated ranks whose trainer closed SCOUT (each observer appends its own once)."""
@@ -64,8 +69,9 @@ class EpisodeProtocol:
 
     def __init__(self, store: Any, *, rank: int, peer_groups: Sequence[Sequence[int]], hosts: Mapping[int, str],
                  gather_timeout_s: float, heartbeat_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 gid: int | None = None) -> None:
+                 gid: int | None = None, secret: str = "") -> None:
         self.store = store
+        self.secret = secret  # the job's: seals what a verdict is built from (empty: the in-process simulations)
         self.rank = rank
         self.groups = peer_groups  # shared, never copied: a 100k-rank simulation holds 100k of these
         self.gid = gid if gid is not None else next(i for i, g in enumerate(peer_groups) if rank in g)
@@ -105,8 +111,15 @@ class EpisodeProtocol:
     # The steps of run(), apart so that the scale simulation can drive thousands of observers in order.
 
     def post(self, mine: Evidence) -> float:
-        self.store.set(f"ep/{self.episode}/r/{self.rank}", json.dumps(mine.to_dict()))
+        self._put(f"ep/{self.episode}/r/{self.rank}", mine.to_dict())
         return self.clock()
+
+    def _put(self, key: str, doc: Any) -> None:
+        self.store.set(key, seal(self.secret, key, json.dumps(doc, sort_keys=True)))
+
+    def _read(self, key: str, raw: bytes) -> Any:
+        """A value this job's observers wrote under ``key``; TamperedValue where someone else wrote it."""
+        return json.loads(unseal(self.secret, key, raw))
 
     def claim(self, n: int) -> tuple[bool, bool]:
         """First come, first served: (we lead our group, we report the episode)."""
@@ -135,7 +148,7 @@ class EpisodeProtocol:
             return bool(self.store.check(keys))
 
     def lead_group(self, n: int, start: float) -> None:
-        self.store.set(f"ep/{n}/g/{self.gid}", json.dumps(self._summarize(n, self.gid, start + self.gather_timeout_s)))
+        self._put(f"ep/{n}/g/{self.gid}", self._summarize(n, self.gid, start + self.gather_timeout_s))
 
     def _summarize(self, n: int, gid: int, deadline: float) -> dict[str, Any]:
         group = self.groups[gid]
@@ -150,17 +163,26 @@ class EpisodeProtocol:
             present = [r for r, k in zip(waited, keys, strict=True) if self.store.check([k])]
         present += [r for r in group if r in closed and self.store.check([f"ep/{n}/r/{r}"])]  # posted at close
         values = self.store.multi_get([f"ep/{n}/r/{r}" for r in present]) if present else []
-        evidence = {r: Evidence.from_dict(json.loads(v)) for r, v in zip(present, values, strict=True)}
+        evidence, tampered = {}, []
+        for r, v in zip(present, values, strict=True):
+            try:
+                evidence[r] = Evidence.from_dict(self._read(f"ep/{n}/r/{r}", v))
+            except TamperedValue as bad:
+                tampered.append(bad.key)
         for r in group:
             if r not in evidence and r in closed:
                 evidence[r] = Evidence(rank=r, step=-1, op_id=0, phase=int(Phase.CLOSED), pending=False, fp_hash=0,
                                        fingerprint="", silent_s=0.0, silent=True, alive=False)
-        return classify_group(group, evidence)
+        summary = classify_group(group, evidence)
+        if tampered:  # the verdict is not built from it (the reporter names nobody)
+            summary["tampered"] = tampered
+        return summary
 
     def _closed_ranks(self) -> set[int]:
         if not self.store.check([CLOSED_LIST]):
             return set()
-        return {int(r) for r in self.store.get(CLOSED_LIST).decode().split(",") if r}
+        return {int(r) for r in unseal_entries(self.secret, CLOSED_LIST, self.store.get(CLOSED_LIST))
+                if r.isdigit()}
 
     def report(self, n: int, start: float) -> EpisodeOutcome:
         keys = [f"ep/{n}/g/{g}" for g in range(len(self.groups))]
@@ -172,27 +194,50 @@ class EpisodeProtocol:
         else:
             present = [g for g, k in enumerate(keys) if self.store.check([k])]
         values = self.store.multi_get([keys[g] for g in present]) if present else []
-        summaries = [json.loads(v) for v in values]
+        summaries, tampered = [], []
+        for g, v in zip(present, values, strict=True):
+            try:
+                summaries.append(self._read(keys[g], v))
+            except TamperedValue as bad:
+                tampered.append(bad.key)
         for g in sorted(set(range(len(self.groups))) - set(present)):
             summaries.append(self._summarize(n, g, self.clock()))
+        tampered += [k for s in summaries for k in s.get("tampered", [])]
+        if tampered:
+            verdict = tampered_verdict(tampered)
+            self._put(f"ep/{n}/verdict", {"verdicts": [verdict.to_dict()], "repeat": False, "reporter": self.rank,
+                                          "deferred": False})
+            self.store.compare_set("ep", str(n), str(n + 1))
+            self.episode = n + 1
+            return EpisodeOutcome(n, [verdict], reporter=True)
         verdicts = merge(summaries, self.hosts)
         named = {r: seq for s in summaries for r, seq in s["named"].items()
                  if any(int(r) in v.ranks for v in verdicts)}
         lost = sorted(r for v in verdicts if v.hang_class.value == "lost" for r in v.ranks)
         signature = {"named": named, "lost": lost}
-        previous = self.store.get("named").decode() if self.store.check(["named"]) else ""
-        repeat = bool(verdicts) and json.dumps(signature, sort_keys=True) == previous
+        previous = None
+        if self.store.check(["named"]):
+            try:
+                previous = self._read("named", self.store.get("named"))
+            except TamperedValue:
+                previous = None  # not ours: the verdict is written again rather than suppressed
+        signature = json.loads(json.dumps(signature))  # as it reads back: keys are strings
+        repeat = bool(verdicts) and signature == previous
         if verdicts and not repeat:
-            self.store.set("named", json.dumps(signature, sort_keys=True))
+            self._put("named", signature)
         later = deferred(summaries, verdicts)
-        self.store.set(f"ep/{n}/verdict", json.dumps({"verdicts": [v.to_dict() for v in verdicts],
-                                                      "repeat": repeat, "reporter": self.rank, "deferred": later}))
+        self._put(f"ep/{n}/verdict", {"verdicts": [v.to_dict() for v in verdicts], "repeat": repeat,
+                                      "reporter": self.rank, "deferred": later})
         self.store.compare_set("ep", str(n), str(n + 1))
         self.episode = n + 1
         return EpisodeOutcome(n, verdicts, reporter=True, repeat=repeat, deferred=later)
 
     def _read_verdict(self, n: int) -> dict[str, Any]:
-        return json.loads(self.store.get(f"ep/{n}/verdict"))
+        key = f"ep/{n}/verdict"
+        try:
+            return self._read(key, self.store.get(key))
+        except TamperedValue:
+            return {"verdicts": [tampered_verdict([key]).to_dict()]}
 
     def _finish(self, n: int, doc: Mapping[str, Any], *, reporter: bool) -> EpisodeOutcome:
         self.episode = max(self.episode, n + 1, int(self.store.add("ep", 0)))
@@ -207,3 +252,12 @@ class EpisodeProtocol:
 
     def resumed(self, n: int) -> bool:
         return int(self.store.add(f"ep/{n}/moved", 0)) > 0
+
+
+def tampered_verdict(keys: Sequence[str]) -> HangVerdict:
+    """The verdict of an episode whose values did not all verify: nobody is named, and it says why."""
+    shown = ", ".join(list(keys)[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return HangVerdict(HangClass.INCONCLUSIVE, (), (),
+                       f"the control store holds values this job's observers did not write ({shown}): a process "
+                       "outside the job reached the store, so this episode names no rank",
+                       {"tampered": sorted(keys)[:16]})

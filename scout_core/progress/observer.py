@@ -136,7 +136,8 @@ class _Observer(TrainerEnding, VerdictReporting):
     def _protocol(self, store: Any) -> EpisodeProtocol:
         spec = self.spec
         return EpisodeProtocol(store, rank=spec.rank, peer_groups=spec.peer_groups, hosts=spec.hosts,
-                               gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s)
+                               gather_timeout_s=spec.gather_timeout_s, heartbeat_s=spec.heartbeat_s,
+                               secret=spec.control.secret)
 
     def _evidence(self, snap: ProgressSnapshot, silent_s: float, *, silent: bool, alive: bool) -> Evidence:
         """What we post for our rank, from one read of its record."""
@@ -196,7 +197,7 @@ class _Observer(TrainerEnding, VerdictReporting):
                     retry_at = None
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
-                    self.store.underlying_store.add(daemon_key(BEAT_KEY, self.spec.control.secret), 1)
+                    self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
                 if gone and gone_until is None:
                     # Answer for the dead trainer until an episode names someone: its peers may only go silent
                     # later (on NCCL they wait in a collective; on gloo theirs fail at once).
