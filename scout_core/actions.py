@@ -35,7 +35,8 @@ from typing import Any
 from scout_core.config import ScoutConfig
 from scout_core.report import Incident, IncidentKind, IncidentScope, drains_machine
 
-__all__ = ["ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions", "verdict_summary"]
+__all__ = ["ExclusionsError", "ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions",
+           "verdict_summary"]
 
 _ACTIONABLE_KINDS = {IncidentKind.SDC, IncidentKind.STRAGGLER, IncidentKind.HANG, IncidentKind.DATA_STALL,
                      IncidentKind.CHECKPOINT_STALL}
@@ -73,11 +74,7 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
     """
     from scout_core.checkpoint.store import atomic_write
 
-    try:
-        with open(path, encoding="utf-8") as fh:
-            current = json.load(fh)
-    except (FileNotFoundError, json.JSONDecodeError):
-        current = {"hosts": [], "ranks": [], "verdicts": []}
+    current = _read_exclusions(path)
     if "drain" not in current:  # a file from before the list existed: its verdicts name the machines too
         current["drain"] = sorted({h for v in current["verdicts"] if drains_machine(v["kind"], v["scope"])
                                    for h in _named_hosts(v)})
@@ -95,6 +92,50 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     atomic_write(path, json.dumps(current, indent=1, sort_keys=True).encode())
+    return current
+
+
+class ExclusionsError(ValueError):
+    """The hosts-to-exclude file holds something SCOUT did not write: it is left as it is, and not merged into."""
+
+
+def _read_exclusions(path: str) -> dict[str, Any]:
+    """The file's content, checked field by field; an empty or missing file is a fresh one. Anything else that is
+    not the file's shape raises :class:`ExclusionsError` naming it: a scheduler drains what it lists, so SCOUT
+    neither guesses at a foreign file nor overwrites it."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raw = b""
+    except OSError as exc:
+        raise ExclusionsError(f"{path}: cannot read the hosts-to-exclude file ({exc})") from None
+    if not raw.strip():
+        return {"hosts": [], "ranks": [], "verdicts": []}
+    try:
+        current = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ExclusionsError(f"{path}: not a hosts-to-exclude file (not JSON: {exc})") from None
+
+    def listed(value: Any, kind: type) -> bool:
+        return isinstance(value, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in value)
+
+    problem = ""
+    if not isinstance(current, dict):
+        problem = f"a JSON object was expected, not {type(current).__name__}"
+    elif not all(listed(current.get(k, []), str) for k in ("hosts", "drain")) \
+            or not listed(current.get("ranks", []), int) or not listed(current.get("verdicts", []), dict):
+        problem = "hosts, drain, ranks and verdicts must be lists of host names, ranks and verdicts"
+    else:
+        for v in current.get("verdicts", []):
+            if not (isinstance(v.get("kind"), str) and isinstance(v.get("scope"), str) and listed(v.get("ranks"), int)
+                    and listed(v.get("hosts"), str)):
+                problem = f"a verdict without kind, scope, ranks and hosts: {json.dumps(v)[:80]}"
+                break
+    if problem:
+        raise ExclusionsError(f"{path}: not a hosts-to-exclude file ({problem}); it is left as it is")
+    for k in ("hosts", "ranks", "verdicts"):
+        current.setdefault(k, [])
     return current
 
 

@@ -146,10 +146,10 @@ def wait_applied(run: str, command_id: str, *, timeout_s: float, directory: str 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists():
-            for line in path.read_text().splitlines():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 with contextlib.suppress(json.JSONDecodeError):
                     answer = json.loads(line)
-                    if answer.get("id") == command_id:
+                    if isinstance(answer, dict) and answer.get("id") == command_id:
                         return answer
         time.sleep(0.2)
     return None

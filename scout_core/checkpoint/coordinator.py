@@ -362,14 +362,17 @@ def record_decision(path: str, decision: Any, *, certifier: Certifier | None = N
 
 
 def read_records(path: str) -> list[dict[str, Any]]:
-    """Every decision and resume record, oldest first (a torn last line is ignored)."""
+    """Every decision and resume record, oldest first (a torn last line, or a line that is not a JSON object,
+    is ignored)."""
     if not os.path.exists(path):
         return []
     out = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
             try:
-                out.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict):
+                out.append(record)
     return out

@@ -194,11 +194,8 @@ class FrameworkCheckpoints:
         try:
             with open(self.path, encoding="utf-8") as fh:
                 data = json.load(fh)
-            self.entries = {int(k): dict(v) for k, v in data.get("checkpoints", {}).items()}
-            self.stopped_for = data.get("stopped_for")
-            self.set_aside = [str(p) for p in data.get("set_aside", [])]
-            self.ended_normally = bool(data.get("ended_normally", False))
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            self.entries, self.stopped_for, self.set_aside, self.ended_normally = _parse_labels(data)
+        except (OSError, ValueError) as exc:
             # A torn or foreign file must not stop the restart: without labels nothing counts as verified.
             _log.error("SCOUT: cannot read checkpoint labels %s (%s): treating every checkpoint as unlabelled",
                        self.path, exc)
@@ -337,3 +334,32 @@ class FrameworkCheckpoints:
             _log.warning("SCOUT: checkpoints of steps %s are newer than the restart point and no longer labelled",
                          dropped)
         self._write()
+
+
+_LABELS = ("latest", "candidate", "verified", "rejected")
+
+
+def _parse_labels(data: Any) -> tuple[dict[int, dict[str, Any]], str | None, list[str], bool]:
+    """The labels file's content, checked field by field (it is read at a restart, and may be torn, foreign or
+    edited by hand); ValueError says what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a labels file is a JSON object, not {type(data).__name__}")
+    checkpoints = data.get("checkpoints", {})
+    if not isinstance(checkpoints, dict):
+        raise ValueError("checkpoints is not an object")
+    entries = {}
+    for key, entry in checkpoints.items():
+        if not (isinstance(key, str) and key.isdigit()) or not isinstance(entry, dict) \
+                or entry.get("label") not in _LABELS:
+            raise ValueError(f"checkpoint entry {str(key)[:20]!r} is not a step with a label")
+        entries[int(key)] = dict(entry)
+    stopped_for = data.get("stopped_for")
+    if stopped_for is not None and (not isinstance(stopped_for, str) or stopped_for not in set(FailureKind)):
+        raise ValueError(f"stopped_for {str(stopped_for)[:40]!r} is not a failure kind")
+    set_aside = data.get("set_aside", [])
+    if not isinstance(set_aside, list):
+        raise ValueError("set_aside is not a list")
+    ended = data.get("ended_normally", False)
+    if not isinstance(ended, bool):
+        raise ValueError("ended_normally is not true or false")
+    return entries, stopped_for, [str(p) for p in set_aside], ended

@@ -66,7 +66,7 @@ def default_memory_root(directory: str, memory_dir: str = "") -> str:
 def read_nonce(folder: str) -> str | None:
     """The nonce of the checkpoint ``folder`` (None: it has none); a file that is not a nonce raises."""
     try:
-        with open(os.path.join(folder, NONCE), encoding="ascii") as fh:
+        with open(os.path.join(folder, NONCE), encoding="ascii", errors="replace") as fh:
             nonce = fh.read().strip()
     except FileNotFoundError:
         return None

@@ -243,7 +243,10 @@ class DurableStore:
                 meta = json.loads(fh.read())
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
-        if meta.get("generation") != generation or meta.get("world_size") != self.world_size:
+        # A sidecar of another shape (torn, foreign, edited) is a shard not committed, never an error.
+        if not isinstance(meta, dict) or meta.get("generation") != generation \
+                or meta.get("world_size") != self.world_size or not isinstance(meta.get("bytes"), int) \
+                or not isinstance(meta.get("sha256"), str) or not isinstance(meta.get("role"), str):
             return None
         return meta
 

@@ -258,10 +258,10 @@ class Catalog:
     def load(cls, path: str | os.PathLike[str], *, expect: dict[str, Any] | None = None) -> Catalog:
         """Read a catalog; with ``expect`` (:func:`catalog_environment` now, or the part of it the caller
         knows, e.g. device and versions at run time), reject it when any of those facts changed."""
-        with open(path, encoding="utf-8") as fh:
+        with open(path, "rb") as fh:
             try:
-                body = json.load(fh)
-            except json.JSONDecodeError as exc:
+                body = json.loads(fh.read())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{path}: not a SCOUT catalog (invalid JSON: {exc})") from None
         fmt = body.get("format") if isinstance(body, dict) else None
         if fmt != CATALOG_FORMAT:
@@ -269,6 +269,9 @@ class Catalog:
         if body.get("version") != CATALOG_VERSION:
             raise ValueError(f"{path}: catalog version {body.get('version')}, this SCOUT reads "
                              f"{CATALOG_VERSION}")
+        problem = _shape_problem(body)
+        if problem:
+            raise ValueError(f"{path}: not a SCOUT catalog ({problem})")
         catalog = cls(environment=body["environment"], entries=body["entries"])
         if expect is not None:
             changed = sorted(k for k in expect if catalog.environment.get(k) != expect[k])
@@ -278,6 +281,24 @@ class Catalog:
                 raise CatalogDrift(f"{path}: the catalog was built for another environment ({detail}); "
                                    f"rebuild it with `scout catalog build`")
         return catalog
+
+
+def _shape_problem(body: dict[str, Any]) -> str:
+    """What is wrong with a catalog file's fields ("" when nothing): it is read at start-up, and may be foreign."""
+    def ints(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+    if not isinstance(body.get("environment"), dict):
+        return "environment is not an object"
+    entries = body.get("entries")
+    if not isinstance(entries, list):
+        return "entries is not a list"
+    for e in entries:
+        if not (isinstance(e, dict) and isinstance(e.get("layer"), str) and isinstance(e.get("position"), int)
+                and isinstance(e.get("admitted"), int) and ints(e.get("representatives"))
+                and isinstance(e.get("groups", {}), dict)):
+            return f"an entry without layer, position, admitted and representatives: {json.dumps(e)[:80]}"
+    return ""
 
 
 def admitted_problems(spec: MoESpec) -> Iterator[tuple[str, int, int, ExpertProblem]]:

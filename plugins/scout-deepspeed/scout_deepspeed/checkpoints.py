@@ -77,7 +77,7 @@ def _plan(folder: str) -> dict[str, Any] | None:
 def _latest(folder: str) -> str | None:
     """The tag DeepSpeed's ``latest`` names, or None."""
     try:
-        with open(os.path.join(folder, LATEST), encoding="utf-8") as fh:
+        with open(os.path.join(folder, LATEST), encoding="utf-8", errors="replace") as fh:
             return fh.read().strip() or None
     except OSError:
         return None

@@ -59,9 +59,9 @@ def iteration_dir(folder: str, iteration: int) -> str:
 
 def _tracked(folder: str) -> int | None:
     try:
-        with open(os.path.join(folder, TRACKER), encoding="utf-8") as fh:
+        with open(os.path.join(folder, TRACKER), encoding="utf-8", errors="replace") as fh:
             text = fh.read().strip()
-        return int(text) if text.isdigit() else None
+        return int(text) if text.isascii() and text.isdigit() else None  # "²".isdigit() too
     except OSError:
         return None
 
