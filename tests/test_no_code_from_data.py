@@ -183,7 +183,9 @@ def test_call_metadata_from_a_peer_is_checked_field_by_field() -> None:
             "rng": {"cpu": torch.zeros(4, dtype=torch.uint8)}}
     assert decode_metadata(wire.encode({0: good}), 3)[0]["tensors"] == [((2, 3), torch.float32, "cpu")]
     for broken in ({**good, "tensors": [((-1,), torch.float32, "cpu")]}, {**good, "extra": 1},
-                   {**good, "rng": {"cpu": "state"}}, {**good, "tensors": [((2,), torch.float32, "gpu9")]}):
+                   {**good, "rng": {"cpu": "state"}}, {**good, "tensors": [((2,), torch.float32, "gpu9")]},
+                   {**good, "tensors": [((1 << 40, 1 << 20), torch.float32, "cuda")]},  # a flipped high bit
+                   {**good, "grads": {0: ((1 << 36,), torch.float64, "cpu")}}):
         with pytest.raises(NotShippable, match="rank 3"):
             decode_metadata(wire.encode({0: broken}), 3)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 import sys
 import types
 from typing import Any
@@ -295,6 +296,11 @@ def encode_metadata(metas: dict[int, dict[str, Any] | None]) -> bytes:
                         for idx, m in metas.items()})
 
 
+MAX_CALL_BYTES = 64 << 30
+"""The most a replayed call's tensors may announce (64 GiB): a shape corrupted on its way (a flipped bit in a
+dimension) is refused by every peer alike, from the same bytes, before any of them allocates a buffer."""
+
+
 def _layout(value: Any, where: str) -> tuple[tuple[int, ...], torch.dtype, str]:
     ok = (isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], tuple)
           and all(type(n) is int and n >= 0 for n in value[0]) and isinstance(value[1], torch.dtype)
@@ -323,7 +329,12 @@ def decode_metadata(raw: bytes, src: int) -> dict[int, dict[str, Any] | None]:
                 and all(type(i) is int for i in m["grads"]) and isinstance(m["rng"], dict)
                 and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in m["rng"].items())):
             raise NotShippable(f"{where}: layer {idx}'s metadata is malformed")
-        out[idx] = {"spec": decode_spec(m["spec"]), "tensors": [_layout(t, where) for t in m["tensors"]],
-                    "mask": m["mask"], "grads": {i: _layout(g, where) for i, g in m["grads"].items()},
+        tensors = [_layout(t, where) for t in m["tensors"]]
+        grads = {i: _layout(g, where) for i, g in m["grads"].items()}
+        announced = sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in [*tensors, *grads.values()])
+        if announced > MAX_CALL_BYTES:
+            raise NotShippable(f"{where}: layer {idx}'s call announces {announced} bytes of tensors, more than "
+                               f"{MAX_CALL_BYTES} (a corrupted shape?)")
+        out[idx] = {"spec": decode_spec(m["spec"]), "tensors": tensors, "mask": m["mask"], "grads": grads,
                     "rng": m["rng"]}
     return out
