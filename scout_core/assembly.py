@@ -195,16 +195,36 @@ def build_checkpoint(parts: ScoutParts) -> CheckpointCoordinator:
     job = job_name(cfg.report.run_id, configured=bool(cfg.report.run_id))
     nonce, fresh = share_nonce(directory, rank=parts.rank, group=parts.groups.world_control,
                                on_error=lambda exc: parts.guard.report(None, "checkpoint", exc, "the job nonce"))
-    memory = MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=parts.rank,
-                         hosts=parts.hosts, fallback=os.path.join(directory, "memory"), token=job_token(job, nonce),
-                         fresh=fresh)
+    # Folders are checked on each machine (owner, mode, links): one machine's refusal fails enable() on every
+    # rank, at once, rather than leaving the others in the next collective until the launcher's timeout.
+    memory, durable = on_every_rank("the checkpoint folders", parts.groups.world_control, lambda: (
+        MemorySlots(default_memory_root(directory, cfg.checkpoint.memory_dir), rank=parts.rank, hosts=parts.hosts,
+                    fallback=os.path.join(directory, "memory"), token=job_token(job, nonce), fresh=fresh),
+        DurableStore(directory, parts.rank, parts.world_size)))
     return CheckpointCoordinator(
-        parts.snapshots, DurableStore(directory, parts.rank, parts.world_size),
+        parts.snapshots, durable,
         new_certifier(parts), memory=memory, control_group=parts.groups.world_control,
         replicate=cfg.checkpoint.replicate_to_peer, decisions_path=os.path.join(directory, "decisions.jsonl"),
         keep_generations=cfg.checkpoint.keep_generations,
         on_error=lambda exc, where: parts.guard.report(parts.step(), "checkpoint", exc, where),
         extra_later=parts.adapter.get_state is not None)
+
+
+def on_every_rank(what: str, group: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` on this rank; where it failed on any rank, every rank raises (the failing ones their own
+    error, the others one that names the first failing rank and its error)."""
+    built, error, mine = None, "", None
+    try:
+        built = build()
+    except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
+        error, mine = f"{type(exc).__name__}: {exc}", exc
+    failed = [(r, e) for r, e in enumerate(all_gather_data(error, group, what=what)) if e]
+    if mine is not None:
+        raise mine
+    if failed:
+        more = f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise RuntimeError(f"SCOUT could not set up {what} on rank {failed[0][0]}{more}: {failed[0][1]}")
+    return built
 
 
 def new_certifier(parts: ScoutParts) -> Certifier:

@@ -111,3 +111,41 @@ def test_the_control_folder_refuses_another_users_run_folder_before_deleting_any
     with pytest.raises(ControlError, match="belongs to"):
         RunControl(cfg, run_id="run-1", rank=0, world_control=None)
     assert (planted / "keep").read_text() == "theirs"  # refused before the fresh start removed anything
+
+
+def _enable_with_one_bad_machine(ctx):
+    import time
+
+    import scout_core
+    from integrations_tests.models import start_rank
+    from scout_core.config import load
+
+    ctx.args.update(faults=[], seed=0, layout="ddp")
+    _, _, par, opt = start_rank(ctx, timeout_s=60)
+    d = ctx.args["dir"]
+    memory = f"{d}/open/slots" if ctx.rank == 1 else f"{d}/shm"  # rank 1's machine: under a folder anyone writes
+    cfg = load(None, ["checkpoint.enabled=true", f"checkpoint.directory={d}/ckpt", f"checkpoint.memory_dir={memory}",
+                      f"report.jsonl_path={d}/inc.jsonl", "report.log_level=ERROR", "observer.enabled=false"])
+    start = time.monotonic()
+    try:
+        scout_core.enable(par.model, opt, config=cfg).close(discard_snapshots=True)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": f"{type(exc).__name__}: {exc}", "s": time.monotonic() - start}
+    return {"error": "", "s": time.monotonic() - start}
+
+
+def test_a_folder_refused_on_one_machine_fails_enable_on_every_rank_at_once(tmp_path: Path) -> None:
+    """Folders are checked where they are (each machine its own slot folder): the refusal on one rank reaches
+    every rank in the same start-up step, instead of leaving the others in their next collective until the
+    launcher's timeout."""
+    from scout_core.testing.launcher import launch
+
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)  # writable by all, no sticky bit
+    result = launch(_enable_with_one_bad_machine, 3, timeout_s=90, args={"dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    values = result.values()
+    assert values[1]["error"].startswith("UnsafeFolderError"), values[1]
+    for r in (0, 2):
+        assert values[r]["error"].startswith("RuntimeError: SCOUT could not set up the checkpoint folders on rank 1")
+        assert values[r]["s"] < 30, values[r]
