@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core.progress.collectives import install_collective_hooks, late_bound, uninstall_collective_hooks
+from scout_core.progress.ddp_hooks import FutureWork, take_later_hooks
 from scout_core.progress.fingerprint import CollectiveFingerprint, fingerprint_bucket
 from scout_core.progress.record import Phase, ProgressRecord
 from scout_core.replay.calls import tensor_leaves
@@ -328,12 +329,14 @@ class ProgressTracker:
         Same arithmetic as DDP's default (average over the group). Returns False
         when the model already has a comm hook (DDP allows one): the buckets then
         stay invisible and hang verdicts for them are group-scoped. A hook the user
-        registers afterwards (``register_comm_hook``, or a built-in such as
+        registers afterwards (``ddp.register_comm_hook``, or a built-in such as
         FP16_COMPRESS) takes over the arithmetic: SCOUT's hook hands every bucket to
-        it untouched, and its collectives are published by the collective wrappers.
+        it untouched and publishes the bucket as one collective, whatever the hook
+        runs inside (the collectives a hook issues from its futures' callbacks run
+        on the transport's threads, counted on some ranks and not on others).
         """
-        if "register_comm_hook" in vars(ddp_model):  # SCOUT's hook holds the slot already
-            return False
+        if "register_comm_hook" in vars(ddp_model) or getattr(ddp_model, "_comm_hooks", None):
+            return False  # SCOUT's hook holds the slot already, or the user's does
         group = ddp_model.process_group
         tracker = self
         # DDP scales each gradient as its own reduction would: times the reciprocal of the world size as it copies
@@ -348,19 +351,20 @@ class ProgressTracker:
                     self._ddp_flags.append(p.register_hook(
                         lambda _g, p=p: aliased.__setitem__(id(p), p.grad is not None and p.grad._base is not None)))
 
-        user_hook: list[tuple[Any, Callable[..., Any]]] = []  # the user's own hook, registered after SCOUT's
+        user_hook: list[tuple[Any, Callable[..., Any], bool]] = []  # (state, hook, built-in), registered after
 
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
-            if user_hook:
-                user_state, user_fn = user_hook[0]
-                return user_fn(user_state, bucket)
             world = dist.get_world_size(group)
-            if isinstance(bucket, tuple):  # DDP's delayed all-reduce path hands (grad, param), result unused
-                grad = bucket[0]
+            if isinstance(bucket, tuple):  # DDP's Python reducer (compiled DDP, delayed all-reduce): (grad, param)
+                if user_hook and not user_hook[0][2]:  # DDP calls a user's Python hook here; never its built-ins
+                    return user_hook[0][1](user_hook[0][0], bucket)
+                grad = bucket[0]  # DDP's own reduction on this path; the result is unused
                 grad.div_(world)
                 dist.all_reduce(grad, group=group)
                 return None
+            if user_hook:
+                return tracker._delegate(user_hook[0][1], user_hook[0][0], bucket, group)
             buffer = bucket.buffer()
             params = bucket.parameters() if view_mode else []
             if any(aliased.get(id(p)) for p in params):
@@ -380,10 +384,27 @@ class ProgressTracker:
 
         try:
             ddp_model.register_comm_hook(None, hook)
-        except RuntimeError:
+        except RuntimeError:  # a built-in hook holds the slot: DDP listed ours before its C++ side refused it
+            with contextlib.suppress(ValueError, AttributeError):
+                ddp_model._comm_hooks.remove((hook, None))  # else its Python reducer would run both
             return False
-        _take_later_hooks(ddp_model, user_hook)
+        take_later_hooks(ddp_model, user_hook)
         return True
+
+    def _delegate(self, user_fn: Callable[..., Any], user_state: Any, bucket: Any, group: Any) -> Any:
+        """The user's hook on one bucket, published as one collective of the bucket on every rank alike."""
+        buffer = bucket.buffer()
+        if self.closed:
+            return user_fn(user_state, bucket)
+        key = self.launch(fingerprint_bucket(buffer, group))
+        try:
+            with self.calling():  # what it issues on this thread is inside the bucket's collective
+                fut = user_fn(user_state, bucket)
+        except BaseException:
+            self.complete(key)
+            raise
+        self.track(key, FutureWork(fut), buffer)
+        return fut
 
     def remove_hooks(self) -> None:
         self.closed = True
@@ -392,36 +413,3 @@ class ProgressTracker:
         self._handles.clear()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=1.0)  # it sleeps at most POLL_QUIET_S between looks at `closed`
-
-
-def _take_later_hooks(ddp_model: Any, user_hook: list[tuple[Any, Callable[..., Any]]]) -> None:
-    """Make the DDP instance's hook registration hand the user's hook to SCOUT's, which delegates to it.
-
-    DDP allows one comm hook per model and SCOUT's holds the slot, so a user's own registration after
-    ``enable()`` (a compression hook, PowerSGD) would raise. Registration keeps DDP's checks and its
-    logging of the hook's name, and refuses a second user hook as DDP itself does.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
-        ddp_model._check_comm_hook(hook)
-        if user_hook:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if ddp_model.logger is not None:
-            ddp_model.logger._set_comm_hook_name(hook.__qualname__)
-        user_hook.append((state, hook))
-
-    def register_builtin_comm_hook(comm_hook_type: Any) -> None:
-        # The same arithmetic as DDP's C++ built-ins: divide, then all-reduce (FP16: cast, divide, all-reduce).
-        builtins = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-                    dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
-        if comm_hook_type not in builtins:
-            raise ValueError(f"unknown built-in DDP comm hook {comm_hook_type!r}")
-        if user_hook:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if ddp_model.logger is not None:
-            ddp_model.logger._set_comm_hook_name(str(comm_hook_type))
-        user_hook.append((ddp_model.process_group, builtins[comm_hook_type]))
-
-    ddp_model.register_comm_hook = register_comm_hook
-    ddp_model._register_builtin_comm_hook = register_builtin_comm_hook
