@@ -81,6 +81,10 @@ class CountingStore:
         if not all(k in self.data for k in keys):
             raise DistStoreError("timeout")
 
+    def append(self, key: str, value: str) -> None:
+        self._count(key, value)
+        self.data[key] = self.data.get(key, b"") + value.encode()
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         values = [self.data[k] for k in keys]
         self._count(*keys, *values)

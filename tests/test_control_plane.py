@@ -4,6 +4,7 @@ in a command line or a key name) make it exit, whatever an outsider who lists an
 
 from __future__ import annotations
 
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from scout_core.progress.control import CLOSED_KEY, daemon_key, start_store_daemon
+from scout_core.progress.control import BEAT_KEY, CLOSED_KEY, daemon_key, start_store_daemon
 from scout_core.progress.sealed import seal_entry
 from scout_core.testing.launcher import free_port
 
@@ -58,6 +59,7 @@ def test_only_the_jobs_secret_stops_the_daemon() -> None:
     outsider.append(key, "1,1:" + "0" * 32 + "," + seal_entry("0" * 32, key, "1"))  # unsealed, and a guessed secret
     outsider.add(key + "s", 100)
     outsider.add("scout/closed", 100)  # the unscoped counter an earlier release counted
+    outsider.set(daemon_key(BEAT_KEY), "not a number")  # a counter poisoned this way used to end the daemon
     time.sleep(6.5)  # the daemon looks every 5 s
     assert _alive(pids[0]), "a process without the job's secret stopped the daemon"
     closer.append(key, seal_entry(secret, key, "1"))  # the job's other rank
@@ -102,7 +104,21 @@ def test_bind_address_follows_where_the_ranks_are(monkeypatch) -> None:
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert bind_address("localhost", 16) == "127.0.0.1"
     assert bind_address("10.1.2.3", 16) == "10.1.2.3"  # several machines: the job's own interface
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert bind_address("127.0.0.1", 16) == "0.0.0.0"  # other machines must reach it: said in a warning
+    assert bind_address("127.0.0.1", 16) == "127.0.0.1"  # the job itself names loopback
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if host == "node-0":  # Debian's /etc/hosts: the hostname is 127.0.1.1 here, the machine's address elsewhere
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+        if host == "dual":
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("2001:db8::5", 0, 0, 0)),
+                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.1.2.4", 0))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert bind_address("node-0", 16) == "0.0.0.0"  # other machines may reach it by that name: said in a warning
+    assert bind_address("dual", 16) == "10.1.2.4"  # IPv4 first
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert bind_address("node-0", 16) == "127.0.0.1"  # the launcher says every rank is here
     with pytest.raises(RuntimeError, match="does not resolve"):
-        bind_address("no-such-host.invalid", 16)
+        bind_address("no-such-host.invalid", 8)

@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +54,7 @@ CONTROL_STORE_ENV = "SCOUT_CONTROL_STORE"
 DAEMON_IDLE_EXIT_S = 120.0
 """A store daemon with no heartbeat for this long exits (its job is gone)."""
 BEAT_KEY = "beat"
+"""Observers set it to a new value every few seconds; a daemon that sees no change for its idle time exits."""
 CLOSED_KEY = "closed"
 """Each rank's observer appends its rank, sealed, when its trainer closes SCOUT; the daemon exits when all have."""
 
@@ -64,7 +65,7 @@ class ControlPlane:
     port: int
     kind: str
     """``configured``, ``agent`` (torchrun's store) or ``daemon`` (started by rank 0)."""
-    secret: str = ""
+    secret: str = field(default="", repr=False)
     """A random token only the job's processes know (rank 0 makes it and shares it in the start-up exchange,
     over the job's process group): the observers seal what a verdict is built from with it
     (:mod:`scout_core.progress.sealed`), and the daemon's job-wide counters live under it."""
@@ -116,27 +117,39 @@ def bind_address(host: str, world_size: int) -> str:
     """The one address the store daemon listens on: where the job's ranks reach it, and no other interface.
 
     Loopback when every rank runs on this machine (the launcher's ``LOCAL_WORLD_SIZE`` equals the world size)
-    or when ``host`` (the address the daemon advertises) is a loopback address; otherwise the address ``host``
-    resolves to here, which must be one of this machine's. The one exception: a multi-machine job whose
-    advertised name resolves to loopback here (Debian's ``127.0.1.1`` for the hostname) listens on every
-    interface, as before, with a warning; set ``observer.store_addr`` to this machine's address to avoid it.
+    or when ``host`` (the address the daemon advertises) is ``localhost`` or a loopback address; otherwise the
+    address ``host`` resolves to here (IPv4 first), which must be one of this machine's. The one exception: a
+    name that resolves to loopback here (Debian's ``127.0.1.1`` for the hostname) without a launcher that says
+    every rank is on this machine listens on every interface, as before, with a warning (other machines may
+    resolve that name to this one); set ``observer.store_addr`` to this machine's address to avoid it.
     """
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local.isdigit() and int(local) == world_size:
         return LOOPBACK
-    try:
-        address = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    try:  # IPv4 first: the ranks' clients try every address a name has, and a dual-stack job reaches it there
+        infos = sorted(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM), key=lambda i: i[0] != socket.AF_INET)
     except (socket.gaierror, UnicodeError) as exc:
         raise RuntimeError(f"the store daemon's address {host!r} does not resolve here ({exc}); set "
                            "observer.store_addr to this machine's address") from exc
+    address = infos[0][4][0]
     if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
         return address
-    if local.isdigit() and int(local) < world_size:
-        _log.warning("SCOUT's store daemon listens on every interface: its advertised address %r resolves to "
-                     "loopback (%s) here, and ranks on other machines must reach it; set observer.store_addr "
-                     "to this machine's address", host, address)
-        return WILDCARD
-    return address if address.startswith("127.") else LOOPBACK
+    if host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host.split("%")[0]).is_loopback):
+        return address if address.startswith("127.") else LOOPBACK  # the job itself says: this machine only
+    # A name that resolves to loopback here (Debian's 127.0.1.1 for the hostname) while other machines may
+    # resolve it to this one: unless the launcher said every rank is here, they must reach the daemon.
+    _log.warning("SCOUT's store daemon listens on every interface: its advertised address %r resolves to "
+                 "loopback (%s) here, and ranks on other machines may need to reach it; set observer.store_addr "
+                 "to this machine's address (or run under a launcher that sets LOCAL_WORLD_SIZE)", host, address)
+    return WILDCARD
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text.split("%")[0])
+    except ValueError:
+        return False
+    return True
 
 
 def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> Any:
@@ -219,13 +232,20 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
     os.dup2(null, 2)  # nor to the start-up log
-    last, since = None, time.monotonic()
+    last: bytes | None = None
+    since = time.monotonic()
     while True:
         time.sleep(min(5.0, idle_exit_s / 4))
-        if len(closed_ranks(server, secret)) >= world_size:
-            time.sleep(1.0)  # let the last closers finish their message
-            return
-        beats = server.add(daemon_key(BEAT_KEY), 0)
+        # Only values are read (no counters: a client that ``add``s to a key someone set to a non-number is
+        # disconnected by the server), and nothing read here ends the daemon but its own job's sealed closers.
+        try:
+            if len(closed_ranks(server, secret)) >= world_size:
+                time.sleep(1.0)  # let the last closers finish their message
+                return
+            beat = daemon_key(BEAT_KEY)
+            beats = server.get(beat) if server.check([beat]) else b""
+        except Exception:  # noqa: BLE001 - the daemon outlives anything a client wrote
+            beats = last
         if beats != last:
             last, since = beats, time.monotonic()
         elif time.monotonic() - since > idle_exit_s:

@@ -11,8 +11,8 @@ Keys, under the job's prefix (``scout/<run id>/``):
 * ``ep/<n>/lead`` and ``ep/<n>/verdict``: the first observer to post reports: it reads
   the summaries, merges them, writes the records and posts the verdict that every
   observer reads for its user callback;
-* ``ep/<n>/moved``: counts observers whose trainer moved after the verdict; the reporter
-  writes a ``resolved`` record when it is no longer zero;
+* ``ep/<n>/moved``: the observers whose trainer moved after the verdict (sealed entries); the
+  reporter writes a ``resolved`` record once there is one;
 * ``named``: ranks named by the last verdict with their record sequence, so that a later
   episode over the same stopped ranks (peers that went silent later) does not repeat it;
 * ``closed``: the list of ranks whose trainers closed SCOUT (each entry sealed; a rank may appear twice after a
@@ -43,7 +43,7 @@ from torch.distributed import DistStoreError
 
 from scout_core.progress.classify import Evidence, HangClass, HangVerdict, classify_group, deferred, merge
 from scout_core.progress.record import Phase
-from scout_core.progress.sealed import TamperedValue, seal, unseal, unseal_entries
+from scout_core.progress.sealed import TamperedValue, seal, seal_entry, unseal, unseal_entries
 
 __all__ = ["CLOSED_LIST", "EpisodeProtocol", "EpisodeOutcome", "tampered_verdict"]
 
@@ -82,16 +82,35 @@ class EpisodeProtocol:
         # post, so whoever waits for a leader allows that much more (and a margin for the leader's own work).
         self.leader_slack_s = 2 * heartbeat_s + 2.0
         self.clock = clock
-        self.episode = int(store.add("ep", 0))
+        self.episode = 0
+        self.episode = self._counter()
+
+    def _counter(self) -> int:
+        """The job's episode number, read without ``add``: the server drops a client that adds to a key someone
+        set to a non-number. Created as 0 where absent; a value that is not a number leaves ours."""
+        raw = self.store.compare_set("ep", "", "0")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            return self.episode
 
     # -- healthy path ------------------------------------------------------------------------------
 
     def opened(self) -> bool:
-        """The heartbeat: one ``check``. True when episode ``self.episode`` is open."""
-        return bool(self.store.check([f"ep/{self.episode}/open"]))
+        """The heartbeat: one ``check``. True when episode ``self.episode`` is open (by one of the job's own
+        observers: the opener's rank is sealed, so nobody outside the job opens episodes at will)."""
+        key = f"ep/{self.episode}/open"
+        if not self.store.check([key]):
+            return False
+        try:
+            unseal(self.secret, key, self.store.get(key))
+        except TamperedValue:
+            return False
+        return True
 
     def open(self) -> None:
-        self.store.compare_set(f"ep/{self.episode}/open", "", str(self.rank))
+        key = f"ep/{self.episode}/open"
+        self.store.compare_set(key, "", seal(self.secret, key, str(self.rank)))
 
     # -- one episode -----------------------------------------------------------------------------
 
@@ -127,9 +146,10 @@ class EpisodeProtocol:
 
     def await_verdict(self, n: int, start: float) -> EpisodeOutcome | None:
         if not self._wait_for([f"ep/{n}/verdict"], start + 2 * (self.gather_timeout_s + self.leader_slack_s)):
-            # The reporter died mid-episode: move on so that a later stall gets a fresh round.
+            # The reporter died mid-episode: move on so that a later stall gets a fresh round. Never back to an
+            # earlier episode (the counter is not sealed: an old episode's genuine verdict must not be read again).
             self.store.compare_set("ep", str(n), str(n + 1))
-            self.episode = int(self.store.add("ep", 0))
+            self.episode = max(self.episode, n + 1, self._counter())
             return None
         return self._finish(n, self._read_verdict(n), reporter=False)
 
@@ -240,18 +260,21 @@ class EpisodeProtocol:
             return {"verdicts": [tampered_verdict([key]).to_dict()]}
 
     def _finish(self, n: int, doc: Mapping[str, Any], *, reporter: bool) -> EpisodeOutcome:
-        self.episode = max(self.episode, n + 1, int(self.store.add("ep", 0)))
+        self.episode = max(self.episode, n + 1, self._counter())
         return EpisodeOutcome(n, [HangVerdict.from_dict(v) for v in doc["verdicts"]], reporter=reporter,
                               repeat=bool(doc.get("repeat")), deferred=bool(doc.get("deferred")))
 
     # -- after a verdict ---------------------------------------------------------------------------
 
     def moved(self, n: int) -> None:
-        """Our trainer moved again after episode ``n``'s verdict."""
-        self.store.add(f"ep/{n}/moved", 1)
+        """Our trainer moved again after episode ``n``'s verdict (a sealed entry: only the job's observers can
+        make the reporter write that progress resumed)."""
+        key = f"ep/{n}/moved"
+        self.store.append(key, seal_entry(self.secret, key, str(self.rank)))
 
     def resumed(self, n: int) -> bool:
-        return int(self.store.add(f"ep/{n}/moved", 0)) > 0
+        key = f"ep/{n}/moved"
+        return bool(self.store.check([key])) and bool(unseal_entries(self.secret, key, self.store.get(key)))
 
 
 def tampered_verdict(keys: Sequence[str]) -> HangVerdict:

@@ -179,6 +179,7 @@ class _Observer(TrainerEnding, VerdictReporting):
         gone_until: float | None = None  # our trainer died without closing: answer for it until then
         gone_opened = False
         next_beat = next_daemon_beat = 0.0
+        beats = 0
         with _store_errors():
             while True:
                 gone = self._trainer_gone()
@@ -197,7 +198,8 @@ class _Observer(TrainerEnding, VerdictReporting):
                     retry_at = None
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
-                    self.store.underlying_store.add(daemon_key(BEAT_KEY), 1)
+                    beats += 1  # a new value each time (a set, never a counter someone could poison)
+                    self.store.underlying_store.set(daemon_key(BEAT_KEY), f"{spec.rank}.{beats}")
                 if gone and gone_until is None:
                     # Answer for the dead trainer until an episode names someone: its peers may only go silent
                     # later (on NCCL they wait in a collective; on gloo theirs fail at once).
