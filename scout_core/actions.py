@@ -114,7 +114,7 @@ def _read_exclusions(path: str) -> dict[str, Any]:
         return {"hosts": [], "ranks": [], "verdicts": []}
     try:
         current = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ExclusionsError(f"{path}: not a hosts-to-exclude file (not JSON: {exc})") from None
 
     def listed(value: Any, kind: type) -> bool:
@@ -129,8 +129,9 @@ def _read_exclusions(path: str) -> dict[str, Any]:
     else:
         for v in current.get("verdicts", []):
             if not (isinstance(v.get("kind"), str) and isinstance(v.get("scope"), str) and listed(v.get("ranks"), int)
-                    and listed(v.get("hosts"), str)):
-                problem = f"a verdict without kind, scope, ranks and hosts: {json.dumps(v)[:80]}"
+                    and listed(v.get("hosts"), str) and isinstance(v.get("surface", ""), str)
+                    and (v.get("step") is None or (isinstance(v["step"], int) and not isinstance(v["step"], bool)))):
+                problem = f"a verdict without kind, scope, ranks, hosts, step and surface: {json.dumps(v)[:80]}"
                 break
     if problem:
         raise ExclusionsError(f"{path}: not a hosts-to-exclude file ({problem}); it is left as it is")

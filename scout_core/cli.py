@@ -70,7 +70,7 @@ def _write_html(args: argparse.Namespace, incidents: list) -> int:
             for number, line in enumerate(fh, start=1):
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError:
+                except (json.JSONDecodeError, RecursionError):
                     print(f"scout report: warning: {path}:{number}: not a decision record, skipped", file=sys.stderr)
                     continue
                 if isinstance(record, dict):

@@ -145,12 +145,14 @@ def wait_applied(run: str, command_id: str, *, timeout_s: float, directory: str 
     path = _run_folder(run, directory) / "applied.jsonl"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if path.exists():
-            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    answer = json.loads(line)
-                    if isinstance(answer, dict) and answer.get("id") == command_id:
-                        return answer
+        lines: list[str] = []
+        with contextlib.suppress(OSError):  # not there yet, or not a readable file: asked again
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.exists() else []
+        for line in lines:
+            with contextlib.suppress(json.JSONDecodeError, RecursionError):
+                answer = json.loads(line)
+                if isinstance(answer, dict) and answer.get("id") == command_id:
+                    return answer
         time.sleep(0.2)
     return None
 

@@ -256,6 +256,8 @@ def parse_incident(line: str, where: str = "record") -> Incident:
         data = json.loads(line)
     except json.JSONDecodeError as exc:
         raise RecordError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise RecordError(f"{where}: nested too deeply to be a record") from None
     if not isinstance(data, dict):
         raise RecordError(f"{where}: a record is a JSON object, got {type(data).__name__}")
     missing = [k for k in _REQUIRED if k not in data]

@@ -212,3 +212,23 @@ def test_an_outsider_cannot_open_resume_or_rewind_episodes():
     store.data["ep"] = b"1"  # wound back
     clock[0] = 1000.0  # past every deadline: the await gives up and moves on
     assert obs[0].await_verdict(4, 0.0) is None and obs[0].episode >= 5
+
+
+def test_a_counter_set_ahead_by_an_outsider_does_not_split_the_observers():
+    """The episode number is sealed: a counter an outsider set far ahead used to take every observer but the
+    reporter to that episode, and at the next stall each side named the other lost."""
+    store, clock = CountingStore(), [0.0]
+    obs = [EpisodeProtocol(store, rank=r, peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=10.0,
+                           clock=lambda: clock[0], secret="3c" * 16) for r in range(8)]
+    ev = {r: _ev(r) for r in range(8)}
+    ev[5] = _ev(5, coordinate=(3, 1), pending=False, seq=44)
+    starts = {r: obs[r].post(ev[r]) for r in range(8)}
+    roles = {r: obs[r].claim(0) for r in range(8)}
+    for r in range(8):
+        if roles[r][0]:
+            obs[r].lead_group(0, starts[r])
+    store.data["ep"] = b"1000"  # between the leaders' summaries and the verdict
+    outcome = obs[0].report(0, starts[0])
+    others = [obs[r].await_verdict(0, starts[r]) for r in range(1, 8)]
+    assert [v.ranks for v in outcome.verdicts] == [(5,)] and all(o is not None for o in others)
+    assert {o.episode for o in obs} == {1}

@@ -22,9 +22,12 @@ def _json_like(fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
     return st.fixed_dictionaries({}, optional={k: v | json_values for k, v in fields.items()})
 
 
+_deep = st.integers(1000, 200_000).map(lambda n: b"[" * n)  # json.loads raises RecursionError, not ValueError
+
+
 def _file_bytes(shaped: st.SearchStrategy) -> st.SearchStrategy[bytes]:
     return (st.binary(max_size=200) | json_values.map(lambda v: json.dumps(v).encode())
-            | shaped.map(lambda v: json.dumps(v).encode()))
+            | shaped.map(lambda v: json.dumps(v).encode()) | _deep)
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -35,9 +38,10 @@ def _write(path: Path, data: bytes) -> None:
 # -- incident records -------------------------------------------------------------------------------------------
 
 @PROFILE
-@given(line=st.text(max_size=200) | _json_like({"kind": st.sampled_from(["hang", "sdc"]), "scope": st.just("rank"),
-                                                   "ranks": st.lists(st.integers()), "hosts": json_values,
-                                                   "step": st.integers(), "reason": st.text()}).map(json.dumps))
+@given(line=st.text(max_size=200) | _deep.map(bytes.decode)
+       | _json_like({"kind": st.sampled_from(["hang", "sdc"]), "scope": st.just("rank"),
+                     "ranks": st.lists(st.integers()), "hosts": json_values,
+                     "step": st.integers(), "reason": st.text()}).map(json.dumps))
 def test_an_incident_line_parses_or_raises_a_record_error(line):
     from scout_core.report import Incident, RecordError, parse_incident
 
@@ -50,7 +54,7 @@ def test_an_incident_line_parses_or_raises_a_record_error(line):
 # -- decisions (the checkpoint coordinator's log) ---------------------------------------------------------------
 
 @PROFILE
-@given(lines=st.lists(st.text(max_size=40) | json_values.map(json.dumps), max_size=6))
+@given(lines=st.lists(st.text(max_size=40) | json_values.map(json.dumps) | _deep.map(bytes.decode), max_size=6))
 def test_decision_records_are_objects_whatever_the_file_holds(tmp_path, lines):
     from scout_core.checkpoint.coordinator import read_records
 
@@ -215,3 +219,16 @@ def test_a_checkpoint_folders_nonce_reads_or_raises_a_value_error_naming_it(tmp_
         assert str(folder / NONCE) in str(exc)
         return
     assert nonce is not None and nonce == data.decode().strip()
+
+
+@PROFILE
+@given(record=_json_like({"record": st.just("decision"), "binding": st.booleans(),
+                          "certifier": _json_like({"latest": st.integers(0, 9) | st.none()}),
+                          "generation": st.integers(0, 9) | st.none(),
+                          "source": st.sampled_from(["latest", "verified"]), "reason": st.text(max_size=8)}))
+def test_a_decision_record_of_any_shape_binds_a_restart_only_when_whole(record):
+    from scout_core.checkpoint.resume import _binding
+
+    if _binding(record, 3):  # used as the restart's decision: its fields must be there, typed
+        assert record.get("source") in ("latest", "verified")
+        assert isinstance(record.get("generation"), (int, type(None)))

@@ -371,7 +371,7 @@ def read_records(path: str) -> list[dict[str, Any]]:
         for line in fh:
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
             if isinstance(record, dict):
                 out.append(record)

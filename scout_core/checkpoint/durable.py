@@ -195,7 +195,7 @@ class FrameworkCheckpoints:
             with open(self.path, encoding="utf-8") as fh:
                 data = json.load(fh)
             self.entries, self.stopped_for, self.set_aside, self.ended_normally = _parse_labels(data)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             # A torn or foreign file must not stop the restart: without labels nothing counts as verified.
             _log.error("SCOUT: cannot read checkpoint labels %s (%s): treating every checkpoint as unlabelled",
                        self.path, exc)

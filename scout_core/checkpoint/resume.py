@@ -102,7 +102,13 @@ def _binding(record: dict[str, Any] | None, latest: int | None) -> bool:
     """A recorded decision binds the restart when the run stopped on it and nothing newer was captured."""
     if not record or record.get("record", "decision") != "decision" or not record.get("binding", True):
         return False
-    decided_at = (record.get("certifier") or {}).get("latest")
+    certifier = record.get("certifier") or {}
+    decided_at = certifier.get("latest") if isinstance(certifier, dict) else "?"
+    gen = record.get("generation")
+    # A record of another shape (edited, foreign) binds nothing: the restart decides afresh.
+    if not (isinstance(decided_at, int) or decided_at is None) or not (isinstance(gen, int) or gen is None) \
+            or record.get("source") not in ("latest", "verified") or not isinstance(record.get("reason", ""), str):
+        return False
     return latest is None or decided_at is None or latest <= decided_at
 
 

@@ -241,7 +241,7 @@ class DurableStore:
         try:
             with open(self._paths(generation, rank)[1], "rb") as fh:
                 meta = json.loads(fh.read())
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return None
         # A sidecar of another shape (torn, foreign, edited) is a shard not committed, never an error.
         if not isinstance(meta, dict) or meta.get("generation") != generation \

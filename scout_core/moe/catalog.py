@@ -261,7 +261,7 @@ class Catalog:
         with open(path, "rb") as fh:
             try:
                 body = json.loads(fh.read())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise ValueError(f"{path}: not a SCOUT catalog (invalid JSON: {exc})") from None
         fmt = body.get("format") if isinstance(body, dict) else None
         if fmt != CATALOG_FORMAT:

@@ -54,7 +54,8 @@ CONTROL_STORE_ENV = "SCOUT_CONTROL_STORE"
 DAEMON_IDLE_EXIT_S = 120.0
 """A store daemon with no heartbeat for this long exits (its job is gone)."""
 BEAT_KEY = "beat"
-"""Observers set it to a new value every few seconds; a daemon that sees no change for its idle time exits."""
+"""Observers set it to a new sealed value every few seconds; a daemon that sees no change for its idle time
+exits."""
 CLOSED_KEY = "closed"
 """Each rank's observer appends its rank, sealed, when its trainer closes SCOUT; the daemon exits when all have."""
 
@@ -232,21 +233,27 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
     os.dup2(null, 2)  # nor to the start-up log
+    from scout_core.progress.sealed import unseal
+
     last: bytes | None = None
     since = time.monotonic()
     while True:
         time.sleep(min(5.0, idle_exit_s / 4))
         # Only values are read (no counters: a client that ``add``s to a key someone set to a non-number is
-        # disconnected by the server), and nothing read here ends the daemon but its own job's sealed closers.
+        # disconnected by the server). What ends the daemon: its own job's sealed closers, or a sealed heartbeat
+        # that stopped changing. Anything else it reads (a value that does not verify, an error) counts as life:
+        # an outsider can keep it serving, never end it.
         try:
             if len(closed_ranks(server, secret)) >= world_size:
                 time.sleep(1.0)  # let the last closers finish their message
                 return
             beat = daemon_key(BEAT_KEY)
             beats = server.get(beat) if server.check([beat]) else b""
-        except Exception:  # noqa: BLE001 - the daemon outlives anything a client wrote
-            beats = last
-        if beats != last:
+            if beats:
+                unseal(secret, beat, beats)
+        except Exception:  # noqa: BLE001 - not the job's own heartbeat: alive, as far as it can tell
+            beats = None
+        if beats is None or beats != last:
             last, since = beats, time.monotonic()
         elif time.monotonic() - since > idle_exit_s:
             return

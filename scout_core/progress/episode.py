@@ -86,13 +86,19 @@ class EpisodeProtocol:
         self.episode = self._counter()
 
     def _counter(self) -> int:
-        """The job's episode number, read without ``add``: the server drops a client that adds to a key someone
-        set to a non-number. Created as 0 where absent; a value that is not a number leaves ours."""
-        raw = self.store.compare_set("ep", "", "0")
+        """The job's episode number, sealed, read without ``add`` (the server drops a client that adds to a key
+        someone set to a non-number). Created as 0 where absent. A value that does not verify leaves ours, and
+        the callers never go back below theirs: a counter set ahead by an outsider would split the observers
+        between two episodes (each side naming the other lost); one wound back would replay an old verdict."""
+        raw = self.store.compare_set("ep", "", seal(self.secret, "ep", "0"))
         try:
-            return int(raw)
-        except (TypeError, ValueError):
+            return int(unseal(self.secret, "ep", raw))
+        except (TamperedValue, TypeError, ValueError):
             return self.episode
+
+    def _advance(self, n: int) -> None:
+        """Episode ``n`` is over: the job's counter moves to ``n + 1`` (if nobody moved it already)."""
+        self.store.compare_set("ep", seal(self.secret, "ep", str(n)), seal(self.secret, "ep", str(n + 1)))
 
     # -- healthy path ------------------------------------------------------------------------------
 
@@ -148,7 +154,7 @@ class EpisodeProtocol:
         if not self._wait_for([f"ep/{n}/verdict"], start + 2 * (self.gather_timeout_s + self.leader_slack_s)):
             # The reporter died mid-episode: move on so that a later stall gets a fresh round. Never back to an
             # earlier episode (the counter is not sealed: an old episode's genuine verdict must not be read again).
-            self.store.compare_set("ep", str(n), str(n + 1))
+            self._advance(n)
             self.episode = max(self.episode, n + 1, self._counter())
             return None
         return self._finish(n, self._read_verdict(n), reporter=False)
@@ -227,7 +233,7 @@ class EpisodeProtocol:
             verdict = tampered_verdict(tampered)
             self._put(f"ep/{n}/verdict", {"verdicts": [verdict.to_dict()], "repeat": False, "reporter": self.rank,
                                           "deferred": False})
-            self.store.compare_set("ep", str(n), str(n + 1))
+            self._advance(n)
             self.episode = n + 1
             return EpisodeOutcome(n, [verdict], reporter=True)
         verdicts = merge(summaries, self.hosts)
@@ -248,7 +254,7 @@ class EpisodeProtocol:
         later = deferred(summaries, verdicts)
         self._put(f"ep/{n}/verdict", {"verdicts": [v.to_dict() for v in verdicts], "repeat": repeat,
                                       "reporter": self.rank, "deferred": later})
-        self.store.compare_set("ep", str(n), str(n + 1))
+        self._advance(n)
         self.episode = n + 1
         return EpisodeOutcome(n, verdicts, reporter=True, repeat=repeat, deferred=later)
 

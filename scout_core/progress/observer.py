@@ -44,6 +44,7 @@ from scout_core.progress.process import (
     fork_observer,
 )
 from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot
+from scout_core.progress.sealed import seal
 from scout_core.progress.spec import ObserverSpec, peer_groups_as_lists, silence_threshold, steady_threshold
 from scout_core.report import Incident
 
@@ -199,7 +200,8 @@ class _Observer(TrainerEnding, VerdictReporting):
                 if spec.control.needs_beats and now >= next_daemon_beat:
                     next_daemon_beat = now + _DAEMON_BEAT_S
                     beats += 1  # a new value each time (a set, never a counter someone could poison)
-                    self.store.underlying_store.set(daemon_key(BEAT_KEY), f"{spec.rank}.{beats}")
+                    key = daemon_key(BEAT_KEY)
+                    self.store.underlying_store.set(key, seal(spec.control.secret, key, f"{spec.rank}.{beats}"))
                 if gone and gone_until is None:
                     # Answer for the dead trainer until an episode names someone: its peers may only go silent
                     # later (on NCCL they wait in a collective; on gloo theirs fail at once).
@@ -255,6 +257,8 @@ class _Observer(TrainerEnding, VerdictReporting):
             time.sleep(min(1.0, spec.heartbeat_s))
         with contextlib.suppress(Exception):
             self.store = connect(spec.control, self._namespace(), spec.gather_timeout_s)
+            episode = self.proto.episode if self.proto is not None else 0
             self.proto = self._protocol(self.store)
+            self.proto.episode = max(self.proto.episode, episode)  # never back to an episode already over
             return  # it is back
         self._report_control_plane_lost(error)
