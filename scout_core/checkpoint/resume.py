@@ -99,17 +99,13 @@ class _Survey:
 
 
 def _binding(record: dict[str, Any] | None, latest: int | None) -> bool:
-    """A recorded decision binds the restart when the run stopped on it and nothing newer was captured."""
-    if not record or record.get("record", "decision") != "decision" or not record.get("binding", True):
-        return False
-    certifier = record.get("certifier") or {}
-    decided_at = certifier.get("latest") if isinstance(certifier, dict) else "?"
-    gen = record.get("generation")
-    # A record of another shape (edited, foreign) binds nothing: the restart decides afresh.
-    if not (isinstance(decided_at, int) or decided_at is None) or not (isinstance(gen, int) or gen is None) \
+    """A recorded decision binds the restart when the run stopped on it, nothing newer was captured and it is whole."""
+    if not record or record.get("record", "decision") != "decision" or not record.get("binding", True) \
             or record.get("source") not in ("latest", "verified") or not isinstance(record.get("reason", ""), str):
         return False
-    return latest is None or decided_at is None or latest <= decided_at
+    decided_at = c.get("latest") if isinstance(c := record.get("certifier") or {}, dict) else "?"
+    return all(isinstance(v, (int, type(None))) for v in (decided_at, record.get("generation"))) \
+        and (latest is None or decided_at is None or latest <= decided_at)
 
 
 def _worst(a: str, b: str) -> str:
@@ -444,10 +440,9 @@ def drop_newer(coord: CheckpointCoordinator, step: int, *, rank: int, keep_verif
     ``keep_verified``: durable candidates only): what a restart from ``step`` abandoned must never be mixed
     with the new run's shards at a later restart."""
     gone = coord.memory.drop_newer(step, coord.sources)
-    store = coord.store
-    for gen, role in sorted(store.local_generations(check_bytes=False).items()):
+    for gen, role in sorted(coord.store.local_generations(check_bytes=False).items()):
         if gen > step and not (keep_verified and role == "verified"):
-            store.remove(gen)
+            coord.store.remove(gen)
             gone.append(f"durable {role} generation {gen}")
     if gone:
         _log.warning("SCOUT resume: rank %d deleted %d in-memory snapshot(s) newer than step %d: %s",
