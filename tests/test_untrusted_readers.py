@@ -66,7 +66,7 @@ def test_decision_records_are_objects_whatever_the_file_holds(tmp_path, lines):
 # -- framework checkpoint labels ---------------------------------------------------------------------------------
 
 _entry = _json_like({"label": st.sampled_from(["latest", "candidate", "verified", "rejected"]),
-                     "ended": st.booleans(), "where": st.text(max_size=8)})
+                     "ended": st.booleans(), "path": st.text(max_size=8)})
 _labels = _json_like({"checkpoints": st.dictionaries(st.integers(0, 50).map(str) | st.text(max_size=4), _entry,
                                                      max_size=4),
                       "stopped_for": st.sampled_from(["sdc", "straggler", "other"]),
@@ -76,6 +76,7 @@ _labels = _json_like({"checkpoints": st.dictionaries(st.integers(0, 50).map(str)
 @PROFILE
 @given(data=_file_bytes(_labels))
 def test_checkpoint_labels_from_any_file_give_a_choice_and_stay_on_disk(tmp_path, data):
+    from scout_core.checkpoint.certify import Certifier
     from scout_core.checkpoint.durable import LABELS_FILE, FrameworkCheckpoints
 
     folder = tmp_path / f"run-{abs(hash(data))}"
@@ -86,6 +87,8 @@ def test_checkpoint_labels_from_any_file_give_a_choice_and_stay_on_disk(tmp_path
         assert choice.step is None or choice.step in labels.entries
     labels.verified_at(100)
     assert (folder / LABELS_FILE).read_bytes() == data  # reading never rewrites it
+    labels.saved(7, str(folder / "step-7"), Certifier())  # a save beside entries read from the file
+    assert labels.entries[7]["path"] == str(folder / "step-7")
 
 
 # -- the durable store's sidecars ----------------------------------------------------------------------------------

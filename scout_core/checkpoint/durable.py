@@ -350,8 +350,8 @@ def _parse_labels(data: Any) -> tuple[dict[int, dict[str, Any]], str | None, lis
     entries = {}
     for key, entry in checkpoints.items():
         if not (isinstance(key, str) and key.isdigit()) or not isinstance(entry, dict) \
-                or entry.get("label") not in _LABELS:
-            raise ValueError(f"checkpoint entry {str(key)[:20]!r} is not a step with a label")
+                or entry.get("label") not in _LABELS or not isinstance(entry.get("path"), (str, type(None))):
+            raise ValueError(f"checkpoint entry {str(key)[:20]!r} is not a step with a label and a path")
         entries[int(key)] = dict(entry)
     stopped_for = data.get("stopped_for")
     if stopped_for is not None and (not isinstance(stopped_for, str) or stopped_for not in set(FailureKind)):
