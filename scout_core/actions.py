@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from scout_core.config import ScoutConfig
-from scout_core.report import Incident, IncidentKind, IncidentScope, drains_machine
+from scout_core.report import Incident, IncidentKind, IncidentScope, drains_machine, list_of
 
 __all__ = ["ExclusionsError", "ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions",
            "verdict_summary"]
@@ -117,19 +117,16 @@ def _read_exclusions(path: str) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ExclusionsError(f"{path}: not a hosts-to-exclude file (not JSON: {exc})") from None
 
-    def listed(value: Any, kind: type) -> bool:
-        return isinstance(value, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in value)
-
     problem = ""
     if not isinstance(current, dict):
         problem = f"a JSON object was expected, not {type(current).__name__}"
-    elif not all(listed(current.get(k, []), str) for k in ("hosts", "drain")) \
-            or not listed(current.get("ranks", []), int) or not listed(current.get("verdicts", []), dict):
+    elif not all(list_of(str)(current.get(k, [])) for k in ("hosts", "drain")) \
+            or not list_of(int)(current.get("ranks", [])) or not list_of(dict)(current.get("verdicts", [])):
         problem = "hosts, drain, ranks and verdicts must be lists of host names, ranks and verdicts"
     else:
         for v in current.get("verdicts", []):
-            if not (isinstance(v.get("kind"), str) and isinstance(v.get("scope"), str) and listed(v.get("ranks"), int)
-                    and listed(v.get("hosts"), str) and isinstance(v.get("surface", ""), str)
+            if not (isinstance(v.get("kind"), str) and isinstance(v.get("scope"), str) and list_of(int)(v.get("ranks"))
+                    and list_of(str)(v.get("hosts")) and isinstance(v.get("surface", ""), str)
                     and (v.get("step") is None or (isinstance(v["step"], int) and not isinstance(v["step"], bool)))):
                 problem = f"a verdict without kind, scope, ranks, hosts, step and surface: {json.dumps(v)[:80]}"
                 break

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "SCHEMA_VERSION",
+    "list_of",
     "Incident",
     "IncidentKind",
     "IncidentScope",
@@ -227,14 +228,15 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _list_of(kind: type) -> Callable[[Any], bool]:
+def list_of(kind: type) -> Callable[[Any], bool]:
+    """A check that a value read from a file is a list of ``kind`` (never of booleans posing as ints)."""
     return lambda v: isinstance(v, list) and all(isinstance(x, kind) and not isinstance(x, bool) for x in v)
 
 
 _FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "ranks": (_list_of(int), "a list of rank numbers"),
-    "hosts": (_list_of(str), "a list of machine names"),
-    "devices": (_list_of(str), "a list of device names"),
+    "ranks": (list_of(int), "a list of rank numbers"),
+    "hosts": (list_of(str), "a list of machine names"),
+    "devices": (list_of(str), "a list of device names"),
     "step": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "a step number or null"),
     "surface": (lambda v: isinstance(v, str), "a string"),
     "evidence": (lambda v: isinstance(v, dict), "an object"),

@@ -27,6 +27,7 @@ import torch
 
 from scout_core.moe.dominance import compress
 from scout_core.moe.paths import PATH_ROLES, TileConfig, path_counts, select_tile
+from scout_core.report import list_of
 
 __all__ = ["CATALOG_FORMAT", "Catalog", "CatalogDrift", "CudaPathProfiler", "ExpertProblem", "MoESpec",
            "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment",
@@ -285,9 +286,6 @@ class Catalog:
 
 def _shape_problem(body: dict[str, Any]) -> str:
     """What is wrong with a catalog file's fields ("" when nothing): it is read at start-up, and may be foreign."""
-    def ints(value: Any) -> bool:
-        return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
-
     if not isinstance(body.get("environment"), dict):
         return "environment is not an object"
     entries = body.get("entries")
@@ -295,7 +293,7 @@ def _shape_problem(body: dict[str, Any]) -> str:
         return "entries is not a list"
     for e in entries:
         if not (isinstance(e, dict) and isinstance(e.get("layer"), str) and isinstance(e.get("position"), int)
-                and isinstance(e.get("admitted"), int) and ints(e.get("representatives"))
+                and isinstance(e.get("admitted"), int) and list_of(int)(e.get("representatives"))
                 and isinstance(e.get("groups", {}), dict)):
             return f"an entry without layer, position, admitted and representatives: {json.dumps(e)[:80]}"
     return ""

@@ -69,7 +69,7 @@ class ControlPlane:
     secret: str = field(default="", repr=False)
     """A random token only the job's processes know (rank 0 makes it and shares it in the start-up exchange,
     over the job's process group): the observers seal what a verdict is built from with it
-    (:mod:`scout_core.progress.sealed`), and the daemon's job-wide counters live under it."""
+    (:mod:`scout_core.progress.sealed`), and the daemon's closers and heartbeats too."""
 
     @property
     def needs_beats(self) -> bool:

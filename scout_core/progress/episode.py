@@ -25,9 +25,9 @@ observer sends one ``check`` of ``ep/<n>/open`` per heartbeat and nothing else.
 Leadership is first come, first served (``compare_set`` on an absent key): no observer is
 special, so the death of any rank, rank 0 included, leaves the protocol whole.
 
-Evidence, summaries, the verdict, ``named`` and the closed list are sealed with the job's secret
-(:mod:`scout_core.progress.sealed`): a value someone outside the job wrote makes its episode's verdict name
-nobody and say so, and never stops a trainer.
+Evidence, summaries, the verdict, ``named``, ``ep``, the opener, ``moved`` and the closed list are sealed with
+the job's secret (:mod:`scout_core.progress.sealed`): a value someone outside the job wrote makes its episode's
+verdict name nobody and say so, and never stops a trainer.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class EpisodeProtocol:
     def await_verdict(self, n: int, start: float) -> EpisodeOutcome | None:
         if not self._wait_for([f"ep/{n}/verdict"], start + 2 * (self.gather_timeout_s + self.leader_slack_s)):
             # The reporter died mid-episode: move on so that a later stall gets a fresh round. Never back to an
-            # earlier episode (the counter is not sealed: an old episode's genuine verdict must not be read again).
+            # earlier episode (an old genuine counter value put back must not make its verdict be read again).
             self._advance(n)
             self.episode = max(self.episode, n + 1, self._counter())
             return None
