@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scout_core.consensus import C3Result, C3Status, exact
+from scout_core.consensus_rules import C3Result, C3Status, exact
 from scout_core.progress.record import Phase
 
 __all__ = ["Evidence", "HangClass", "HangVerdict", "classify", "classify_group", "deferred", "merge"]

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from scout_core.progress.store_client import PlainStore
+
 __all__ = ["ControlPlane", "bind_address", "choose_control_plane", "closed_ranks", "connect", "daemon_key",
            "start_store_daemon", "CONTROL_STORE_ENV",
            "DAEMON_IDLE_EXIT_S", "BEAT_KEY", "CLOSED_KEY"]
@@ -153,12 +155,10 @@ def _is_ip(text: str) -> bool:
     return True
 
 
-def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> Any:
-    """A client of the control store, with keys under ``scout/<run_id>/``."""
-    from torch.distributed import PrefixStore, TCPStore
-
-    store = TCPStore(plane.host, plane.port, None, False, timeout=timedelta(seconds=timeout_s))
-    return PrefixStore(f"scout/{run_id}", store)
+def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> PlainStore:
+    """An observer's client of the control store, with keys under ``scout/<run_id>/``: torch's wire protocol
+    spoken in plain Python (:mod:`~scout_core.progress.store_client`), so the observer uses no torch."""
+    return PlainStore(plane.host, plane.port, timeout_s=timeout_s, prefix=f"scout/{run_id}")
 
 
 DAEMON_START_S = 60.0

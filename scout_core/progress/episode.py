@@ -39,11 +39,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import DistStoreError
-
 from scout_core.progress.classify import Evidence, HangClass, HangVerdict, classify_group, deferred, merge
 from scout_core.progress.record import Phase
 from scout_core.progress.sealed import TamperedValue, seal, seal_entry, unseal, unseal_entries
+from scout_core.progress.store_client import store_timeouts
 
 __all__ = ["CLOSED_LIST", "EpisodeProtocol", "EpisodeOutcome", "tampered_verdict"]
 
@@ -170,7 +169,7 @@ class EpisodeProtocol:
         try:
             self.store.wait(keys, timedelta(seconds=remaining))
             return True
-        except DistStoreError:  # the timeout
+        except store_timeouts():
             return bool(self.store.check(keys))
 
     def lead_group(self, n: int, start: float) -> None:

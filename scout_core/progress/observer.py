@@ -65,12 +65,11 @@ class _ControlPlaneDown(Exception):
 
 @contextlib.contextmanager
 def _store_errors() -> Iterator[None]:
-    """Store and network failures (the store's machine died, or the job ended and took it) as one type."""
-    from torch.distributed import DistError
-
+    """Store and network failures (the store's machine died, or the job ended and took it) as one type. The
+    store client's errors are ``OSError``s (:mod:`~scout_core.progress.store_client`)."""
     try:
         yield
-    except (DistError, OSError) as exc:
+    except OSError as exc:
         raise _ControlPlaneDown(f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
 
 

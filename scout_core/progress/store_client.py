@@ -1,0 +1,212 @@
+"""A client of torch's TCPStore in plain Python: what the observer talks to its control store with.
+
+The observer needs a handful of store calls (set, get, check, wait, compare-and-set, append, multi-get) and
+nothing else of torch. Speaking the store's wire protocol itself, it imports no torch: it stays small, it can
+start as a fresh interpreter in a fraction of a second, and a forked observer touches none of torch's client
+state (threads, locks, sockets) that the trainer held at the fork.
+
+The protocol is torch's own (``torch/csrc/distributed/c10d/TCPStore.cpp`` and its libuv server): one byte
+per command, strings and values as a native-endian uint64 length and bytes, one-byte answers to check and
+wait. It has been stable since torch 2.2 (the validation handshake); :func:`probe` checks a server answers it
+before anything relies on it, and the tests run it against the real server of the pinned torch.
+
+Semantics follow torch's client, so code written against ``torch.distributed.PrefixStore(TCPStore)`` works
+unchanged: ``get`` waits for its key up to the store's timeout; ``multi_get`` waits for all of them; a timeout
+raises :class:`StoreTimeout`; a closed or unreachable server raises :class:`StoreUnreachable` (both
+``OSError``).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+__all__ = ["PlainStore", "StoreTimeout", "StoreUnreachable", "store_timeouts"]
+
+_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
+_DELETE_KEY, _APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 8, 9, 10, 12, 13
+_MAGIC = 0x3C85F7CE
+_READY, _STOP_WAITING, _WAIT_CANCELED = 0, 0, 1
+_U64 = struct.Struct("=Q")
+_I64 = struct.Struct("=q")
+_U32 = struct.Struct("=I")
+MAX_VALUE_BYTES = 1 << 30
+"""Refuse an answer longer than this: the observer's values are kilobytes; a larger length is a broken peer."""
+
+
+class StoreTimeout(OSError):
+    """A store call did not complete within the store's timeout (torch raises ``DistStoreError`` here)."""
+
+
+class StoreUnreachable(OSError):
+    """The store's server could not be reached, refused us, or closed the connection."""
+
+
+def store_timeouts() -> tuple[type[BaseException], ...]:
+    """The timeout errors of every store an observer's protocol may be given: ours, and torch's where torch is
+    loaded already (the tests drive the protocol with torch's in-memory store)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    extra = getattr(dist, "DistStoreError", None) if dist is not None else None
+    return (StoreTimeout,) if extra is None else (StoreTimeout, extra)
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class PlainStore:
+    """One connection to a TCPStore server, with every key under ``prefix/`` (torch's ``PrefixStore`` joins the
+    same way, so both see the same keys). Not thread-safe: one per thread, as the observer uses it."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float, prefix: str = "") -> None:
+        self.host, self.port, self.prefix = host, int(port), prefix
+        self.timeout_s = float(timeout_s)
+        self._sock = self._connect()
+
+    # -- what the observer calls ------------------------------------------------------------------
+
+    @property
+    def underlying_store(self) -> PlainStore:
+        """The same server without our prefix (``PrefixStore.underlying_store``)."""
+        return PlainStore.__new__(PlainStore)._share(self, prefix="")
+
+    def prefixed(self, prefix: str) -> PlainStore:
+        """The same connection with keys under ``prefix/`` as well (``PrefixStore(prefix, self)``)."""
+        return PlainStore.__new__(PlainStore)._share(self, prefix=f"{self.prefix}/{prefix}" if self.prefix else prefix)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.timeout_s = timeout.total_seconds()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._send(_SET, self._str(self._key(key)), self._str(_as_bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        self._send(_GET, self._str(self._key(key)))
+        return self._read_vector()
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        self._send(_COMPARE_SET, self._str(self._key(key)), self._str(_as_bytes(expected)),
+                   self._str(_as_bytes(desired)))
+        return self._read_vector()
+
+    def add(self, key: str, amount: int) -> int:
+        self._send(_ADD, self._str(self._key(key)), _I64.pack(int(amount)))
+        return _I64.unpack(self._read(_I64.size))[0]
+
+    def append(self, key: str, value: str | bytes) -> None:
+        self._send(_APPEND, self._str(self._key(key)), self._str(_as_bytes(value)))
+
+    def delete_key(self, key: str) -> bool:
+        self._send(_DELETE_KEY, self._str(self._key(key)))
+        return _I64.unpack(self._read(_I64.size))[0] == 1
+
+    def check(self, keys: Sequence[str]) -> bool:
+        self._send(_CHECK, self._keys(keys))
+        return self._read(1)[0] == _READY
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        self.wait(keys)
+        self._send(_MULTI_GET, self._keys(keys))
+        return [self._read_vector() for _ in keys]
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        limit = self.timeout_s if timeout is None else timeout.total_seconds()
+        self._send(_WAIT, self._keys(keys))
+        if self._readable_within(limit):
+            if self._read(1)[0] != _STOP_WAITING:
+                raise StoreUnreachable(f"store {self.host}:{self.port} answered a wait with something else")
+            return
+        self._send(_CANCEL_WAIT)
+        if self._read(1)[0] != _WAIT_CANCELED:  # the keys came as we cancelled: its cancel answer follows
+            self._read(1)
+        raise StoreTimeout(f"timed out after {limit:g} s waiting for {len(keys)} key(s) of store "
+                           f"{self.host}:{self.port}")
+
+    def close(self) -> None:
+        self._sock.close()
+
+    # -- the wire ----------------------------------------------------------------------------------
+
+    def _share(self, other: PlainStore, *, prefix: str) -> PlainStore:
+        self.host, self.port, self.timeout_s, self._sock = other.host, other.port, other.timeout_s, other._sock
+        self.prefix = prefix
+        return self
+
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self.timeout_s
+        last: OSError | None = None
+        while True:  # the server may not listen yet (a daemon still starting): retry until the timeout
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, self.timeout_s))
+                break
+            except OSError as exc:
+                last = exc
+                if time.monotonic() >= deadline:
+                    raise StoreUnreachable(f"cannot reach the store at {self.host}:{self.port}: {last}") from exc
+                time.sleep(0.1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        nonce = os.getpid() & 0xFFFFFFFF
+        self._send(_VALIDATE, _U32.pack(_MAGIC))
+        self._send(_PING, _U32.pack(nonce))
+        if _U32.unpack(self._read(_U32.size))[0] != nonce:
+            raise StoreUnreachable(f"{self.host}:{self.port} does not speak the TCPStore protocol")
+        return sock
+
+    def _key(self, key: str) -> str:
+        return f"/{self.prefix}/{key}" if self.prefix else f"/{key}"  # torch's client puts "/" before every key
+
+    @staticmethod
+    def _str(data: str | bytes) -> bytes:
+        raw = _as_bytes(data)
+        return _U64.pack(len(raw)) + raw
+
+    def _keys(self, keys: Sequence[str]) -> bytes:
+        return _U64.pack(len(keys)) + b"".join(self._str(self._key(k)) for k in keys)
+
+    def _send(self, command: int, *parts: bytes) -> None:
+        try:
+            self._sock.settimeout(max(0.1, self.timeout_s))
+            self._sock.sendall(bytes([command]) + b"".join(parts))
+        except TimeoutError as exc:
+            raise StoreTimeout(f"store {self.host}:{self.port} took longer than {self.timeout_s:g} s") from exc
+        except OSError as exc:
+            raise StoreUnreachable(f"store {self.host}:{self.port}: {exc}") from exc
+
+    def _readable_within(self, seconds: float) -> bool:
+        try:
+            ready, _, _ = select.select([self._sock], [], [], max(0.0, seconds))
+        except (OSError, ValueError) as exc:
+            raise StoreUnreachable(f"store {self.host}:{self.port}: {exc}") from exc
+        return bool(ready)
+
+    def _read(self, n: int) -> bytes:
+        chunks, got = [], 0
+        deadline = time.monotonic() + max(0.1, self.timeout_s)
+        while got < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._readable_within(remaining):
+                raise StoreTimeout(f"store {self.host}:{self.port} did not answer within {self.timeout_s:g} s")
+            try:
+                chunk = self._sock.recv(n - got)
+            except OSError as exc:
+                raise StoreUnreachable(f"store {self.host}:{self.port}: {exc}") from exc
+            if not chunk:
+                raise StoreUnreachable(f"store {self.host}:{self.port} closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _read_vector(self) -> bytes:
+        (length,) = _U64.unpack(self._read(_U64.size))
+        if length > MAX_VALUE_BYTES:
+            raise StoreUnreachable(f"store {self.host}:{self.port} sent a {length}-byte value; refused")
+        return self._read(length) if length else b""
