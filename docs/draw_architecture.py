@@ -26,7 +26,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "topology, groups": ("topology", "groups"),
     "C3 consensus": ("consensus", "consensus_rules", "confirmation"),
     "signatures": ("signature",),
-    "wire, private folders": ("wire", "private_dir"),
+    "wire, private folders, crash-safe files": ("wire", "private_dir", "durable_files"),
     "hang path (progress/)": ("progress",),
     "replay/": ("replay",),
     "moe/": ("moe",),

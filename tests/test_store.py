@@ -144,7 +144,7 @@ def test_a_failed_write_leaves_no_temporary(tmp_path):
 def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     import subprocess
 
-    from scout_core.checkpoint import store as store_module
+    from scout_core import durable_files as store_module
 
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -249,7 +249,7 @@ class Catalog:
                                    f"`scout catalog build --profiler {self.environment.get('profiler')}`")
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        from scout_core.checkpoint.store import atomic_write  # written whole and fsynced, or not at all
+        from scout_core.durable_files import atomic_write  # written whole and fsynced, or not at all
 
         body = {"format": CATALOG_FORMAT, "version": CATALOG_VERSION, "environment": self.environment,
                 "entries": self.entries}
