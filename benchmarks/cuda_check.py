@@ -12,7 +12,10 @@ in the "On CUDA" table of docs/benchmarks.md). Each check records its outcome an
 3. several ranks on one GPU over ``cuda:gloo`` (NCCL refuses two ranks on one
    device): replay with real peers on CUDA tensors, a clean run reporting
    nothing and a flipped bit on rank 2 localized to rank 2;
-4. step-time overhead of SCOUT at the shipped defaults and with every recipe
+4. the observer beside a CUDA-initialized trainer (NCCL when there are two GPUs, else ``cuda:gloo``): a fresh
+   interpreter that maps no torch, CUDA or NCCL library, which still names the rank whose training thread
+   stops (``actions.on_verdict: stop`` ends the job);
+5. step-time overhead of SCOUT at the shipped defaults and with every recipe
    replayed each step, on a model large enough for matrix work to dominate,
    as ratios of median step times within one run.
 
@@ -22,6 +25,7 @@ in the "On CUDA" table of docs/benchmarks.md). Each check records its outcome an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -100,6 +104,24 @@ def check_replay_peers(device: torch.device, tmp: Path) -> dict:
     return {"backend": backend, "clean_incidents": clean[:3], "fault_incidents": fault[:5], "ok": ok}
 
 
+def check_observer_beside_cuda(device: torch.device, tmp: Path) -> dict:
+    nccl = device.type == "cuda" and torch.cuda.device_count() >= 2
+    backend = "nccl" if nccl else ("cpu:gloo,cuda:gloo" if device.type == "cuda" else "gloo")
+    out = tmp / "observer-cuda"
+    args = ["--model", "gpt2", "--layout", "ddp", "--steps", "40", "--device", device.type, "--backend", backend,
+            "--scout", "--preset", "defaults", "--freeze-rank", "1", "--freeze-step", "6",
+            "--scout-set", "actions.on_verdict=stop"]
+    with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+        torchrun(2, out, args, 180)  # the stop ends it: the trainers exit non-zero
+    facts = [json.loads((out / f"observer-r{r}.json").read_text()) for r in range(2)
+             if (out / f"observer-r{r}.json").exists()]
+    fresh = len(facts) == 2 and all("scout_core.progress.spawn" in f["cmdline"] and not any(f["maps"].values())
+                                    for f in facts)
+    named = incidents(out)
+    ok = fresh and bool(named) and named[0][:3] == ("hang", "rank", [1])
+    return {"backend": backend, "observers": facts, "incidents": named[:3], "fresh_interpreters": fresh, "ok": ok}
+
+
 def check_overhead(device: torch.device, tmp: Path, nproc: int, steps: int) -> dict:
     backend = ("nccl" if nproc == 1 else "cpu:gloo,cuda:gloo") if device.type == "cuda" else "gloo"
     size = ("medium" if nproc == 1 else "small") if device.type == "cuda" else "tiny"
@@ -170,6 +192,7 @@ def main() -> None:
             "nccl_ddp_harmless": lambda: check_nccl_harmless(device, tmp, "ddp"),
             "nccl_fsdp2_harmless": lambda: check_nccl_harmless(device, tmp, "fsdp2"),
             "replay_peers": lambda: check_replay_peers(device, tmp),
+            "observer_beside_cuda": lambda: check_observer_beside_cuda(device, tmp),
             "overhead_1rank": lambda: check_overhead(device, tmp, 1, args.overhead_steps),
             "overhead_4ranks": lambda: check_overhead(device, tmp, 4, args.overhead_steps),
         }

@@ -13,3 +13,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name == "test_cells.py" and getattr(item, "originalname", "") != "test_cell_passes":
             item.add_marker(pytest.mark.guards)
+
+
+@pytest.fixture
+def forked_observers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Observers forked from their trainers (``observer.start_method: fork``) for a test that patches the
+    observer's own code: a fresh interpreter would not see the patch."""
+    from scout_core.progress import spawn
+    from scout_core.progress.observer import fork_for
+
+    monkeypatch.setattr(spawn, "spawn_observer", lambda spec, callback: fork_for(spec))

@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 import scout_core
+from integrations_tests.cell_callbacks import CALLBACK_FILE_ENV, record_incident
 from integrations_tests.models import batches, build
 from scout_core.config import load
-from scout_core.report import JsonlSink, read_incidents
+from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
 from scout_core.testing.inject import Injector
@@ -54,8 +55,9 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
         f"report.run_id={a['run_id']}",
         "report.log_level=ERROR",
     ])
-    callbacks = JsonlSink(os.path.join(a["workdir"], f"callback-r{ctx.rank}.jsonl"), fsync=False)
-    handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh, on_incident=callbacks.emit)
+    # A module-level callback: the observer, a fresh interpreter, imports it by path (and inherits this file's name)
+    os.environ[CALLBACK_FILE_ENV] = os.path.join(a["workdir"], f"callback-r{ctx.rank}.jsonl")
+    handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh, on_incident=record_incident)
     with open(os.path.join(a["workdir"], f"startup-r{ctx.rank}.txt"), "w") as fh:
         fh.write(repr(handle.observer_startup_s))  # hung ranks never return it
     par.inner.layers[1].register_forward_pre_hook(

@@ -94,7 +94,7 @@ def test_fig3_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
     assert report.verdict == "FAIL"
 
 
-def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch):
+def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_observers):
     from scout_core.progress import episode
     from scout_core.progress.classify import HangClass, HangVerdict
 
@@ -106,7 +106,7 @@ def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch):
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
-def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch):
+def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch, forked_observers):
     from scout_core.progress.record import ProgressRecord
 
     real_read = ProgressRecord.read
@@ -265,7 +265,7 @@ def test_machine_lost_cell_fails_when_lost_ranks_are_not_grouped_by_machine(monk
     assert report.verdict == "FAIL" and "'scope': 'rank'" in report.details
 
 
-def test_onset_spread_cell_fails_when_only_silent_observers_answer(monkeypatch):
+def test_onset_spread_cell_fails_when_only_silent_observers_answer(monkeypatch, forked_observers):
     """The first design: working peers did not post, and the frozen rank's observer named them lost."""
     from scout_core.progress.episode import EpisodeProtocol
 
@@ -316,7 +316,7 @@ def test_mismatch_async_cell_fails_when_only_the_last_launch_is_compared(monkeyp
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
-def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch):
+def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch, forked_observers):
     from scout_core.progress import observer as observer_mod
 
     real = observer_mod.silence_threshold
@@ -747,7 +747,7 @@ def test_comm_straggler_cell_fails_when_a_group_is_called_slow_a_round_early(mon
     assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
 
 
-def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch):
+def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch, forked_observers):
     """The guard of hsdp-data-stall: without the deferral while a rank is still inside its data fetch, the
     shard-group mates that wait behind it (they cross their threshold first) are named protocol mismatches."""
     import scout_core.progress.episode as episode

@@ -29,7 +29,14 @@ def _job(ctx: RankContext):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = load(None, ["observer.silence_threshold_s=1.5", "observer.gather_timeout_s=2.5",
                       f"report.jsonl_path={a['jsonl']}", "report.log_level=DEBUG"])
-    handle = scout_core.enable(model, opt, config=cfg)
+    handle = scout_core.enable(model, opt, config=cfg, on_incident=a.get("on_incident"))
+    if a["mode"] == "process":  # what its observer is: a fresh interpreter, or a fork carrying torch
+        with open(f"/proc/{handle.observer_pid}/cmdline", "rb") as fh:
+            cmdline = fh.read().replace(b"\0", b" ").decode()
+        with open(f"/proc/{handle.observer_pid}/maps") as fh:
+            torch_mapped = "libtorch" in fh.read()
+        handle.close()
+        return {"cmdline": cmdline, "torch_mapped": torch_mapped, "startup_s": handle.observer_startup_s}
     for step in range(a.get("steps", 6)):
         if step == 2 and ctx.rank == a.get("victim"):
             if a["mode"] == "kill_observer":
@@ -60,7 +67,7 @@ def _run(mode, timeout_s=60, stop_records=0, **extra):
     return result, incidents
 
 
-def test_observer_crash_reports_itself_once(monkeypatch):
+def test_observer_crash_reports_itself_once(monkeypatch, forked_observers):
     real_loop = observer_mod._Observer._loop
 
     def crashing_loop(self):
@@ -74,6 +81,20 @@ def test_observer_crash_reports_itself_once(monkeypatch):
     assert [(i.kind.value, i.scope.value, i.ranks, i.reporter_rank) for i in incidents] == [
         ("observer_failure", "rank", [2], 2)]
     assert "observer blew up" in incidents[0].reason
+
+
+def test_observer_is_a_fresh_interpreter_without_torch():
+    result, _ = _run("process", on_incident="integrations_tests.cell_callbacks:record_incident")
+    assert result.ok, result.failures()
+    for seen in result.values():
+        assert "scout_core.progress.spawn" in seen["cmdline"] and not seen["torch_mapped"], seen
+
+
+def test_observer_of_a_callback_without_an_import_path_is_forked():
+    result, _ = _run("process", on_incident=lambda inc: None)
+    assert result.ok, result.failures()
+    for seen in result.values():
+        assert "scout_core.progress.spawn" not in seen["cmdline"] and seen["torch_mapped"], seen
 
 
 def test_killed_observer_is_reported_by_its_trainer():

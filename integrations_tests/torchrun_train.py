@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
             f"report.jsonl_path={args.out}/incidents.jsonl", "report.log_level=ERROR", *args.scout_set,
         ])
         handle = scout_core.enable(model, optimizer, config=cfg, mesh=mesh)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"observer-r{rank}.json").write_text(json.dumps(observer_facts(handle.observer_pid)))
         handle.resume()  # a fresh start here; after a crash it restores the certified checkpoint
 
     model.train()  # dropout on: replays must reproduce the RNG draws too
@@ -163,6 +165,19 @@ def main(argv: list[str] | None = None) -> None:
     }
     (args.out / f"rank-{rank}.json").write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
+
+
+def observer_facts(pid: int | None) -> dict:
+    """What this rank's observer process is: its command line, and which of the trainer's libraries it maps (a
+    fresh interpreter maps no torch, CUDA or NCCL; a fork of a CUDA trainer maps them all)."""
+    if pid is None:
+        return {}
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        cmdline = fh.read().replace(b"\0", b" ").decode()
+    with open(f"/proc/{pid}/maps") as fh:
+        maps = fh.read()
+    return {"pid": pid, "cmdline": cmdline,
+            "maps": {lib: lib in maps for lib in ("libtorch", "libcuda", "libnccl", "libcudart")}}
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from scout_core.config import ScoutConfig
 from scout_core.report import Incident, IncidentKind, IncidentScope, drains_machine, list_of
+
+if TYPE_CHECKING:  # the observer imports this module, without torch or the config's parser
+    from scout_core.config import ScoutConfig
 
 __all__ = ["ExclusionsError", "ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions",
            "verdict_summary"]
@@ -72,7 +74,7 @@ def record_exclusions(path: str, verdicts: Iterable[dict[str, Any]]) -> dict[str
     Group- and job-scoped verdicts name no culprit machine, so they exclude nothing
     (they are still listed under ``verdicts`` for the operator).
     """
-    from scout_core.checkpoint.store import atomic_write
+    from scout_core.durable_files import atomic_write
 
     current = _read_exclusions(path)
     if "drain" not in current:  # a file from before the list existed: its verdicts name the machines too
@@ -151,10 +153,10 @@ def verdict_summary(inc: Incident) -> dict[str, Any]:
             "step": inc.step, "surface": inc.surface[:200], "reason": inc.reason}
 
 
-def hang_action(cfg: ScoutConfig, user_callback: Callable[[Incident], None] | None) -> Callable[[Incident], None]:
-    """The observer-side action for hang verdicts (runs in the observer process, once per verdict).
-    Stopping the trainer is the observer's own step after it (``ObserverSpec.stop_on_verdict``)."""
-    path = exclude_hosts_path(cfg)
+def hang_action(path: str | None, user_callback: Callable[[Incident], None] | None) -> Callable[[Incident], None]:
+    """The observer-side action for hang verdicts (runs in the observer process, once per verdict): the user's
+    callback, then the hosts file at ``path`` (:func:`exclude_hosts_path`). Stopping the trainer is the
+    observer's own step after it (``ObserverSpec.stop_on_verdict``)."""
 
     def act(inc: Incident) -> None:
         if user_callback is not None:

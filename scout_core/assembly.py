@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from scout_core.actions import hang_action
+from scout_core.actions import exclude_hosts_path
 from scout_core.boundary import StepBoundary
 from scout_core.checkpoint.certify import Certifier
 from scout_core.checkpoint.coordinator import CheckpointCoordinator
@@ -81,7 +81,8 @@ def start_observer(parts: ScoutParts, plane: ControlPlane, on_incident: Callable
         adaptive_multiple=obs.adaptive_multiple, heartbeat_s=heartbeat_s,
         gather_timeout_s=max(obs.gather_timeout_s, 3 * heartbeat_s), startup_timeout_s=obs.startup_timeout_s,
         jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
-        on_incident=hang_action(cfg, on_incident), stop_on_verdict=cfg.actions.on_verdict == "stop",
+        on_incident=on_incident, exclusions_path=exclude_hosts_path(cfg), start_method=obs.start_method,
+        stop_on_verdict=cfg.actions.on_verdict == "stop",
     ), world_control=parts.groups.world_control)
     a = parts.adapter
     tracker.install_module_hooks(a.marked_layers or a.repeated_layers(), backward=obs.layer_backward_marks)

@@ -64,6 +64,7 @@ class ConfigError(ValueError):
 
 
 _ACTIONS = ("log", "stop")
+_START_METHODS = ("spawn", "fork")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 CERTIFY_MODES = ("coverage", "last_check_only")
 """``checkpoint.certify``: see :mod:`scout_core.checkpoint.coverage`."""
@@ -99,6 +100,9 @@ def validate(cfg: ScoutConfig) -> ScoutConfig:
         raise ConfigError(f"topology.shape: {dict(cfg.topology.shape)}; allowed: axes d s t p c e with sizes >= 1")
     if cfg.actions.on_verdict not in _ACTIONS:
         raise ConfigError(f"actions.on_verdict: {cfg.actions.on_verdict!r}; allowed: {', '.join(_ACTIONS)}")
+    if cfg.observer.start_method not in _START_METHODS:
+        raise ConfigError(f"observer.start_method: {cfg.observer.start_method!r}; allowed: "
+                          f"{', '.join(_START_METHODS)}")
     if cfg.checkpoint.certify not in CERTIFY_MODES:
         raise ConfigError(f"checkpoint.certify: {cfg.checkpoint.certify!r}; allowed: {', '.join(CERTIFY_MODES)}")
     if cfg.report.log_level.upper() not in _LOG_LEVELS:
@@ -236,7 +240,8 @@ def reference_tables(key: Callable[[str], str] = lambda k: k) -> list[str]:
 
 CROSS_FIELD_RULES = [
     "Cross-field rules: `topology.order` is a permutation of `d s t p c e` and `topology.shape` uses those",
-    "axes with sizes >= 1; `actions.on_verdict` is `log` or `stop`; `checkpoint.certify` is `coverage` or",
+    "axes with sizes >= 1; `actions.on_verdict` is `log` or `stop`; `observer.start_method` is `spawn` or `fork`;",
+    "`checkpoint.certify` is `coverage` or",
     "`last_check_only`; `report.log_level` is one of DEBUG, INFO, WARNING, ERROR, CRITICAL;",
     "`replay.input_variants` is a non-empty list of positive scales.",
 ]

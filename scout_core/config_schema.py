@@ -94,6 +94,12 @@ class ObserverConfig:
     """Port the store daemon listens on; 0 = a free port."""
     startup_timeout_s: float = _range(30.0, gt=0)
     """How long the observers may take to rendezvous."""
+    start_method: str = "spawn"
+    """``spawn``: each observer is a fresh interpreter (it imports no torch: about 0.15 s of CPU). ``fork``: a
+    fork of its trainer (unsafe with InfiniBand memory registered on older kernels without ``RDMAV_FORK_SAFE``;
+    its copy-on-write pages grow the trainer's memory). An ``on_incident`` callback without an import path (a
+    lambda, a closure, a bound method, a function of the training script) cannot reach a fresh interpreter:
+    then the observers are forked, with a warning."""
     layer_backward_marks: bool = False
     """Also publish when each repeated layer's backward finishes (a gradient hook per layer per step:
     locates a rank stopped inside backward, at 1-3 % of a CPU step; classification does not need it)."""

@@ -52,6 +52,7 @@ from scout_core.metrics import start_metrics
 from scout_core.moe.replay import MoEBinding
 from scout_core.parts import ScoutParts
 from scout_core.progress.control import ControlPlane, choose_control_plane
+from scout_core.progress.spawn import resolve_callback
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
@@ -121,7 +122,7 @@ def enable(
     output: torch.nn.Module | None = None,
     state: Mapping[str, Any] | None = None,
     rng_providers: Mapping[str, RngProvider] | None = None,
-    on_incident: Callable[[Incident], None] | None = None,
+    on_incident: Callable[[Incident], None] | str | None = None,
     moe: MoEBinding | None = None,
 ) -> ScoutHandle:
     """Install SCOUT on this rank (plain PyTorch); every rank of the default process group must call it.
@@ -134,8 +135,11 @@ def enable(
     caller objects with ``state_dict``/``load_state_dict`` (LR scheduler, data
     loader, gradient scaler) that snapshots keep. ``on_incident`` runs in the
     observer process for each hang verdict, so it fires even while the trainer
-    is blocked. ``moe`` (:class:`~scout_core.moe.replay.MoEBinding`) names the MoE layers and the groups of
-    ranks holding the same experts: it switches on the expert recipe (``replay.cadence.expert``).
+    is blocked: a module-level function or its path, ``"module:function"`` (a
+    lambda or closure works too, but then the observer is forked from the
+    trainer instead of started fresh: ``observer.start_method``). ``moe``
+    (:class:`~scout_core.moe.replay.MoEBinding`) names the MoE layers and the groups of ranks holding the same
+    experts: it switches on the expert recipe (``replay.cadence.expert``).
     """
     adapter = torch_adapter(model, optimizer, mesh=mesh, peer_groups=peer_groups, layers=layers,
                             embedding=embedding, output=output, rng_providers=rng_providers, state=state,
@@ -144,11 +148,13 @@ def enable(
 
 
 def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
-                on_incident: Callable[[Incident], None] | None = None) -> ScoutHandle:
+                on_incident: Callable[[Incident], None] | str | None = None) -> ScoutHandle:
     """Install SCOUT from a framework adapter (what plugins call): resolve the groups, build each part the
     configuration turns on, hand them to the handle."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scout_core.enable() needs an initialized default process group")
+    if isinstance(on_incident, str):  # the same path on every rank: a wrong one raises on every rank here
+        on_incident = resolve_callback(on_incident)
     ScoutHandle.claim()
     parts: ScoutParts | None = None
     try:

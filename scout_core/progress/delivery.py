@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from scout_core.actions import hang_action
 from scout_core.progress.classify import HangVerdict
 from scout_core.progress.episode import EpisodeOutcome
 from scout_core.progress.record import ProgressRecord, ProgressSnapshot
@@ -68,12 +69,12 @@ class VerdictReporting:
         if outcome.reporter:
             for inc in incidents:
                 self.reporter.emit(inc)
-        if self.spec.on_incident is not None:
-            for inc in incidents:
-                try:
-                    self.spec.on_incident(inc)
-                except Exception:  # a user callback must not kill the observer
-                    traceback.print_exc()
+        act = hang_action(self.spec.exclusions_path, self.spec.on_incident)
+        for inc in incidents:
+            try:
+                act(inc)
+            except Exception:  # a user callback must not kill the observer
+                traceback.print_exc()
         # A verdict over values someone outside the job wrote names nobody and never stops a trainer.
         steered = any("tampered" in v.evidence for v in outcome.verdicts)
         if stop_on_verdict and incidents and not steered and not self._trainer_gone():

@@ -25,8 +25,10 @@ answered as :mod:`~scout_core.progress.closing` describes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -53,6 +55,8 @@ from scout_core.report import Incident
 __all__ = ["OBSERVER_REPORTED_EXIT", "OBSERVER_STACKS_SIGNAL", "ObserverSpec", "STOP_GRACE_S", "peer_groups_as_lists",
            "start_observer", "steady_threshold"]
 
+_log = logging.getLogger("scout")
+
 OBSERVER_REPORTED_EXIT = 3
 """Exit code of an observer that crashed and already reported its own failure."""
 
@@ -77,7 +81,24 @@ _DAEMON_BEAT_S = 10.0
 
 
 def start_observer(spec: ObserverSpec) -> tuple[int, int]:
-    """Fork the observer; return ``(pid, read end of its readiness pipe)``."""
+    """Start the observer, a fresh interpreter unless ``spec.start_method`` is ``fork`` or its callback has no
+    import path (:mod:`~scout_core.progress.spawn`); return ``(pid, read end of its readiness pipe)``."""
+    from scout_core.progress.spawn import callback_path, spawn_observer
+
+    if spec.start_method == "spawn" and sys.executable:  # an embedded interpreter has no executable to start
+        path = callback_path(spec.on_incident)
+        if path is not None or spec.on_incident is None:
+            return spawn_observer(spec, callback=path)
+        if spec.rank == 0:
+            _log.warning("SCOUT: on_incident %r has no import path (a lambda, a closure, a bound method or a "
+                         "function of the training script), so the observers are forked from their trainers, "
+                         "not started fresh; pass a module-level function, or 'module:function', to spawn them",
+                         spec.on_incident)
+    return fork_for(spec)
+
+
+def fork_for(spec: ObserverSpec) -> tuple[int, int]:
+    """Fork the observer from this trainer (``observer.start_method: fork``)."""
     return fork_observer(lambda ready_fd, death_signal: _Observer(spec, ready_fd).run(death_signal=death_signal))
 
 

@@ -48,6 +48,11 @@ class ObserverSpec:
     fsync: bool = True
     log_level: str = "WARNING"
     on_incident: Callable[[Incident], None] | None = None
+    """The user's callback, run by the observer for each hang verdict (a spawned observer imports it by path)."""
+    exclusions_path: str | None = None
+    """The hosts file a drainable verdict is added to (``actions.exclude_hosts_path``); None: none is kept."""
+    start_method: str = "spawn"
+    """``spawn`` (a fresh interpreter) or ``fork`` (``observer.start_method``)."""
     trainer_pid: int = field(default_factory=os.getpid)
     heartbeat_s: float = 1.0
     """How often a healthy observer checks whether an episode is open (one store message)."""

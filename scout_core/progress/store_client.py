@@ -18,12 +18,13 @@ raises :class:`StoreTimeout`; a closed or unreachable server raises :class:`Stor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 __all__ = ["PlainStore", "StoreTimeout", "StoreUnreachable", "store_timeouts"]
@@ -61,105 +62,145 @@ def _as_bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
+class _Connection:
+    """The socket several views of one store share (``underlying_store``, ``prefixed``), and whether it broke."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.poll = select.poll()  # not select(): the observer's socket may be numbered past 1023
+        self.poll.register(sock, select.POLLIN)
+        self.broken = ""
+        """Why the byte stream can no longer be trusted (a call cut off between its request and its answer)."""
+
+
 class PlainStore:
     """One connection to a TCPStore server, with every key under ``prefix/`` (torch's ``PrefixStore`` joins the
-    same way, so both see the same keys). Not thread-safe: one per thread, as the observer uses it."""
+    same way, so both see the same keys). Not thread-safe: one per thread, as the observer uses it.
+
+    A call cut off between its request and its answer (a timeout, a signal handler raising, a dropped
+    connection) leaves an answer in flight that the next call would read as its own: the connection is then
+    closed, and every later call raises :class:`StoreUnreachable` (the observer reconnects). Only a ``wait``
+    that times out cleanly (its cancel answered) keeps it."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float, prefix: str = "") -> None:
         self.host, self.port, self.prefix = host, int(port), prefix
         self.timeout_s = float(timeout_s)
-        self._sock = self._connect()
+        self._conn = self._connect()
 
     # -- what the observer calls ------------------------------------------------------------------
 
     @property
     def underlying_store(self) -> PlainStore:
         """The same server without our prefix (``PrefixStore.underlying_store``)."""
-        return PlainStore.__new__(PlainStore)._share(self, prefix="")
+        return self._view(prefix="")
 
     def prefixed(self, prefix: str) -> PlainStore:
         """The same connection with keys under ``prefix/`` as well (``PrefixStore(prefix, self)``)."""
-        return PlainStore.__new__(PlainStore)._share(self, prefix=f"{self.prefix}/{prefix}" if self.prefix else prefix)
+        return self._view(prefix=f"{self.prefix}/{prefix}" if self.prefix else prefix)
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.timeout_s = timeout.total_seconds()
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._send(_SET, self._str(self._key(key)), self._str(_as_bytes(value)))
+        with self._exchange():
+            self._send(_SET, self._str(self._key(key)), self._str(_as_bytes(value)))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        self._send(_GET, self._str(self._key(key)))
-        return self._read_vector()
+        with self._exchange():
+            self._send(_GET, self._str(self._key(key)))
+            return self._read_vector()
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        self._send(_COMPARE_SET, self._str(self._key(key)), self._str(_as_bytes(expected)),
-                   self._str(_as_bytes(desired)))
-        return self._read_vector()
+        with self._exchange():
+            self._send(_COMPARE_SET, self._str(self._key(key)), self._str(_as_bytes(expected)),
+                       self._str(_as_bytes(desired)))
+            return self._read_vector()
 
     def add(self, key: str, amount: int) -> int:
-        self._send(_ADD, self._str(self._key(key)), _I64.pack(int(amount)))
-        return _I64.unpack(self._read(_I64.size))[0]
+        with self._exchange():
+            self._send(_ADD, self._str(self._key(key)), _I64.pack(int(amount)))
+            return _I64.unpack(self._read(_I64.size))[0]
 
     def append(self, key: str, value: str | bytes) -> None:
-        self._send(_APPEND, self._str(self._key(key)), self._str(_as_bytes(value)))
+        with self._exchange():
+            self._send(_APPEND, self._str(self._key(key)), self._str(_as_bytes(value)))
 
     def delete_key(self, key: str) -> bool:
-        self._send(_DELETE_KEY, self._str(self._key(key)))
-        return _I64.unpack(self._read(_I64.size))[0] == 1
+        with self._exchange():
+            self._send(_DELETE_KEY, self._str(self._key(key)))
+            return _I64.unpack(self._read(_I64.size))[0] == 1
 
     def check(self, keys: Sequence[str]) -> bool:
-        self._send(_CHECK, self._keys(keys))
-        return self._read(1)[0] == _READY
+        with self._exchange():
+            self._send(_CHECK, self._keys(keys))
+            return self._read(1)[0] == _READY
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         self.wait(keys)
-        self._send(_MULTI_GET, self._keys(keys))
-        return [self._read_vector() for _ in keys]
+        with self._exchange():
+            self._send(_MULTI_GET, self._keys(keys))
+            return [self._read_vector() for _ in keys]
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         limit = self.timeout_s if timeout is None else timeout.total_seconds()
-        self._send(_WAIT, self._keys(keys))
-        if self._readable_within(limit):
-            if self._read(1)[0] != _STOP_WAITING:
-                raise StoreUnreachable(f"store {self.host}:{self.port} answered a wait with something else")
-            return
-        self._send(_CANCEL_WAIT)
-        if self._read(1)[0] != _WAIT_CANCELED:  # the keys came as we cancelled: its cancel answer follows
-            self._read(1)
+        with self._exchange():
+            self._send(_WAIT, self._keys(keys))
+            if self._readable_within(limit):
+                if self._read(1)[0] != _STOP_WAITING:
+                    raise StoreUnreachable(f"store {self.host}:{self.port} answered a wait with something else")
+                return
+            self._send(_CANCEL_WAIT)
+            if self._read(1)[0] != _WAIT_CANCELED:  # the keys came as we cancelled: its cancel answer follows
+                self._read(1)
+        # Out of the exchange: the stream is whole again, this connection stays usable.
         raise StoreTimeout(f"timed out after {limit:g} s waiting for {len(keys)} key(s) of store "
                            f"{self.host}:{self.port}")
 
     def close(self) -> None:
-        self._sock.close()
+        self._conn.broken = self._conn.broken or "closed"
+        self._conn.sock.close()
 
     # -- the wire ----------------------------------------------------------------------------------
 
-    def _share(self, other: PlainStore, *, prefix: str) -> PlainStore:
-        self.host, self.port, self.timeout_s, self._sock = other.host, other.port, other.timeout_s, other._sock
-        self.prefix = prefix
-        return self
+    def _view(self, *, prefix: str) -> PlainStore:
+        view = PlainStore.__new__(PlainStore)
+        view.host, view.port, view.timeout_s, view._conn, view.prefix = (self.host, self.port, self.timeout_s,
+                                                                         self._conn, prefix)
+        return view
 
-    def _connect(self) -> socket.socket:
+    @contextlib.contextmanager
+    def _exchange(self) -> Iterator[None]:
+        """One request and its answer: cut off half-way, the connection is closed for good."""
+        if self._conn.broken:
+            raise StoreUnreachable(f"store {self.host}:{self.port}: connection unusable ({self._conn.broken})")
+        try:
+            yield
+        except BaseException as exc:
+            self._conn.broken = f"a call was cut off: {type(exc).__name__}"
+            with contextlib.suppress(OSError):
+                self._conn.sock.close()
+            raise
+
+    def _connect(self) -> _Connection:
         deadline = time.monotonic() + self.timeout_s
-        last: OSError | None = None
         while True:  # the server may not listen yet (a daemon still starting): retry until the timeout
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=max(0.1, self.timeout_s))
+                sock = socket.create_connection((self.host, self.port),
+                                                timeout=max(0.1, min(self.timeout_s, deadline - time.monotonic())))
                 break
             except OSError as exc:
-                last = exc
                 if time.monotonic() >= deadline:
-                    raise StoreUnreachable(f"cannot reach the store at {self.host}:{self.port}: {last}") from exc
+                    raise StoreUnreachable(f"cannot reach the store at {self.host}:{self.port}: {exc}") from exc
                 time.sleep(0.1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock = sock
+        self._conn = _Connection(sock)
         nonce = os.getpid() & 0xFFFFFFFF
-        self._send(_VALIDATE, _U32.pack(_MAGIC))
-        self._send(_PING, _U32.pack(nonce))
-        if _U32.unpack(self._read(_U32.size))[0] != nonce:
-            raise StoreUnreachable(f"{self.host}:{self.port} does not speak the TCPStore protocol")
-        return sock
+        with self._exchange():
+            self._send(_VALIDATE, _U32.pack(_MAGIC), bytes([_PING]), _U32.pack(nonce))
+            if _U32.unpack(self._read(_U32.size))[0] != nonce:
+                raise StoreUnreachable(f"{self.host}:{self.port} does not speak the TCPStore protocol")
+        return self._conn
 
     def _key(self, key: str) -> str:
         return f"/{self.prefix}/{key}" if self.prefix else f"/{key}"  # torch's client puts "/" before every key
@@ -173,9 +214,12 @@ class PlainStore:
         return _U64.pack(len(keys)) + b"".join(self._str(self._key(k)) for k in keys)
 
     def _send(self, command: int, *parts: bytes) -> None:
+        view = memoryview(bytes([command]) + b"".join(parts))
+        sock = self._conn.sock
         try:
-            self._sock.settimeout(max(0.1, self.timeout_s))
-            self._sock.sendall(bytes([command]) + b"".join(parts))
+            sock.settimeout(max(0.1, self.timeout_s))
+            while view:  # MSG_NOSIGNAL: a vanished server is an error here, never SIGPIPE (a forked observer
+                view = view[sock.send(view, socket.MSG_NOSIGNAL):]  # inherits whatever its trainer set)
         except TimeoutError as exc:
             raise StoreTimeout(f"store {self.host}:{self.port} took longer than {self.timeout_s:g} s") from exc
         except OSError as exc:
@@ -183,10 +227,9 @@ class PlainStore:
 
     def _readable_within(self, seconds: float) -> bool:
         try:
-            ready, _, _ = select.select([self._sock], [], [], max(0.0, seconds))
+            return bool(self._conn.poll.poll(max(0, int(seconds * 1000))))
         except (OSError, ValueError) as exc:
             raise StoreUnreachable(f"store {self.host}:{self.port}: {exc}") from exc
-        return bool(ready)
 
     def _read(self, n: int) -> bytes:
         chunks, got = [], 0
@@ -196,7 +239,7 @@ class PlainStore:
             if remaining <= 0 or not self._readable_within(remaining):
                 raise StoreTimeout(f"store {self.host}:{self.port} did not answer within {self.timeout_s:g} s")
             try:
-                chunk = self._sock.recv(n - got)
+                chunk = self._conn.sock.recv(n - got)
             except OSError as exc:
                 raise StoreUnreachable(f"store {self.host}:{self.port}: {exc}") from exc
             if not chunk:

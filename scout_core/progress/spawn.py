@@ -1,0 +1,162 @@
+"""The observer as a fresh interpreter: how the trainer starts it, and its entry point.
+
+``python -m scout_core.progress.spawn``, started by :func:`spawn_observer`, not an ``os.fork()`` of the trainer:
+a trainer with CUDA, NCCL and InfiniBand memory registered is unsafe to fork on older kernels without
+``RDMAV_FORK_SAFE``, and a forked child's copy-on-write pages grow the trainer's host memory for the whole run.
+The observer needs no torch (its store client speaks the protocol itself: :mod:`~scout_core.progress.store_client`),
+so it is ready in a fraction of a second.
+
+Everything it is told travels as JSON on its stdin (:func:`spec_to_wire`), never in its command line, which
+``ps`` shows to every user: the control store's secret is in it. The user's ``on_incident`` callback crosses as
+an import path (``module:qualname``); a callback that has none (a lambda, a closure, a bound method, a function
+of the training script itself) cannot, and the trainer forks the observer instead
+(:func:`~scout_core.progress.observer.start_observer` says so once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import faulthandler
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from scout_core.progress.control import ControlPlane
+from scout_core.progress.process import OBSERVER_STACKS_SIGNAL, _prctl
+from scout_core.progress.spec import ObserverSpec
+
+__all__ = ["callback_path", "resolve_callback", "spawn_observer", "spec_to_wire"]
+
+_MAX_WIRE_BYTES = 64 << 20
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+"""Every observer we started, kept referenced: a collected ``Popen`` would reap our observer itself (its
+``__del__`` and ``subprocess._cleanup``), and the trainer's own ``waitpid`` would lose its exit status."""
+
+
+def callback_path(fn: Callable[..., Any] | str | None) -> str | None:
+    """``module:qualname`` that imports back to ``fn`` in a fresh interpreter, else None. A string is taken as
+    such a path (checked by :func:`resolve_callback`)."""
+    if fn is None:
+        return None
+    if isinstance(fn, str):
+        resolve_callback(fn)
+        return fn
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__" or "<" in qualname:
+        return None
+    path = f"{module}:{qualname}"
+    try:
+        return path if resolve_callback(path) is fn else None
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def resolve_callback(path: str) -> Callable[..., Any]:
+    """The callable a ``module:qualname`` path names; ValueError when it names none."""
+    module, sep, qualname = path.partition(":")
+    if not sep or not module or not qualname:
+        raise ValueError(f"on_incident must be a callable or 'module:function', got {path!r}")
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"on_incident {path!r} names {type(target).__name__}, not a callable")
+    return target
+
+
+def spec_to_wire(spec: ObserverSpec, *, callback: str | None) -> dict[str, Any]:
+    """What the spawned observer is told, as plain JSON (the spec's own callback is dropped: it crosses by path)."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "on_incident"}
+    fields["control"] = spec.control.to_dict()
+    fields["hosts"] = {str(r): h for r, h in spec.hosts.items()}
+    fields["devices"] = {str(r): d for r, d in spec.devices.items()}
+    return {"spec": fields, "callback": callback, "sys_path": [p for p in sys.path if isinstance(p, str)]}
+
+
+def spec_from_wire(wire: dict[str, Any]) -> ObserverSpec:
+    fields = dict(wire["spec"])
+    fields["control"] = ControlPlane(**fields["control"])
+    fields["hosts"] = {int(r): h for r, h in fields["hosts"].items()}
+    fields["devices"] = {int(r): d for r, d in fields["devices"].items()}
+    return ObserverSpec(**fields)
+
+
+def spawn_observer(spec: ObserverSpec, *, callback: str | None) -> tuple[int, int]:
+    """Start the observer as a fresh interpreter; return ``(pid, read end of its readiness pipe)``."""
+    import scout_core
+
+    read_fd, write_fd = os.pipe()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    wire = spec_to_wire(spec, callback=callback)
+    # Linux's parent-death signal follows the thread that started the child: only the main thread lives as long
+    # as the process (see process.fork_observer); elsewhere the observer's liveness check ends it.
+    wire["ready_fd"], wire["death_signal"] = write_fd, threading.current_thread() is threading.main_thread()
+    # The stacks signal stays blocked (the mask survives exec) until the child has its handler: its default
+    # action would end the child.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {OBSERVER_STACKS_SIGNAL})
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "scout_core.progress.spawn"], stdin=subprocess.PIPE,
+                                 pass_fds=(write_fd,), close_fds=True, env=env)
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os.close(write_fd)
+    _CHILDREN[child.pid] = child
+    assert child.stdin is not None
+    with contextlib.suppress(BrokenPipeError), child.stdin:  # a child that died at once: its start-up wait says so
+        child.stdin.write(json.dumps(wire).encode())
+    return child.pid, read_fd
+
+
+def _main() -> int:
+    """The spawned observer: read what it is told, then run as a forked one would."""
+    with contextlib.suppress(Exception):
+        faulthandler.register(OBSERVER_STACKS_SIGNAL, file=2, all_threads=True)
+    # Every signal unblocked: the mask survives exec, and one a trainer thread blocked (its SIGTERM) would
+    # otherwise keep its close() from ending us.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    wire = json.loads(sys.stdin.buffer.read(_MAX_WIRE_BYTES))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the trainer closed its end: nothing more comes on stdin
+    os.close(null)
+    for path in reversed(wire["sys_path"]):  # the trainer's modules import here as they did there
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    from scout_core.progress.observer import _Observer
+
+    spec = spec_from_wire(wire)
+    if wire["callback"]:
+        try:
+            spec.on_incident = resolve_callback(wire["callback"])
+        except Exception as exc:  # noqa: BLE001 - diagnosis goes on without the user's callback, and says so
+            print(f"scout: rank {spec.rank}'s observer cannot import on_incident {wire['callback']!r} "
+                  f"({type(exc).__name__}: {exc}); hang verdicts are still recorded, without the callback",
+                  file=sys.stderr, flush=True)
+    prctl = _prctl() if wire["death_signal"] else None
+    if os.getppid() != spec.trainer_pid:  # the trainer died before we could ask to follow it
+        return 0
+    return _Observer(spec, wire["ready_fd"]).run(death_signal=prctl)
+
+
+if __name__ == "__main__":
+    code = 1
+    try:
+        code = _main()
+    except SystemExit:
+        code = 0  # SIGTERM from a trainer that closed: a normal end
+    except BaseException:  # noqa: BLE001 - never die silently
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)

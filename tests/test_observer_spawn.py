@@ -1,0 +1,77 @@
+"""The spawned observer's inputs: its callback by import path, its spec as JSON, the start method's choice."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from scout_core.config import ConfigError, load
+from scout_core.progress.control import ControlPlane
+from scout_core.progress.spawn import callback_path, resolve_callback, spec_from_wire, spec_to_wire
+from scout_core.progress.spec import ObserverSpec
+from scout_core.report import Incident
+
+
+def module_level_callback(inc: Incident) -> None:
+    pass
+
+
+class Holder:
+    @staticmethod
+    def static_callback(inc: Incident) -> None:
+        pass
+
+    def method(self, inc: Incident) -> None:
+        pass
+
+
+def test_only_callbacks_that_import_back_to_themselves_have_a_path() -> None:
+    assert callback_path(None) is None
+    assert callback_path(module_level_callback) == f"{__name__}:module_level_callback"
+    assert callback_path(Holder.static_callback) == f"{__name__}:Holder.static_callback"
+    assert callback_path(lambda inc: None) is None
+    assert callback_path(Holder().method) is None  # bound: the instance cannot cross
+    assert callback_path(functools.partial(module_level_callback)) is None
+
+    def nested(inc: Incident) -> None:
+        pass
+
+    assert callback_path(nested) is None
+    nested.__module__ = "__main__"
+    assert callback_path(nested) is None  # the training script is not importable in the observer
+
+
+def test_a_callback_path_resolves_or_says_why() -> None:
+    assert resolve_callback(f"{__name__}:module_level_callback") is module_level_callback
+    assert callback_path(f"{__name__}:Holder.static_callback") == f"{__name__}:Holder.static_callback"
+    with pytest.raises(ValueError, match="module:function"):
+        resolve_callback("no_colon_here")
+    with pytest.raises(ModuleNotFoundError):
+        resolve_callback("scout_no_such_module:f")
+    with pytest.raises(AttributeError):
+        resolve_callback(f"{__name__}:missing")
+    with pytest.raises(ValueError, match="not a callable"):
+        resolve_callback(f"{__name__}:__name__")
+
+
+def test_the_spec_crosses_as_json_and_comes_back_equal() -> None:
+    spec = ObserverSpec(run_id="r", launch="l", rank=3, world_size=4, record_path="/dev/shm/x",
+                        control=ControlPlane(host="127.0.0.1", port=1234, kind="daemon", secret="s3cret"),
+                        peer_groups=[[0, 1], [2, 3]], hosts={0: "a", 3: "b"}, devices={0: "cpu", 3: "cpu"},
+                        silence_threshold_s=5.0, gather_timeout_s=10.0, startup_timeout_s=30.0, jsonl_path=None,
+                        on_incident=module_level_callback, exclusions_path="/tmp/x.json", start_method="spawn")
+    wire = json.loads(json.dumps(spec_to_wire(spec, callback="m:f")))
+    assert wire["callback"] == "m:f" and "on_incident" not in wire["spec"]
+    back = spec_from_wire(wire)
+    assert back.on_incident is None
+    back.on_incident = spec.on_incident
+    assert back == spec
+
+
+def test_start_method_is_spawn_by_default_and_checked() -> None:
+    assert load(None, []).observer.start_method == "spawn"
+    assert load(None, ["observer.start_method=fork"]).observer.start_method == "fork"
+    with pytest.raises(ConfigError, match="start_method"):
+        load(None, ["observer.start_method=thread"])
