@@ -256,7 +256,7 @@ def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatc
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
-def test_machine_lost_cell_fails_when_lost_ranks_are_not_grouped_by_machine(monkeypatch):
+def test_machine_lost_cell_fails_when_lost_ranks_are_not_grouped_by_machine(monkeypatch, forked_observers):
     from scout_core.progress import classify
 
     real = classify._lost_verdicts

@@ -59,7 +59,8 @@ def _busy_trainer(ctx: RankContext) -> float:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = load(None, ["observer.silence_threshold_s=1", "observer.gather_timeout_s=3",
-                      f"report.jsonl_path={ctx.args['jsonl']}", "report.log_level=INFO"])
+                      f"report.jsonl_path={ctx.args['jsonl']}", "report.log_level=INFO",
+                      "observer.start_method=fork"])  # what this test is about: a fork while locks are held
     start = time.monotonic()
     handle = scout_core.enable(model, opt, config=cfg)
     startup = time.monotonic() - start

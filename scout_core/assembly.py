@@ -61,7 +61,7 @@ def new_handle(parts: ScoutParts) -> ScoutHandle:
 # -- the hang observer -----------------------------------------------------------------------------------------
 
 def start_observer(parts: ScoutParts, plane: ControlPlane, on_incident: Callable[[Incident], None] | None) -> None:
-    """Fork this rank's observer (``parts.observer`` is set first: close() reaps one that failed to start), then
+    """Start this rank's observer (``parts.observer`` is set first: close() reaps one that failed to start), then
     mark the training loop for it: layers, optimizers, DDP buckets, collectives."""
     cfg, obs = parts.config, parts.config.observer
     link = parts.observer = ObserverLink(run_id=parts.run_id, rank=parts.rank, reporter=parts.reporter,

@@ -1,4 +1,4 @@
-"""The trainer's side of this rank's hang observer: its progress tracker, the forked process, its health, its end.
+"""The trainer's side of this rank's hang observer: its progress tracker, its process, its health, its end.
 
 :mod:`scout_core.assembly` makes the link and starts the observer; the step boundary asks :meth:`ObserverLink.check`
 whether it still runs; :meth:`ScoutHandle.close <scout_core.handle.ScoutHandle.close>` ends it with
@@ -48,21 +48,27 @@ class ObserverLink:
         self.reported = False  # its death was reported (or it reported itself): its pid is no longer ours
 
     def start(self, spec: ObserverSpec, *, world_control: Any) -> None:
-        """Fork the observer and wait until it is ready; every rank raises together if any observer is not."""
+        """Start the observer and wait until it is ready; every rank raises together if any observer is not."""
         start = time.monotonic()
         self.control_plane = spec.control
         # An episode's longest wait (a member's wait for the verdict: EpisodeProtocol.await_verdict), with room
         # for its records and callbacks: how long close() lets a busy observer finish.
         self._episode_bound_s = 2 * (spec.gather_timeout_s + 2 * spec.heartbeat_s + 2.0) + self.OBSERVER_EXIT_S
-        pid, ready_fd = start_observer(spec)
-        self.observer_pid = pid
         try:
-            with selectors.DefaultSelector() as sel:  # not select(): a trainer's fds may be numbered past 1023
-                sel.register(ready_fd, selectors.EVENT_READ)
-                ok = bool(sel.select(spec.startup_timeout_s)) and os.read(ready_fd, 1) == b"R"
-        finally:
-            os.close(ready_fd)
-        if not ok:  # where it waits, on stderr, for whoever reads the job's log
+            pid, ready_fd = start_observer(spec)
+        except Exception:  # noqa: BLE001 - it could not even start (no executable, no processes left): every
+            _log.exception("rank %d: the SCOUT observer could not be started", self.rank)  # rank raises below
+            pid, ready_fd = None, None
+        self.observer_pid = pid
+        ok = False
+        if ready_fd is not None:
+            try:
+                with selectors.DefaultSelector() as sel:  # not select(): a trainer's fds may be numbered past 1023
+                    sel.register(ready_fd, selectors.EVENT_READ)
+                    ok = bool(sel.select(spec.startup_timeout_s)) and os.read(ready_fd, 1) == b"R"
+            finally:
+                os.close(ready_fd)
+        if not ok and pid is not None:  # where it waits, on stderr, for whoever reads the job's log
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, OBSERVER_STACKS_SIGNAL)
                 time.sleep(1.0)

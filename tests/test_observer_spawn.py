@@ -75,3 +75,50 @@ def test_start_method_is_spawn_by_default_and_checked() -> None:
     assert load(None, ["observer.start_method=fork"]).observer.start_method == "fork"
     with pytest.raises(ConfigError, match="start_method"):
         load(None, ["observer.start_method=thread"])
+
+
+def test_a_path_the_user_gave_is_the_path_the_observer_imports() -> None:
+    """A partial or a callable instance has no ``__qualname__`` that finds it again; named by the user, it
+    crosses by that name."""
+    import sys
+    import types
+
+    module = types.ModuleType("scout_test_named_callbacks")
+    module.notify = functools.partial(module_level_callback)  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        fn = resolve_callback("scout_test_named_callbacks:notify")
+        assert callback_path(fn) == "scout_test_named_callbacks:notify"
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_a_module_loaded_from_a_file_path_is_not_importable_in_the_observer(tmp_path) -> None:
+    import importlib.util
+    import sys
+
+    source = tmp_path / "hidden" / "scout_test_dynmod.py"
+    source.parent.mkdir()
+    source.write_text("def cb(inc):\n    pass\n")
+    spec = importlib.util.spec_from_file_location("scout_test_dynmod", source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scout_test_dynmod"] = module
+    try:
+        spec.loader.exec_module(module)
+        assert callback_path(module.cb) is None  # forked instead: the observer could not import it
+    finally:
+        del sys.modules["scout_test_dynmod"]
+
+
+def test_the_wire_of_a_large_job_crosses_whole(tmp_path) -> None:
+    """The spec of a 100k-rank job is MBs: written to an in-memory file before the child starts, never a pipe
+    the trainer could block on."""
+    import os
+
+    from scout_core.progress.spawn import _wire_file
+
+    groups = [list(range(i, i + 1000)) for i in range(0, 100_000, 1000)]
+    wire = {"spec": {"peer_groups": groups}, "callback": None, "sys_path": []}
+    fd = _wire_file(wire)
+    with os.fdopen(fd, "rb") as fh:
+        assert json.loads(fh.read()) == wire

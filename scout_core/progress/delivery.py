@@ -54,7 +54,7 @@ class VerdictReporting:
     _trainer_closing: Callable[[], bool]
 
     def _live_settings(self) -> bool:
-        """Apply what the trainer changed live (``scout ctl set``) since our fork; whether to stop on a verdict."""
+        """Apply what the trainer changed live (``scout ctl set``) since our start; whether to stop on a verdict."""
         on_verdict, level = self.record.live() if self.record is not None else (None, None)
         if level is not None:
             for sink in self.reporter.sinks:

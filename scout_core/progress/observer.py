@@ -1,9 +1,10 @@
 """The out-of-band observer: one CPU process per rank (paper section 7); its life cycle and its watch loop.
 
-The observer is forked from its trainer by :func:`start_observer`
-(:mod:`~scout_core.progress.process`), so it starts in milliseconds, and from
-then on runs on its own interpreter and GIL: a trainer blocked in a collective,
-in a kernel or in ``SIGSTOP`` cannot block it.
+The observer is started by :func:`start_observer` as a fresh interpreter
+(:mod:`~scout_core.progress.spawn`; a fork of its trainer with
+``observer.start_method: fork``: :mod:`~scout_core.progress.process`), and runs
+on its own interpreter and GIL: a trainer blocked in a collective, in a kernel
+or in ``SIGSTOP`` cannot block it.
 
 While the job is healthy it sends one ``check`` per heartbeat to the control
 store (:mod:`scout_core.progress.control`), which no rank serves. When its
@@ -121,10 +122,13 @@ class _Observer(TrainerEnding, VerdictReporting):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def run(self, *, death_signal: Callable[..., int] | None = None) -> int:
+    def run(self, *, death_signal: Callable[..., int] | None = None, release_files: bool = True) -> int:
+        """``release_files``: a forked observer lets go of the trainer's files; a spawned one inherited none, and
+        what its callback's module opened at import is its own."""
         if death_signal is not None:
             _die_with_parent(death_signal)
-        _release_inherited_files(keep={0, 1, 2, self.ready_fd})
+        if release_files:
+            _release_inherited_files(keep={0, 1, 2, self.ready_fd})
         signal.signal(signal.SIGTERM, self._on_sigterm)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we follow it out
         try:

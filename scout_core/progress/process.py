@@ -1,10 +1,10 @@
-"""The observer's process: forked from its trainer, then cut loose from the trainer's files, signals and fate.
+"""A forked observer's process, cut loose from the trainer's files, signals and fate.
 
-Forked rather than spawned, the observer starts in milliseconds with everything
-it needs already imported, and from then on runs on its own interpreter and
-GIL: a trainer blocked in a collective, in a kernel or in ``SIGSTOP`` cannot
-block it. Fork safety: the child touches none of the trainer's threads, locks,
-CUDA or communicators. It only maps the progress record, opens its own client
+Forked with ``observer.start_method: fork`` or a callback without an import path (the default is a fresh
+interpreter: :mod:`~scout_core.progress.spawn`), the observer starts in milliseconds with everything it needs
+already imported, and from then on runs on its own interpreter and GIL: a trainer blocked in a collective, in a
+kernel or in ``SIGSTOP`` cannot block it. Fork safety: the child touches none of the trainer's threads, locks, CUDA or
+communicators. It only maps the progress record, opens its own client
 socket to the control store and writes files; ``logging`` re-initialises its
 locks at fork (CPython's at-fork hooks), and nothing else it uses holds a lock
 another thread of the trainer could have held
@@ -57,7 +57,8 @@ def fork_observer(run: Callable[[int, Callable[..., int] | None], int]) -> tuple
             # or a buffered writer whose lock another trainer thread held at the fork).
             with contextlib.suppress(Exception):
                 faulthandler.register(OBSERVER_STACKS_SIGNAL, file=2, all_threads=True)
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            # Every signal unblocked: one a trainer thread blocked (its SIGTERM) would keep close() from ending us.
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
             code = run(write_fd, prctl)
         except SystemExit:
             code = 0  # SIGTERM from a trainer that closed: a normal end

@@ -6,11 +6,14 @@ a trainer with CUDA, NCCL and InfiniBand memory registered is unsafe to fork on 
 The observer needs no torch (its store client speaks the protocol itself: :mod:`~scout_core.progress.store_client`),
 so it is ready in a fraction of a second.
 
-Everything it is told travels as JSON on its stdin (:func:`spec_to_wire`), never in its command line, which
-``ps`` shows to every user: the control store's secret is in it. The user's ``on_incident`` callback crosses as
-an import path (``module:qualname``); a callback that has none (a lambda, a closure, a bound method, a function
-of the training script itself) cannot, and the trainer forks the observer instead
-(:func:`~scout_core.progress.observer.start_observer` says so once).
+Everything it is told travels as JSON in an anonymous in-memory file it inherits (:func:`spec_to_wire`), never
+in its command line, which ``ps`` shows to every user: the control store's secret is in it. Written before the
+child starts, it cannot block the trainer (a pipe's buffer holds 64 KiB; the spec of a 100k-rank job is MBs).
+The user's ``on_incident`` callback crosses as an import path (``module:qualname``); a callback that has none
+(a lambda, a closure, a bound method, a function of the training script itself) cannot, and the trainer forks
+the observer instead (:func:`~scout_core.progress.observer.start_observer` says so once). The callback's module
+is imported again in the observer: its import-time side effects run there too, and a module that imports torch
+costs the observer torch's start-up (about 2 s and 200 MB), so keep it light.
 """
 
 from __future__ import annotations
@@ -19,25 +22,32 @@ import contextlib
 import dataclasses
 import faulthandler
 import importlib
+import importlib.machinery
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from scout_core.progress.control import ControlPlane
-from scout_core.progress.process import OBSERVER_STACKS_SIGNAL, _prctl
+from scout_core.progress.process import OBSERVER_STACKS_SIGNAL, _die_with_parent, _prctl
 from scout_core.progress.spec import ObserverSpec
 
 __all__ = ["callback_path", "resolve_callback", "spawn_observer", "spec_to_wire"]
 
-_MAX_WIRE_BYTES = 64 << 20
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 """Every observer we started, kept referenced: a collected ``Popen`` would reap our observer itself (its
 ``__del__`` and ``subprocess._cleanup``), and the trainer's own ``waitpid`` would lose its exit status."""
+
+
+_NAMED: dict[int, tuple[Any, str]] = {}
+"""What :func:`resolve_callback` resolved, by id: the path a user gave stays the path the observer imports (a
+callable instance or a ``partial`` named by a module attribute has no ``__qualname__`` of its own)."""
 
 
 def callback_path(fn: Callable[..., Any] | str | None) -> str | None:
@@ -48,14 +58,25 @@ def callback_path(fn: Callable[..., Any] | str | None) -> str | None:
     if isinstance(fn, str):
         resolve_callback(fn)
         return fn
+    named = _NAMED.get(id(fn))
+    if named is not None and named[0] is fn:
+        return named[1]
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__" or "<" in qualname:
         return None
     path = f"{module}:{qualname}"
     try:
-        return path if resolve_callback(path) is fn else None
+        if resolve_callback(path) is not fn:
+            return None
     except (ImportError, AttributeError, ValueError):
         return None
+    # Found through sys.modules here; the observer must find the module itself, on the trainer's sys.path or
+    # through an import hook every interpreter installs (an editable install's): not one loaded from a file path.
+    top = module.split(".")[0]
+    with contextlib.suppress(Exception):
+        if importlib.machinery.PathFinder.find_spec(top, sys.path) is not None:
+            return path
+    return None
 
 
 def resolve_callback(path: str) -> Callable[..., Any]:
@@ -68,6 +89,7 @@ def resolve_callback(path: str) -> Callable[..., Any]:
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"on_incident {path!r} names {type(target).__name__}, not a callable")
+    _NAMED[id(target)] = (target, path)
     return target
 
 
@@ -88,33 +110,55 @@ def spec_from_wire(wire: dict[str, Any]) -> ObserverSpec:
     return ObserverSpec(**fields)
 
 
+def _wire_file(wire: dict[str, Any]) -> int:
+    """The wire in an unlinked in-memory file (a private temporary file where memfd is missing), at offset 0."""
+    data = json.dumps(wire).encode()
+    try:
+        fd = os.memfd_create("scout-observer-spec", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        fd = os.dup(tempfile.TemporaryFile().fileno())  # noqa: SIM115 - the dup outlives the closed file object
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def spawn_observer(spec: ObserverSpec, *, callback: str | None) -> tuple[int, int]:
     """Start the observer as a fresh interpreter; return ``(pid, read end of its readiness pipe)``."""
     import scout_core
 
-    read_fd, write_fd = os.pipe()
     root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     wire = spec_to_wire(spec, callback=callback)
+    read_fd, write_fd = os.pipe()
     # Linux's parent-death signal follows the thread that started the child: only the main thread lives as long
     # as the process (see process.fork_observer); elsewhere the observer's liveness check ends it.
     wire["ready_fd"], wire["death_signal"] = write_fd, threading.current_thread() is threading.main_thread()
+    try:
+        spec_fd = _wire_file(wire)
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
     # The stacks signal stays blocked (the mask survives exec) until the child has its handler: its default
-    # action would end the child.
+    # action would end the child. -P: the working directory never shadows scout_core; -u: what a callback
+    # prints is not lost in a buffer when the observer ends.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {OBSERVER_STACKS_SIGNAL})
     try:
-        child = subprocess.Popen([sys.executable, "-m", "scout_core.progress.spawn"], stdin=subprocess.PIPE,
-                                 pass_fds=(write_fd,), close_fds=True, env=env)
+        child = subprocess.Popen([sys.executable, "-P", "-u", "-m", "scout_core.progress.spawn", str(spec_fd)],
+                                 stdin=subprocess.DEVNULL, pass_fds=(write_fd, spec_fd), close_fds=True, env=env)
     except BaseException:
         os.close(read_fd)
         raise
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(write_fd)
+        os.close(spec_fd)
+    previous = _CHILDREN.get(child.pid)
+    if previous is not None and previous.returncode is None:
+        previous.returncode = 0  # a reused pid: the old Popen, reaped by our own waitpid, must never poll the new one
     _CHILDREN[child.pid] = child
-    assert child.stdin is not None
-    with contextlib.suppress(BrokenPipeError), child.stdin:  # a child that died at once: its start-up wait says so
-        child.stdin.write(json.dumps(wire).encode())
     return child.pid, read_fd
 
 
@@ -125,27 +169,39 @@ def _main() -> int:
     # Every signal unblocked: the mask survives exec, and one a trainer thread blocked (its SIGTERM) would
     # otherwise keep its close() from ending us.
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    wire = json.loads(sys.stdin.buffer.read(_MAX_WIRE_BYTES))
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the trainer closed its end: nothing more comes on stdin
-    os.close(null)
+    with os.fdopen(int(sys.argv[1]), "rb") as spec_file:
+        wire = json.loads(spec_file.read())
     for path in reversed(wire["sys_path"]):  # the trainer's modules import here as they did there
         if path not in sys.path:
             sys.path.insert(0, path)
     from scout_core.progress.observer import _Observer
 
     spec = spec_from_wire(wire)
+    _log_like_a_trainer(spec)
+    prctl = _prctl() if wire["death_signal"] else None
+    if prctl is not None:
+        _die_with_parent(prctl)
+    if os.getppid() != spec.trainer_pid:  # the trainer died before we asked to follow it
+        return 0
     if wire["callback"]:
         try:
             spec.on_incident = resolve_callback(wire["callback"])
-        except Exception as exc:  # noqa: BLE001 - diagnosis goes on without the user's callback, and says so
-            print(f"scout: rank {spec.rank}'s observer cannot import on_incident {wire['callback']!r} "
-                  f"({type(exc).__name__}: {exc}); hang verdicts are still recorded, without the callback",
-                  file=sys.stderr, flush=True)
-    prctl = _prctl() if wire["death_signal"] else None
-    if os.getppid() != spec.trainer_pid:  # the trainer died before we could ask to follow it
-        return 0
-    return _Observer(spec, wire["ready_fd"]).run(death_signal=prctl)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - diagnosis goes on without the callback, and says so
+            logging.getLogger("scout").error(
+                "SCOUT: rank %d's observer cannot import on_incident %r (%s: %s); hang verdicts are still "
+                "recorded, without the callback", spec.rank, wire["callback"], type(exc).__name__, exc)
+    return _Observer(spec, wire["ready_fd"]).run(death_signal=prctl, release_files=False)
+
+
+def _log_like_a_trainer(spec: ObserverSpec) -> None:
+    """A forked observer inherits its trainer's logging; a fresh one has none, and the verdict's log line (at
+    ``report.log_level``, INFO included) would be dropped: it logs to stderr, as the trainer's would."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [scout observer {spec.rank}] %(message)s"))
+    scout_log = logging.getLogger("scout")
+    scout_log.addHandler(handler)
+    scout_log.setLevel(logging.DEBUG)  # each sink logs at its own level (report.log_level, changed live too)
+    scout_log.propagate = False
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ __all__ = ["ObserverSpec", "peer_groups_as_lists", "silence_threshold", "steady_
 
 @dataclass(kw_only=True)
 class ObserverSpec:
-    """Everything an observer is told at its fork; what the trainer changes live later reaches it through the
+    """Everything an observer is told at its start; what the trainer changes live later reaches it through the
     record."""
 
     run_id: str

@@ -7,8 +7,9 @@ state (threads, locks, sockets) that the trainer held at the fork.
 
 The protocol is torch's own (``torch/csrc/distributed/c10d/TCPStore.cpp`` and its libuv server): one byte
 per command, strings and values as a native-endian uint64 length and bytes, one-byte answers to check and
-wait. It has been stable since torch 2.2 (the validation handshake); :func:`probe` checks a server answers it
-before anything relies on it, and the tests run it against the real server of the pinned torch.
+wait. A connection opens with torch's validation and ping, so a server that speaks anything else is refused at
+once; the tests run it against the real server of the pinned torch (2.13). Another torch version whose protocol
+differs shows as an observer that cannot reach its store: ``observer.start_method: fork`` does not change that.
 
 Semantics follow torch's client, so code written against ``torch.distributed.PrefixStore(TCPStore)`` works
 unchanged: ``get`` waits for its key up to the store's timeout; ``multi_get`` waits for all of them; a timeout
