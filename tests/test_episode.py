@@ -232,3 +232,22 @@ def test_a_counter_set_ahead_by_an_outsider_does_not_split_the_observers():
     others = [obs[r].await_verdict(0, starts[r]) for r in range(1, 8)]
     assert [v.ranks for v in outcome.verdicts] == [(5,)] and all(o is not None for o in others)
     assert {o.episode for o in obs} == {1}
+
+
+def test_an_episode_over_the_observers_own_store_client_names_the_silent_machine():
+    """The protocol over what observers really use: a plain-Python client per observer against torch's TCPStore
+    server, with real timeouts (the waits for members that never answer end in the client's own timeout)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from scout_core.progress.store_client import PlainStore
+
+    server = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
+    obs = [EpisodeProtocol(PlainStore("127.0.0.1", server.port, timeout_s=5, prefix="scout/run"), rank=r,
+                           peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=0.5, heartbeat_s=0.1, secret="job")
+           for r in range(8)]
+    ev = {r: _ev(r, alive=False) for r in range(4)}
+    outcome, _ = _episode(obs, ev, [0, 1, 2, 3])
+    assert [(v.hang_class.value, v.scope, v.ranks) for v in outcome.verdicts] == [
+        ("lost", "machine", (4, 5, 6, 7))]
