@@ -52,7 +52,7 @@ from scout_core.metrics import start_metrics
 from scout_core.moe.replay import MoEBinding
 from scout_core.parts import ScoutParts
 from scout_core.progress.control import ControlPlane, choose_control_plane
-from scout_core.progress.spawn import resolve_callback
+from scout_core.progress.spawn import named_callback
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
@@ -154,7 +154,7 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("scout_core.enable() needs an initialized default process group")
     if isinstance(on_incident, str):  # the same path on every rank: a wrong one raises on every rank here
-        on_incident = resolve_callback(on_incident)
+        on_incident = named_callback(on_incident)
     ScoutHandle.claim()
     parts: ScoutParts | None = None
     try:

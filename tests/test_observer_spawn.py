@@ -9,7 +9,7 @@ import pytest
 
 from scout_core.config import ConfigError, load
 from scout_core.progress.control import ControlPlane
-from scout_core.progress.spawn import callback_path, resolve_callback, spec_from_wire, spec_to_wire
+from scout_core.progress.spawn import callback_path, named_callback, resolve_callback, spec_from_wire, spec_to_wire
 from scout_core.progress.spec import ObserverSpec
 from scout_core.report import Incident
 
@@ -54,6 +54,16 @@ def test_a_callback_path_resolves_or_says_why() -> None:
         resolve_callback(f"{__name__}:missing")
     with pytest.raises(ValueError, match="not a callable"):
         resolve_callback(f"{__name__}:__name__")
+    with pytest.raises(ValueError, match="training script"):
+        resolve_callback("__main__:notify")
+
+
+def test_an_installed_package_is_importable_from_any_working_directory(tmp_path, monkeypatch) -> None:
+    """Found by an import hook (an editable install's) or on sys.path: where the trainer runs does not matter."""
+    from scout_core.report import read_incidents
+
+    monkeypatch.chdir(tmp_path)
+    assert callback_path(read_incidents) == "scout_core.report:read_incidents"
 
 
 def test_the_spec_crosses_as_json_and_comes_back_equal() -> None:
@@ -87,7 +97,8 @@ def test_a_path_the_user_gave_is_the_path_the_observer_imports() -> None:
     module.notify = functools.partial(module_level_callback)  # type: ignore[attr-defined]
     sys.modules[module.__name__] = module
     try:
-        fn = resolve_callback("scout_test_named_callbacks:notify")
+        assert callback_path(resolve_callback("scout_test_named_callbacks:notify")) is None  # not named by a user
+        fn = named_callback("scout_test_named_callbacks:notify")
         assert callback_path(fn) == "scout_test_named_callbacks:notify"
     finally:
         del sys.modules[module.__name__]
@@ -106,6 +117,7 @@ def test_a_module_loaded_from_a_file_path_is_not_importable_in_the_observer(tmp_
     try:
         spec.loader.exec_module(module)
         assert callback_path(module.cb) is None  # forked instead: the observer could not import it
+        assert callback_path(module.cb) is None  # and again: resolving it once does not vouch for it
     finally:
         del sys.modules["scout_test_dynmod"]
 
@@ -120,5 +132,19 @@ def test_the_wire_of_a_large_job_crosses_whole(tmp_path) -> None:
     groups = [list(range(i, i + 1000)) for i in range(0, 100_000, 1000)]
     wire = {"spec": {"peer_groups": groups}, "callback": None, "sys_path": []}
     fd = _wire_file(wire)
+    with os.fdopen(fd, "rb") as fh:
+        assert json.loads(fh.read()) == wire
+
+
+def test_without_memfd_the_wire_goes_through_a_private_unlinked_file(monkeypatch) -> None:
+    """Pythons built against glibc < 2.27 have no memfd_create."""
+    import os
+
+    from scout_core.progress.spawn import _wire_file
+
+    monkeypatch.delattr(os, "memfd_create")
+    wire = {"spec": {"x": 1}, "callback": None, "sys_path": []}
+    fd = _wire_file(wire)
+    assert os.fstat(fd).st_nlink == 0 and os.fstat(fd).st_mode & 0o777 == 0o600
     with os.fdopen(fd, "rb") as fh:
         assert json.loads(fh.read()) == wire

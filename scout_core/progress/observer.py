@@ -91,9 +91,10 @@ def start_observer(spec: ObserverSpec) -> tuple[int, int]:
         if path is not None or spec.on_incident is None:
             return spawn_observer(spec, callback=path)
         if spec.rank == 0:
-            _log.warning("SCOUT: on_incident %r has no import path (a lambda, a closure, a bound method or a "
-                         "function of the training script), so the observers are forked from their trainers, "
-                         "not started fresh; pass a module-level function, or 'module:function', to spawn them",
+            _log.warning("SCOUT: on_incident %r has no import path (a lambda, a closure, a bound method, a "
+                         "function of the training script or of a module loaded from a file), so the observers "
+                         "are forked from their trainers, not started fresh; pass a module-level function, or "
+                         "'module:function', to spawn them",
                          spec.on_incident)
     return fork_for(spec)
 

@@ -48,6 +48,8 @@ def fork_observer(run: Callable[[int, Callable[..., int] | None], int]) -> tuple
         pid = os.fork()
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os.close(read_fd)
+        os.close(write_fd)
         raise
     if pid == 0:  # observer process: never returns
         os.close(read_fd)

@@ -1,16 +1,17 @@
 """The observer as a fresh interpreter: how the trainer starts it, and its entry point.
 
-``python -m scout_core.progress.spawn``, started by :func:`spawn_observer`, not an ``os.fork()`` of the trainer:
+``python -P -u -c ...`` (:func:`entry`), started by :func:`spawn_observer`, not an ``os.fork()`` of the trainer:
 a trainer with CUDA, NCCL and InfiniBand memory registered is unsafe to fork on older kernels without
 ``RDMAV_FORK_SAFE``, and a forked child's copy-on-write pages grow the trainer's host memory for the whole run.
 The observer needs no torch (its store client speaks the protocol itself: :mod:`~scout_core.progress.store_client`),
 so it is ready in a fraction of a second.
 
-Everything it is told travels as JSON in an anonymous in-memory file it inherits (:func:`spec_to_wire`), never
-in its command line, which ``ps`` shows to every user: the control store's secret is in it. Written before the
-child starts, it cannot block the trainer (a pipe's buffer holds 64 KiB; the spec of a 100k-rank job is MBs).
-The user's ``on_incident`` callback crosses as an import path (``module:qualname``); a callback that has none
-(a lambda, a closure, a bound method, a function of the training script itself) cannot, and the trainer forks
+Everything it is told travels as JSON in an anonymous in-memory file it inherits (:func:`spec_to_wire`; an
+unlinked 0600 temporary file where memfd is missing), never in its command line, which ``ps`` shows to every
+user: the control store's secret is in it. Written before the child starts, it cannot block the trainer (a
+pipe's buffer holds 64 KiB; the spec of a 100k-rank job is MBs). The user's ``on_incident`` callback crosses as
+an import path (``module:qualname``); a callback that has none (a lambda, a closure, a bound method, a function
+of the training script itself or of a module loaded from a file) cannot, and the trainer forks
 the observer instead (:func:`~scout_core.progress.observer.start_observer` says so once). The callback's module
 is imported again in the observer: its import-time side effects run there too, and a module that imports torch
 costs the observer torch's start-up (about 2 s and 200 MB), so keep it light.
@@ -22,7 +23,6 @@ import contextlib
 import dataclasses
 import faulthandler
 import importlib
-import importlib.machinery
 import json
 import logging
 import os
@@ -46,8 +46,8 @@ _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 _NAMED: dict[int, tuple[Any, str]] = {}
-"""What :func:`resolve_callback` resolved, by id: the path a user gave stays the path the observer imports (a
-callable instance or a ``partial`` named by a module attribute has no ``__qualname__`` of its own)."""
+"""The callbacks users named by path (:func:`named_callback`), by id: the path a user gave stays the path the
+observer imports (a callable instance or a ``partial`` named by a module attribute has no ``__qualname__``)."""
 
 
 def callback_path(fn: Callable[..., Any] | str | None) -> str | None:
@@ -70,13 +70,30 @@ def callback_path(fn: Callable[..., Any] | str | None) -> str | None:
             return None
     except (ImportError, AttributeError, ValueError):
         return None
-    # Found through sys.modules here; the observer must find the module itself, on the trainer's sys.path or
-    # through an import hook every interpreter installs (an editable install's): not one loaded from a file path.
-    top = module.split(".")[0]
-    with contextlib.suppress(Exception):
-        if importlib.machinery.PathFinder.find_spec(top, sys.path) is not None:
-            return path
-    return None
+    return path if _findable(module.split(".")[0]) else None
+
+
+def _findable(top: str) -> bool:
+    """Whether a fresh interpreter finds the top-level module ``top`` where this one did: some import finder
+    (the path finder, an editable install's hook) finds it at the same origin. Found here through sys.modules
+    only, a module loaded from a file path is not."""
+    origin = getattr(getattr(sys.modules.get(top), "__spec__", None), "origin", None)
+    for finder in sys.meta_path:
+        try:
+            spec = finder.find_spec(top, None)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001,S112 - a finder that cannot answer: ask the next
+            continue
+        if spec is not None:
+            return spec.origin == origin or (spec.origin is None and origin is None)  # a namespace package
+    return False
+
+
+def named_callback(path: str) -> Callable[..., Any]:
+    """The callable a user named by path (``enable(on_incident="module:function")``); the observer imports that
+    same path."""
+    target = resolve_callback(path)
+    _NAMED[id(target)] = (target, path)
+    return target
 
 
 def resolve_callback(path: str) -> Callable[..., Any]:
@@ -84,12 +101,14 @@ def resolve_callback(path: str) -> Callable[..., Any]:
     module, sep, qualname = path.partition(":")
     if not sep or not module or not qualname:
         raise ValueError(f"on_incident must be a callable or 'module:function', got {path!r}")
+    if module == "__main__":
+        raise ValueError(f"on_incident {path!r}: the training script is not importable in the observer; move the "
+                         "function into a module")
     target: Any = importlib.import_module(module)
     for part in qualname.split("."):
         target = getattr(target, part)
     if not callable(target):
         raise ValueError(f"on_incident {path!r} names {type(target).__name__}, not a callable")
-    _NAMED[id(target)] = (target, path)
     return target
 
 
@@ -111,16 +130,22 @@ def spec_from_wire(wire: dict[str, Any]) -> ObserverSpec:
 
 
 def _wire_file(wire: dict[str, Any]) -> int:
-    """The wire in an unlinked in-memory file (a private temporary file where memfd is missing), at offset 0."""
+    """The wire in an unlinked in-memory file, at offset 0; where memfd is missing (glibc < 2.27), an unlinked
+    temporary file, mode 0600, in the temporary directory."""
     data = json.dumps(wire).encode()
     try:
         fd = os.memfd_create("scout-observer-spec", os.MFD_CLOEXEC)
     except (AttributeError, OSError):
-        fd = os.dup(tempfile.TemporaryFile().fileno())  # noqa: SIM115 - the dup outlives the closed file object
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-    os.lseek(fd, 0, os.SEEK_SET)
+        with tempfile.TemporaryFile() as fallback:  # held open until dup'ed: its number is ours until then
+            fd = os.dup(fallback.fileno())
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -128,8 +153,10 @@ def spawn_observer(spec: ObserverSpec, *, callback: str | None) -> tuple[int, in
     """Start the observer as a fresh interpreter; return ``(pid, read end of its readiness pipe)``."""
     import scout_core
 
+    # Where this scout_core lives, appended after the standard library (PYTHONPATH would put it ahead, where a
+    # package installed beside it could shadow the standard library in the observer alone).
     root = os.path.dirname(os.path.dirname(os.path.abspath(scout_core.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    boot = f"import sys; sys.path.append({root!r}); from scout_core.progress.spawn import entry; entry()"
     wire = spec_to_wire(spec, callback=callback)
     read_fd, write_fd = os.pipe()
     # Linux's parent-death signal follows the thread that started the child: only the main thread lives as long
@@ -146,8 +173,8 @@ def spawn_observer(spec: ObserverSpec, *, callback: str | None) -> tuple[int, in
     # prints is not lost in a buffer when the observer ends.
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {OBSERVER_STACKS_SIGNAL})
     try:
-        child = subprocess.Popen([sys.executable, "-P", "-u", "-m", "scout_core.progress.spawn", str(spec_fd)],
-                                 stdin=subprocess.DEVNULL, pass_fds=(write_fd, spec_fd), close_fds=True, env=env)
+        child = subprocess.Popen([sys.executable, "-P", "-u", "-c", boot, str(spec_fd)],
+                                 stdin=subprocess.DEVNULL, pass_fds=(write_fd, spec_fd), close_fds=True)
     except BaseException:
         os.close(read_fd)
         raise
@@ -194,8 +221,9 @@ def _main() -> int:
 
 
 def _log_like_a_trainer(spec: ObserverSpec) -> None:
-    """A forked observer inherits its trainer's logging; a fresh one has none, and the verdict's log line (at
-    ``report.log_level``, INFO included) would be dropped: it logs to stderr, as the trainer's would."""
+    """A forked observer inherits its trainer's logging set-up; a fresh one has none, and the verdict's log line
+    (at ``report.log_level``, INFO included) would be dropped: it gets a handler of its own, to stderr (the
+    trainer's level, files and format are not known here)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [scout observer {spec.rank}] %(message)s"))
     scout_log = logging.getLogger("scout")
@@ -204,7 +232,8 @@ def _log_like_a_trainer(spec: ObserverSpec) -> None:
     scout_log.propagate = False
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The spawned observer's process: :func:`_main`, and its exit code (never returns)."""
     code = 1
     try:
         code = _main()
