@@ -217,7 +217,7 @@ def _main() -> int:
             logging.getLogger("scout").error(
                 "SCOUT: rank %d's observer cannot import on_incident %r (%s: %s); hang verdicts are still "
                 "recorded, without the callback", spec.rank, wire["callback"], type(exc).__name__, exc)
-    return _Observer(spec, wire["ready_fd"]).run(death_signal=prctl, release_files=False)
+    return _Observer(spec, wire["ready_fd"]).run(release_files=False)  # its parent-death signal is set above
 
 
 def _log_like_a_trainer(spec: ObserverSpec) -> None:
