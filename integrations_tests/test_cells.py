@@ -239,16 +239,21 @@ def test_scratch_oom_cell_fails_when_the_allocation_is_not_guarded(monkeypatch):
 
 def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatch):
     """The first design: the store lived in a rank-0 process and died with it."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
+    import socket
+    import threading
 
     from scout_core.progress import control
+    from scout_core.progress.store_server import StoreServer
 
     def in_rank0(world_size, port=0, idle_exit_s=0.0, *, secret="", bind=""):
-        server = dist.TCPStore("0.0.0.0", port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-        control._IN_PROCESS = server  # lives (and dies) with rank 0's trainer
-        return server.port
+        server = StoreServer(socket.create_server((bind, port)), secret)
+
+        def serve_forever():
+            while True:
+                server.serve(1.0)
+
+        threading.Thread(target=serve_forever, daemon=True).start()
+        return server.listener.getsockname()[1]  # served by a thread of rank 0's trainer: dies with it
 
     monkeypatch.setattr(control, "start_store_daemon", in_rank0)
     # Without a store nobody can report: the cell times out (shortened; the real cell passes in ~20 s).

@@ -97,9 +97,10 @@ def test_torchrun_bit_flip_names_that_rank_and_stops(tmp_path, model, layout):
     assert (decision["source"], decision["generation"]) == ("verified", 1)
 
 
-def test_torchrun_hang_is_diagnosed_through_the_agents_store(tmp_path):
-    """Under torchrun the observers talk through the elastic agent's rendezvous store (no daemon, no rank
-    serves it); a rank whose training thread stops is named with the shipped observer defaults."""
+def test_torchrun_hang_is_diagnosed_through_the_jobs_own_store_daemon(tmp_path):
+    """Under torchrun the observers talk through the store daemon rank 0 starts (torchrun's rendezvous store
+    answers anyone, the daemon only the job); a rank whose training thread stops is named with the shipped
+    observer defaults."""
     import time
 
     out = tmp_path / "hang"
@@ -122,7 +123,7 @@ def test_torchrun_hang_is_diagnosed_through_the_agents_store(tmp_path):
     incidents = list(read_incidents(jsonl)) if jsonl.exists() else []
     assert [(i.kind.value, i.scope.value, i.ranks, i.evidence["class"]) for i in incidents] == [
         ("hang", "rank", [2], "lagging")]
-    assert incidents[0].evidence["control_plane"] == "agent"
+    assert incidents[0].evidence["control_plane"] == "daemon"
 
 
 def test_torchrun_hang_stop_ends_trainers_whose_sigterm_handler_only_sets_a_flag(tmp_path):

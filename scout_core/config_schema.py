@@ -85,11 +85,13 @@ class ObserverConfig:
     """How often a healthy observer checks the control store for an open episode (one message); raised
     to world_size / 20000 s on larger jobs so that the store serves at most 20k checks per second."""
     control_store: str = ""
-    """host:port of a TCPStore that serves the observers (a launcher's or a cluster service's); empty = the
-    torchrun agent's store under torchrun, else a store daemon rank 0 starts (see docs/hangs.md)."""
+    """host:port of a TCPStore that serves the observers (a launcher's or a cluster service's; it lets anyone
+    who reaches it delete evidence); empty = a store daemon rank 0 starts that only the job can talk to (see
+    docs/hangs.md)."""
     store_addr: str = ""
-    """Address the store daemon advertises (jobs without torchrun); empty = MASTER_ADDR, else rank 0's
-    hostname."""
+    """Address the store daemon listens on and advertises (one of rank 0's machine's); empty = loopback when
+    every rank is on rank 0's machine, else MASTER_ADDR if it is rank 0's machine, else rank 0's address on the
+    way to it (or its hostname without MASTER_ADDR)."""
     store_port: int = _range(0, ge=0, le=65535)
     """Port the store daemon listens on; 0 = a free port."""
     startup_timeout_s: float = _range(30.0, gt=0)

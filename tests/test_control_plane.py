@@ -1,6 +1,6 @@
 """The observers' control plane against a process outside the job (issue 32, item 3): the store daemon listens on
-the job's one address, and only closers' entries sealed with the job's secret (which rank 0 hands it on stdin, never
-in a command line or a key name) make it exit, whatever an outsider who lists and writes keys does."""
+the job's one address, lets in only clients that prove the job's secret (which rank 0 hands it on stdin, never in a
+command line or a key name), and only closers' entries sealed with that secret make it exit."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from scout_core.progress.control import BEAT_KEY, CLOSED_KEY, daemon_key, start_store_daemon
+from scout_core.progress import control
+from scout_core.progress.control import CLOSED_KEY, choose_control_plane, daemon_key, start_store_daemon
 from scout_core.progress.sealed import seal_entry
+from scout_core.progress.store_client import PlainStore, StoreUnreachable
 from scout_core.testing.launcher import free_port
 
 
@@ -38,8 +40,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_only_the_jobs_secret_stops_the_daemon() -> None:
-    """An outsider who lists the keys and writes whatever it likes cannot make the daemon exit: only closers'
-    entries sealed with the job's secret count, each rank once. The secret is in no key name and no argv."""
+    """A process without the job's secret cannot even talk to the daemon (torch's client, ours without the
+    secret or with a guessed one): it cannot make it exit. Only closers' entries sealed with the job's secret
+    count, each rank once. The secret is in no argv."""
     secret = "5e" * 16
     port = start_store_daemon(2, free_port(), idle_exit_s=20.0, secret=secret)  # a port of its own: found in ps
     deadline = time.monotonic() + 10
@@ -49,19 +52,17 @@ def test_only_the_jobs_secret_stops_the_daemon() -> None:
     assert len(pids) == 1
     assert secret.encode() not in Path(f"/proc/{pids[0]}/cmdline").read_bytes()  # not visible to `ps`
     key = daemon_key(CLOSED_KEY)
-    closer = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+    closer = PlainStore("127.0.0.1", port, timeout_s=10, secret=secret).underlying_store
     closer.append(key, seal_entry(secret, key, "0"))  # one of the job's two ranks closed
-    outsider = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
-    listed = outsider.list_keys()
-    assert not any(secret in k for k in listed), listed
-    copied = outsider.get(key).decode()
-    outsider.append(key, copied + copied)  # the genuine entry again: still one rank
-    outsider.append(key, "1,1:" + "0" * 32 + "," + seal_entry("0" * 32, key, "1"))  # unsealed, and a guessed secret
-    outsider.add(key + "s", 100)
-    outsider.add("scout/closed", 100)  # the unscoped counter an earlier release counted
-    outsider.set(daemon_key(BEAT_KEY), "not a number")  # a counter poisoned this way used to end the daemon
+    with pytest.raises(Exception):  # noqa: B017, PT011 - torch's client raises its own error types
+        TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=3))
+    for guess in ("", "0" * 32):
+        with pytest.raises(StoreUnreachable):
+            PlainStore("127.0.0.1", port, timeout_s=3, secret=guess).append(key, seal_entry(guess, key, "1"))
+    closer.append(key, closer.get(key).decode())  # the genuine entry again: still one rank
+    closer.append(key, "1," + seal_entry("0" * 32, key, "1"))  # unsealed, and sealed with a guessed secret
     time.sleep(6.5)  # the daemon looks every 5 s
-    assert _alive(pids[0]), "a process without the job's secret stopped the daemon"
+    assert _alive(pids[0]), "an entry not sealed with the job's secret stopped the daemon"
     closer.append(key, seal_entry(secret, key, "1"))  # the job's other rank
     deadline = time.monotonic() + 15
     while _alive(pids[0]) and time.monotonic() < deadline:
@@ -83,16 +84,16 @@ def _listening(port: int) -> list[str]:
 
 
 def test_the_daemon_listens_on_one_address_only() -> None:
-    """torch's TCPStore server listens on every interface; the daemon hands it a socket bound to the job's one
-    address, so nobody off this machine reaches a one-machine job's control plane."""
+    """The daemon listens on the job's one address, so nobody off this machine reaches a one-machine job's
+    control plane."""
     port = start_store_daemon(1, free_port(), idle_exit_s=8.0, secret="ab" * 16, bind="127.0.0.1")
     try:
         assert _listening(port) == ["0100007F"], _listening(port)  # 127.0.0.1, and no 0.0.0.0 beside it
-        store = TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10))
+        store = PlainStore("127.0.0.1", port, timeout_s=10, secret="ab" * 16)
         store.set("k", "v")
         assert store.get("k") == b"v"
     finally:
-        TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=10)).append(
+        PlainStore("127.0.0.1", port, timeout_s=10, secret="ab" * 16).append(
             daemon_key(CLOSED_KEY), seal_entry("ab" * 16, daemon_key(CLOSED_KEY), "0"))
 
 
@@ -122,3 +123,26 @@ def test_bind_address_follows_where_the_ranks_are(monkeypatch) -> None:
     assert bind_address("node-0", 16) == "127.0.0.1"  # the launcher says every rank is here
     with pytest.raises(RuntimeError, match="does not resolve"):
         bind_address("no-such-host.invalid", 8)
+
+
+def test_under_torchrun_rank_0_starts_the_daemon_on_its_own_machine(monkeypatch) -> None:
+    """torchrun's rendezvous store answers anyone, so the daemon serves torchrun jobs too; MASTER_ADDR (the
+    rendezvous host) need not be rank 0's machine: the daemon then listens on this machine's address toward it."""
+    started = []
+    monkeypatch.setattr(control, "start_store_daemon",
+                        lambda world, port, *, secret, bind: started.append(bind) or 4242)
+    monkeypatch.setattr(control, "_route_to", lambda address: "10.7.7.7")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    plane = choose_control_plane("", rank=0, world_size=4)
+    assert (plane.kind, plane.host, plane.port, started) == ("daemon", "127.0.0.1", 4242, ["127.0.0.1"])
+    assert choose_control_plane("", rank=1, world_size=4) is None  # rank 0 shares its plane
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.10")  # another machine (TEST-NET: never this one's)
+    plane = choose_control_plane("", rank=0, world_size=8)
+    assert (plane.host, started[-1]) == ("10.7.7.7", "10.7.7.7")
+    with pytest.raises(RuntimeError, match="not an address of rank 0's machine"):
+        choose_control_plane("", rank=0, world_size=8, advertise="192.0.2.10")
+    configured = choose_control_plane("store.example:1234", rank=3, world_size=8)
+    assert (configured.kind, configured.host, configured.port) == ("configured", "store.example", 1234)

@@ -5,17 +5,15 @@ heartbeat; in a stall they post their evidence to this store and read their
 peers'. It must survive the death of any trainer, of any observer and of any
 machine but its own, so it is never served by a rank. In order of preference:
 
-1. ``observer.control_store: host:port`` (or ``SCOUT_CONTROL_STORE``): a
-   ``TCPStore`` someone else serves (a launcher, a cluster service);
-2. under ``torchrun``, the elastic agent's rendezvous store
-   (``TORCHELASTIC_USE_AGENT_STORE=True``, at ``MASTER_ADDR:MASTER_PORT``): it is
-   served by the agent on node 0, which outlives its workers, and it is the
-   store the job itself rendezvoused through;
-3. otherwise (jobs started without an agent: ``mpirun``, ``srun``, a bare
-   ``init_process_group``) rank 0 starts a **store daemon**: a fresh
-   interpreter in its own session, so it survives rank 0's trainer and
-   observer being killed, that serves a ``TCPStore`` and exits once every rank has closed SCOUT, or no
-   observer has sent a heartbeat for ``DAEMON_IDLE_EXIT_S`` (the job is gone).
+1. by default, under ``torchrun`` as under ``mpirun``, ``srun`` or a bare ``init_process_group``, rank 0
+   starts a **store daemon**: a fresh interpreter in its own session, so it survives rank 0's trainer and
+   observer being killed, that serves the store to clients that prove the job's secret
+   (:mod:`~scout_core.progress.store_server`) and exits once every rank has closed SCOUT, or no observer has
+   sent a heartbeat for ``DAEMON_IDLE_EXIT_S`` (the job is gone). torchrun's own rendezvous store is not used:
+   whoever reaches it can delete keys, and a rank whose evidence vanished is named lost;
+2. ``observer.control_store: host:port`` (or ``SCOUT_CONTROL_STORE``): a ``TCPStore`` someone else serves (a
+   launcher, a cluster service). It authenticates nobody: the values a verdict is built from are sealed
+   (:mod:`~scout_core.progress.sealed`), but whoever reaches it can delete them.
 
 Keys live under ``scout/<run id>/`` so that they never collide with the job's.
 
@@ -41,7 +39,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from scout_core.progress.store_client import PlainStore
@@ -67,11 +64,13 @@ class ControlPlane:
     host: str
     port: int
     kind: str
-    """``configured``, ``agent`` (torchrun's store) or ``daemon`` (started by rank 0)."""
+    """``daemon`` (started by rank 0; it asks every client for the secret) or ``configured`` (a TCPStore the
+    user named)."""
     secret: str = field(default="", repr=False)
     """A random token only the job's processes know (rank 0 makes it and shares it in the start-up exchange,
-    over the job's process group): the observers seal what a verdict is built from with it
-    (:mod:`scout_core.progress.sealed`), and the daemon's closers and heartbeats too."""
+    over the job's process group): the daemon lets in only clients that prove it, and the observers seal what
+    a verdict is built from with it (:mod:`scout_core.progress.sealed`), and the daemon's closers and
+    heartbeats too."""
 
     @property
     def needs_beats(self) -> bool:
@@ -100,14 +99,19 @@ def choose_control_plane(configured: str, *, rank: int, world_size: int, bind_po
     secret = secrets.token_hex(16)
     if address:
         return ControlPlane(*_parse(address, "observer.control_store"), kind="configured", secret=secret)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_ADDR"):
-        return ControlPlane(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), kind="agent", secret=secret)
     if rank != 0:
         return None
     host = advertise or os.environ.get("MASTER_ADDR") or socket.gethostname()
     bind = bind_address(host, world_size)
     if bind == LOOPBACK:
         host = LOOPBACK  # every rank is on this machine: they reach it there
+    elif bind != WILDCARD and not _is_local(bind):
+        if advertise:
+            raise RuntimeError(f"observer.store_addr {advertise!r} ({bind}) is not an address of rank 0's machine, "
+                               "where SCOUT's store daemon runs")
+        # MASTER_ADDR names another machine (torchrun's rendezvous host need not be rank 0's): this machine's
+        # address on the way there, which the other machines reach it by.
+        bind = host = _route_to(bind)
     port = start_store_daemon(world_size, bind_port, secret=secret, bind=bind)
     return ControlPlane(host, port, kind="daemon", secret=secret)
 
@@ -147,6 +151,29 @@ def bind_address(host: str, world_size: int) -> str:
     return WILDCARD
 
 
+def _is_local(address: str) -> bool:
+    """Whether ``address`` is one of this machine's (a socket can be bound to it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _route_to(address: str) -> str:
+    """This machine's address on the route to ``address`` (a UDP ``connect`` sends nothing)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address, 9))
+        except OSError as exc:
+            raise RuntimeError(f"no route from rank 0's machine to {address} (MASTER_ADDR); set observer.store_addr "
+                               "to this machine's address") from exc
+        return str(probe.getsockname()[0])
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text.split("%")[0])
@@ -157,12 +184,14 @@ def _is_ip(text: str) -> bool:
 
 def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> PlainStore:
     """An observer's client of the control store, with keys under ``scout/<run_id>/``: torch's wire protocol
-    spoken in plain Python (:mod:`~scout_core.progress.store_client`), so the observer uses no torch."""
-    return PlainStore(plane.host, plane.port, timeout_s=timeout_s, prefix=f"scout/{run_id}")
+    spoken in plain Python (:mod:`~scout_core.progress.store_client`), so the observer uses no torch. To the
+    store daemon it first proves the job's secret."""
+    return PlainStore(plane.host, plane.port, timeout_s=timeout_s, prefix=f"scout/{run_id}",
+                      secret=plane.secret if plane.kind == "daemon" else "")
 
 
 DAEMON_START_S = 60.0
-"""How long rank 0 waits for the daemon's port (a fresh interpreter importing torch)."""
+"""How long rank 0 waits for the daemon's port (a fresh interpreter; a loaded machine may take seconds)."""
 
 
 def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S, *,
@@ -222,14 +251,11 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     if os.fork() > 0:  # detach: our parent (rank 0) reaps this first process at once
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
-    from torch.distributed import TCPStore
+    from scout_core.progress.store_server import StoreServer
 
-    # torch's own server listens on every interface: the socket is made here, on the one address, and handed over.
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    listener = socket.create_server((bind, port), family=family, backlog=1024)
-    server = TCPStore(bind, listener.getsockname()[1], None, True, timeout=timedelta(seconds=30),
-                      wait_for_workers=False, master_listen_fd=listener.fileno())
-    print(server.port, flush=True)
+    server = StoreServer(socket.create_server((bind, port), family=family, backlog=1024), secret)
+    print(server.listener.getsockname()[1], flush=True)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
     os.dup2(null, 2)  # nor to the start-up log
@@ -238,19 +264,16 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     last: bytes | None = None
     since = time.monotonic()
     while True:
-        time.sleep(min(5.0, idle_exit_s / 4))
-        # Only values are read (no counters: a client that ``add``s to a key someone set to a non-number is
-        # disconnected by the server). What ends the daemon: its own job's sealed closers, or a sealed heartbeat
-        # that stopped changing. Anything else it reads (a value that does not verify, an error) counts as life:
-        # an outsider can keep it serving, never end it.
+        server.serve(min(5.0, idle_exit_s / 4))
+        # Only clients that proved the secret write here; the values are still checked (the sealed closers and
+        # heartbeat), and anything that does not verify counts as life: nothing but the job itself ends it.
+        if len(_closed(server.value(daemon_key(CLOSED_KEY)) or b"", secret)) >= world_size:
+            server.serve(1.0)  # let the last closers finish their message
+            return
+        beats = server.value(daemon_key(BEAT_KEY)) or b""
         try:
-            if len(closed_ranks(server, secret)) >= world_size:
-                time.sleep(1.0)  # let the last closers finish their message
-                return
-            beat = daemon_key(BEAT_KEY)
-            beats = server.get(beat) if server.check([beat]) else b""
             if beats:
-                unseal(secret, beat, beats)
+                unseal(secret, daemon_key(BEAT_KEY), beats)
         except Exception:  # noqa: BLE001 - not the job's own heartbeat: alive, as far as it can tell
             beats = None
         if beats is None or beats != last:
@@ -261,19 +284,21 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
 
 def daemon_key(key: str) -> str:
     """The raw (unprefixed) key of a daemon-wide value, for ``store.underlying_store``. One daemon serves one
-    job, so it needs no run id. Never the secret: any client can list a TCPStore's keys."""
+    job, so it needs no run id. Never the secret: key names are no place for it (a configured store lists them)."""
     return f"scout/daemon/{key}"
 
 
 def closed_ranks(store: Any, secret: str) -> set[str]:
     """The ranks whose observers said their trainer closed SCOUT, from the daemon-wide list: only entries sealed
     with the job's secret count, each rank once, so nobody outside the job can make the daemon exit."""
+    key = daemon_key(CLOSED_KEY)
+    return _closed(store.get(key), secret) if store.check([key]) else set()
+
+
+def _closed(raw: bytes, secret: str) -> set[str]:
     from scout_core.progress.sealed import unseal_entries
 
-    key = daemon_key(CLOSED_KEY)
-    if not store.check([key]):
-        return set()
-    return set(unseal_entries(secret, key, store.get(key)))
+    return set(unseal_entries(secret, daemon_key(CLOSED_KEY), raw))
 
 
 if __name__ == "__main__":

@@ -269,8 +269,8 @@ class _Observer(TrainerEnding, VerdictReporting):
                 time.sleep(max(0.001, min(wake, spec.heartbeat_s, 1.0)))
 
     def _control_plane_lost(self, error: str) -> None:
-        """The store is unreachable while our trainer lives. Wait a grace period first: under torchrun the
-        agent's store goes with a job that is being torn down (a worker failed, the agent exits and the
+        """The store is unreachable while our trainer lives. Wait a grace period first: a store a launcher
+        serves goes with a job that is being torn down (a worker failed, the launcher exits and the
         trainers are terminated); only if our trainer outlives the grace is the store's machine reported
         lost, once per machine (by the observer of its lowest rank: no exchange is possible), and then the
         store is tried again."""

@@ -20,6 +20,7 @@ raises :class:`StoreTimeout`; a closed or unreachable server raises :class:`Stor
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
 import select
 import socket
@@ -27,6 +28,8 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+
+from scout_core.progress.store_server import AUTH, CHALLENGE_BYTES, client_proof, server_proof
 
 __all__ = ["PlainStore", "StoreTimeout", "StoreUnreachable", "store_timeouts"]
 
@@ -83,9 +86,12 @@ class PlainStore:
     closed, and every later call raises :class:`StoreUnreachable` (the observer reconnects). Only a ``wait``
     that times out cleanly (its cancel answered) keeps it."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float, prefix: str = "") -> None:
+    def __init__(self, host: str, port: int, *, timeout_s: float, prefix: str = "", secret: str = "") -> None:
         self.host, self.port, self.prefix = host, int(port), prefix
         self.timeout_s = float(timeout_s)
+        self._secret = secret
+        """Set for SCOUT's own store daemon (:mod:`~scout_core.progress.store_server`): the connection first
+        proves it, and checks the server's proof in turn."""
         self._conn = self._connect()
 
     # -- what the observer calls ------------------------------------------------------------------
@@ -168,6 +174,7 @@ class PlainStore:
         view = PlainStore.__new__(PlainStore)
         view.host, view.port, view.timeout_s, view._conn, view.prefix = (self.host, self.port, self.timeout_s,
                                                                          self._conn, prefix)
+        view._secret = self._secret
         return view
 
     @contextlib.contextmanager
@@ -196,12 +203,29 @@ class PlainStore:
                 time.sleep(0.1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._conn = _Connection(sock)
+        if self._secret:
+            self._prove()
         nonce = os.getpid() & 0xFFFFFFFF
         with self._exchange():
             self._send(_VALIDATE, _U32.pack(_MAGIC), bytes([_PING]), _U32.pack(nonce))
             if _U32.unpack(self._read(_U32.size))[0] != nonce:
                 raise StoreUnreachable(f"{self.host}:{self.port} does not speak the TCPStore protocol")
         return self._conn
+
+    def _prove(self) -> None:
+        """The daemon's handshake: answer its challenge with the secret, and check that it knows it too."""
+        with self._exchange():
+            theirs = self._read(CHALLENGE_BYTES)
+            ours = os.urandom(CHALLENGE_BYTES)
+            self._send(AUTH, ours, client_proof(self._secret, theirs, ours))
+            try:
+                answer = self._read(32)
+            except StoreUnreachable as exc:
+                raise StoreUnreachable(f"store {self.host}:{self.port} refused this job's secret "
+                                       "(it serves another job, or another run)") from exc
+            if not hmac.compare_digest(answer, server_proof(self._secret, theirs, ours)):
+                raise StoreUnreachable(f"store {self.host}:{self.port} does not know this job's secret: "
+                                       "it is not the job's store daemon")
 
     def _key(self, key: str) -> str:
         return f"/{self.prefix}/{key}" if self.prefix else f"/{key}"  # torch's client puts "/" before every key
