@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core.progress.collectives import install_collective_hooks, late_bound, uninstall_collective_hooks
-from scout_core.progress.ddp_hooks import FutureWork, take_later_hooks
+from scout_core.progress.ddp_hooks import FutureWork, divisor, holds_slot, take_later_hooks
 from scout_core.progress.fingerprint import CollectiveFingerprint, fingerprint_bucket
 from scout_core.progress.record import Phase, ProgressRecord
 from scout_core.replay.calls import tensor_leaves
@@ -335,7 +335,7 @@ class ProgressTracker:
         runs inside (the collectives a hook issues from its futures' callbacks run
         on the transport's threads, counted on some ranks and not on others).
         """
-        if "register_comm_hook" in vars(ddp_model) or getattr(ddp_model, "_comm_hooks", None):
+        if holds_slot(ddp_model) or getattr(ddp_model, "_comm_hooks", None):
             return False  # SCOUT's hook holds the slot already, or the user's does
         group = ddp_model.process_group
         tracker = self
@@ -355,7 +355,7 @@ class ProgressTracker:
 
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
-            world = dist.get_world_size(group)
+            world = divisor(ddp_model, dist.get_world_size(group))
             if isinstance(bucket, tuple):  # DDP's Python reducer (compiled DDP, delayed all-reduce): (grad, param)
                 if user_hook and not user_hook[0][2]:  # DDP calls a user's Python hook here; never its built-ins
                     return user_hook[0][1](user_hook[0][0], bucket)
