@@ -96,3 +96,38 @@ def test_a_hook_registered_through_ddps_class_after_enable_runs_as_without_scout
     for a, b in zip(plain.values()[0]["weights"], hooked.values()[0]["weights"]):
         assert torch.equal(a, b), f"{how}: {(a != b).sum().item()} of {a.numel()} elements differ"
     assert all(v["second_refused"] for v in plain.values() + hooked.values())
+
+
+def _copied(ctx: RankContext):
+    import copy
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_gloo(ctx)
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(8, 4))
+    tracker = ProgressTracker(RecordingRecord())
+    assert tracker.install_ddp_comm_hook(ddp)
+    with ddp.join(divide_by_initial_world_size=False):
+        ddp(torch.randn(3, 8)).sum().backward()
+    twin = copy.deepcopy(ddp)  # SCOUT keeps nothing on the model: a copy is a plain DDP model with a free slot
+    twin.register_comm_hook(None, default_hooks.fp16_compress_hook)  # DDP's own registration, on its reducer
+    accepted = 0
+    try:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # the original's user slot is still free
+        accepted += 1
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        accepted += 1
+    except RuntimeError:
+        pass
+    tracker.remove_hooks()
+    return {"accepted_on_original": accepted}
+
+
+def test_a_copy_of_a_hooked_model_is_a_plain_ddp_model():
+    """SCOUT's state sat on the model: a deepcopy after a join iteration failed (a Work cannot be pickled), and
+    a hook registered on the copy landed on the original."""
+    result = launch(_copied, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    assert all(v == {"accepted_on_original": 1} for v in result.values()), result.values()

@@ -11,6 +11,7 @@ would, by the ranks not yet joined under ``join(divide_by_initial_world_size=Fal
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +30,33 @@ class FutureWork:
         return bool(self._fut.done())
 
 
-_TAKES = "_scout_takes_comm_hooks"
-"""On a DDP instance whose hook slot SCOUT holds: its registration functions, which the class's route to."""
-_JOIN_WORK = "_scout_join_work"
-"""On such an instance: the last work of the join context's count of ranks not yet joined, and whether DDP was
-told to divide by the initial world size (what its reducer keeps, ``_set_forward_pass_work_handle``)."""
+class _Slot:
+    """What SCOUT keeps for a DDP model whose hook slot it holds: the registration functions DDP's class routes
+    to, and the join context's last count of ranks not yet joined (the work of its all-reduce, whether DDP was
+    told to divide by the initial world size, and the count once read), as DDP's reducer keeps it
+    (``_set_forward_pass_work_handle``)."""
+
+    def __init__(self, takes: tuple[Callable[..., Any], Callable[..., Any]]) -> None:
+        self.takes = takes
+        self.join: tuple[Any, bool] | None = None
+        self.count: int | None = None
+
+
+_SLOTS: weakref.WeakKeyDictionary[Any, _Slot] = weakref.WeakKeyDictionary()
+"""Beside the model, not on it: a copy of the model (``copy.deepcopy``, pickling) carries none of it, and DDP
+builds the copy a reducer of its own, with a free hook slot."""
+
+
+def _slot(obj: Any) -> _Slot | None:
+    try:
+        return _SLOTS.get(obj)
+    except TypeError:  # not weakly referable or not hashable: not a model SCOUT hooked
+        return None
 
 
 def holds_slot(ddp_model: Any) -> bool:
     """Whether SCOUT's hook holds this model's comm-hook slot."""
-    return _TAKES in vars(ddp_model)
+    return _slot(ddp_model) is not None
 
 
 def take_later_hooks(ddp_model: Any, user_hook: list[tuple[Any, Callable[..., Any], bool]]) -> None:
@@ -75,8 +93,7 @@ def take_later_hooks(ddp_model: Any, user_hook: list[tuple[Any, Callable[..., An
 
     _route_registration()
     _count_join()
-    vars(ddp_model)[_TAKES] = (register_comm_hook, register_builtin_comm_hook)
-    vars(ddp_model)[_JOIN_WORK] = None
+    _SLOTS[ddp_model] = _Slot((register_comm_hook, register_builtin_comm_hook))
 
 
 def divisor(ddp_model: Any, world: int) -> int:
@@ -84,12 +101,14 @@ def divisor(ddp_model: Any, world: int) -> int:
     ``join(divide_by_initial_world_size=False)`` the number of ranks not yet joined, read from the join
     context's count as the reducer reads it (it waits for that all-reduce, which every rank launched in its
     forward). A joined rank's shadow buckets are zeros, whatever they are divided by."""
-    held = vars(ddp_model).get(_JOIN_WORK)
-    if held is None or held[1]:
+    slot = _slot(ddp_model)
+    if slot is None or slot.join is None or slot.join[1]:
         return world
-    work = held[0]
-    work.wait()
-    return int(work.result()[0].item())
+    if slot.count is None:  # once per forward, as the reducer: reading it waits for the device
+        work = slot.join[0]
+        work.wait()
+        slot.count = int(work.get_future().value()[0].item())  # result() is missing on Python backends
+    return slot.count
 
 
 def _route_registration() -> None:
@@ -103,8 +122,8 @@ def _route_registration() -> None:
             continue
 
         def routed(self: Any, *args: Any, _original: Any = original, _which: int = which, **kwargs: Any) -> Any:
-            takes = vars(self).get(_TAKES)
-            return _original(self, *args, **kwargs) if takes is None else takes[_which](*args, **kwargs)
+            slot = _slot(self)
+            return _original(self, *args, **kwargs) if slot is None else slot.takes[_which](*args, **kwargs)
 
         functools.update_wrapper(routed, original)
         routed.__scout_routed__ = True  # type: ignore[attr-defined]
@@ -123,8 +142,10 @@ def _count_join() -> None:
 
     def notify_join_context(joinable: Any) -> Any:
         work = original(joinable)
-        if work is not None and _JOIN_WORK in vars(joinable):
-            vars(joinable)[_JOIN_WORK] = (work, bool(getattr(joinable, "_divide_by_initial_world_size", True)))
+        slot = _slot(joinable) if work is not None else None
+        if slot is not None:
+            slot.join = (work, bool(getattr(joinable, "_divide_by_initial_world_size", True)))
+            slot.count = None
         return work
 
     functools.update_wrapper(notify_join_context, original)

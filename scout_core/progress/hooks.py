@@ -355,7 +355,7 @@ class ProgressTracker:
 
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
-            world = divisor(ddp_model, dist.get_world_size(group))
+            world = dist.get_world_size(group)
             if isinstance(bucket, tuple):  # DDP's Python reducer (compiled DDP, delayed all-reduce): (grad, param)
                 if user_hook and not user_hook[0][2]:  # DDP calls a user's Python hook here; never its built-ins
                     return user_hook[0][1](user_hook[0][0], bucket)
@@ -366,6 +366,7 @@ class ProgressTracker:
             if user_hook:
                 return tracker._delegate(user_hook[0][1], user_hook[0][0], bucket, group)
             buffer = bucket.buffer()
+            world = divisor(ddp_model, world)  # under join, the ranks not yet joined (as DDP's reducer divides)
             params = bucket.parameters() if view_mode else []
             if any(aliased.get(id(p)) for p in params):
                 for p, g in zip(params, bucket.gradients(), strict=True):
