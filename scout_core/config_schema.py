@@ -93,7 +93,8 @@ class ObserverConfig:
     every rank is on rank 0's machine, else MASTER_ADDR if it is rank 0's machine, else rank 0's address on the
     way to it (or its hostname without MASTER_ADDR)."""
     store_port: int = _range(0, ge=0, le=65535)
-    """Port the store daemon listens on; 0 = a free port."""
+    """Port the store daemon listens on (under torchrun too: a firewall between machines must let it through);
+    0 = a free port."""
     startup_timeout_s: float = _range(30.0, gt=0)
     """How long the observers may take to rendezvous."""
     start_method: str = "spawn"

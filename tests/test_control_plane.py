@@ -146,3 +146,31 @@ def test_under_torchrun_rank_0_starts_the_daemon_on_its_own_machine(monkeypatch)
         choose_control_plane("", rank=0, world_size=8, advertise="192.0.2.10")
     configured = choose_control_plane("store.example:1234", rank=3, world_size=8)
     assert (configured.kind, configured.host, configured.port) == ("configured", "store.example", 1234)
+
+
+def test_a_fixed_port_an_earlier_daemon_still_holds_is_waited_for(monkeypatch) -> None:
+    """A restart under torchrun with observer.store_port set: the previous attempt's daemon frees the port once
+    its observers are gone; the new one waits for it instead of failing every rank's start."""
+    import threading
+
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    threading.Timer(1.0, holder.close).start()
+    listener = control._listen("127.0.0.1", port)
+    assert listener.getsockname()[1] == port
+    listener.close()
+    monkeypatch.setattr(control, "BIND_RETRY_S", 0.5)
+    holder = socket.create_server(("127.0.0.1", 0))
+    with pytest.raises(OSError):
+        control._listen("127.0.0.1", holder.getsockname()[1])
+    holder.close()
+
+
+def test_the_closed_list_is_read_once_per_entry() -> None:
+    secret = "c1" * 16
+    key = daemon_key(CLOSED_KEY)
+    closers = control._Closers(secret)
+    raw = seal_entry(secret, key, "0") + "1:" + "0" * 32 + "," + seal_entry(secret, key, "2")[:-5]  # one forged
+    assert closers.update(raw.encode()) == {"0"}  # rank 2's entry is still arriving
+    raw = raw[:raw.rindex(",") + 1] + seal_entry(secret, key, "2") + seal_entry(secret, key, "0")
+    assert closers.update(raw.encode()) == {"0", "2"}

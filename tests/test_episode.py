@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from scale_sim import CountingStore, simulate  # noqa: E402
@@ -234,20 +236,40 @@ def test_a_counter_set_ahead_by_an_outsider_does_not_split_the_observers():
     assert {o.episode for o in obs} == {1}
 
 
-def test_an_episode_over_the_observers_own_store_client_names_the_silent_machine():
-    """The protocol over what observers really use: a plain-Python client per observer against torch's TCPStore
-    server, with real timeouts (the waits for members that never answer end in the client's own timeout)."""
+@pytest.mark.parametrize("server_kind", ["daemon", "torch"])
+def test_an_episode_over_the_observers_own_store_client_names_the_silent_machine(server_kind):
+    """The protocol over what observers really use: a plain-Python client per observer against the store daemon's
+    server (behind the job's secret) and against torch's TCPStore server (a store the user names), with real
+    timeouts (the waits for members that never answer end in the client's own timeout)."""
+    import socket
+    import threading
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
     from scout_core.progress.store_client import PlainStore
+    from scout_core.progress.store_server import StoreServer
 
-    server = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))
-    obs = [EpisodeProtocol(PlainStore("127.0.0.1", server.port, timeout_s=5, prefix="scout/run"), rank=r,
-                           peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=0.5, heartbeat_s=0.1, secret="job")
+    secret = "job"
+    if server_kind == "torch":
+        server = TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10))  # served while referenced
+        port, given = server.port, ""
+    else:
+        server = StoreServer(socket.create_server(("127.0.0.1", 0)), secret)
+        port, given = server.listener.getsockname()[1], secret
+        stop = threading.Event()
+
+        def serve() -> None:
+            while not stop.is_set():
+                server.serve(0.05)
+
+        threading.Thread(target=serve, daemon=True).start()
+    obs = [EpisodeProtocol(PlainStore("127.0.0.1", port, timeout_s=5, prefix="scout/run", secret=given), rank=r,
+                           peer_groups=GROUPS, hosts=HOSTS, gather_timeout_s=0.5, heartbeat_s=0.1, secret=secret)
            for r in range(8)]
     ev = {r: _ev(r, alive=False) for r in range(4)}
     outcome, _ = _episode(obs, ev, [0, 1, 2, 3])
+    if server_kind == "daemon":
+        stop.set()
     assert [(v.hang_class.value, v.scope, v.ranks) for v in outcome.verdicts] == [
         ("lost", "machine", (4, 5, 6, 7))]

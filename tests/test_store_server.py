@@ -147,7 +147,8 @@ def test_a_server_that_does_not_know_the_secret_is_refused() -> None:
 
 def test_a_flood_of_silent_connections_neither_blocks_the_job_nor_stays(served: StoreServer, monkeypatch) -> None:
     monkeypatch.setattr(store_server, "AUTH_TIMEOUT_S", 0.5)
-    flood = [socket.create_connection(("127.0.0.1", _port(served))) for _ in range(store_server.MAX_UNPROVEN + 20)]
+    monkeypatch.setattr(store_server, "MAX_UNPROVEN", 64)
+    flood = [socket.create_connection(("127.0.0.1", _port(served))) for _ in range(64 + 20)]
     job = _client(served)  # the oldest silent ones made room
     job.set("k", "v")
     assert _closed_by_peer(flood[0], 2) and _closed_by_peer(flood[-1], 5)  # displaced, and timed out
@@ -162,3 +163,101 @@ def test_a_client_that_breaks_the_protocol_is_dropped_and_others_go_on(served: S
     with pytest.raises(StoreUnreachable):
         other.add("k", 1)  # add to a value that is not a number: torch's server drops the client too
     assert job.get("k") == b"v"
+
+
+def _proven(server: StoreServer) -> socket.socket:
+    sock, challenge = _raw(server)
+    mine = os.urandom(CHALLENGE_BYTES)
+    sock.sendall(bytes([AUTH]) + mine + client_proof(SECRET, challenge, mine))
+    assert len(sock.recv(32)) == 32
+    sock.sendall(bytes([0]) + (0x3C85F7CE).to_bytes(4, "little"))  # torch's VALIDATE
+    return sock
+
+
+def _frame(command: int, *blobs: bytes) -> bytes:
+    return bytes([command]) + b"".join(len(b).to_bytes(8, "little") + b for b in blobs)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return data
+
+
+def test_commands_split_across_packets_or_many_in_one_are_each_answered(served: StoreServer) -> None:
+    sock = _proven(served)
+    big = os.urandom(3 << 20)
+    frame = _frame(1, b"/big", big)  # SET, sent a few bytes at a time at first, then the rest
+    for i in range(0, 39, 3):
+        sock.sendall(frame[i:i + 3])
+        time.sleep(0.001)
+    sock.sendall(frame[39:])
+    sock.sendall(_frame(3, b"/big"))  # GET
+    assert int.from_bytes(_recv_exactly(sock, 8), "little") == len(big)
+    assert _recv_exactly(sock, len(big)) == big
+    sock.sendall(_frame(3, b"/big") * 50)  # 50 GETs in one send
+    for _ in range(50):
+        assert int.from_bytes(_recv_exactly(sock, 8), "little") == len(big)
+        assert _recv_exactly(sock, len(big)) == big
+    sock.close()
+
+
+def test_a_command_that_fails_drops_its_client_and_the_server_serves_on(served: StoreServer) -> None:
+    job = _client(served)
+    job.add("n", 2**63 - 1)
+    with pytest.raises(StoreUnreachable):
+        job.add("n", 1)  # past a 64-bit integer: this client goes
+    other = _client(served)
+    assert other.get("n") == str(2**63 - 1).encode()  # nothing stored by the failed add, and still serving
+
+
+def test_out_of_descriptors_it_neither_spins_nor_stops_serving() -> None:
+    """A daemon whose descriptors run out (thousands of observers under a low limit) used to wake ``select``
+    at once, forever, burning a core, because the listener stayed readable."""
+    import multiprocessing
+    import resource
+
+    ctx = multiprocessing.get_context("fork")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    cpu = ctx.Queue()
+
+    def serve() -> None:
+        open_now = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        server = StoreServer(listener, SECRET)
+        server.serve(1.0)  # the clients connect meanwhile
+        start = time.process_time()
+        server.serve(2.0)
+        cpu.put(time.process_time() - start)
+
+    child = ctx.Process(target=serve)
+    child.start()
+    time.sleep(0.3)
+    held = []
+    for _ in range(30):  # connected by the kernel's backlog, never accepted past the limit
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        held.append(sock)
+    used = cpu.get(timeout=20)
+    child.join(10)
+    for sock in held:
+        sock.close()
+    listener.close()
+    assert used < 0.5, f"the server used {used:.2f} s of CPU in 2 s while out of descriptors"
+
+
+def test_the_server_tracks_when_its_last_client_left(served: StoreServer) -> None:
+    assert served.last_client_at is None and served.clients == 0  # none yet: a daemon waits for its job
+    job = _client(served)
+    job.set("k", "v")
+    assert served.clients == 1 and served.last_client_at is None
+    job.close()
+    deadline = time.monotonic() + 5
+    while served.last_client_at is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert served.clients == 0 and served.last_client_at is not None

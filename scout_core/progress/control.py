@@ -26,10 +26,12 @@ what the other machines see when node 0 is gone (see ``observer.py``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
 import os
+import resource
 import secrets
 import selectors
 import signal
@@ -41,6 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from scout_core.progress.sealed import unseal, unseal_entries
 from scout_core.progress.store_client import PlainStore
 
 __all__ = ["ControlPlane", "bind_address", "choose_control_plane", "closed_ranks", "connect", "daemon_key",
@@ -251,24 +254,29 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     if os.fork() > 0:  # detach: our parent (rank 0) reaps this first process at once
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
+    with contextlib.suppress(ValueError, OSError):  # one connection per observer: thousands of descriptors
+        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     from scout_core.progress.store_server import StoreServer
 
-    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-    server = StoreServer(socket.create_server((bind, port), family=family, backlog=1024), secret)
+    server = StoreServer(_listen(bind, port), secret)
     print(server.listener.getsockname()[1], flush=True)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # rank 0 closed its end: nothing more goes there
     os.dup2(null, 2)  # nor to the start-up log
-    from scout_core.progress.sealed import unseal
-
+    closers = _Closers(secret)
     last: bytes | None = None
     since = time.monotonic()
     while True:
-        server.serve(min(5.0, idle_exit_s / 4))
+        with contextlib.suppress(Exception):  # a fault of ours must not end the job's store: serve on
+            server.serve(min(5.0, idle_exit_s / 4))
         # Only clients that proved the secret write here; the values are still checked (the sealed closers and
         # heartbeat), and anything that does not verify counts as life: nothing but the job itself ends it.
-        if len(_closed(server.value(daemon_key(CLOSED_KEY)) or b"", secret)) >= world_size:
+        if len(closers.update(server.value(daemon_key(CLOSED_KEY)) or b"")) >= world_size:
             server.serve(1.0)  # let the last closers finish their message
+            return
+        # Every observer's connection gone for a while: the job's processes are (a launcher restarting the
+        # job wants this port back soon).
+        if server.last_client_at is not None and time.monotonic() - server.last_client_at > CLIENTLESS_EXIT_S:
             return
         beats = server.value(daemon_key(BEAT_KEY)) or b""
         try:
@@ -280,6 +288,42 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
             last, since = beats, time.monotonic()
         elif time.monotonic() - since > idle_exit_s:
             return
+
+
+CLIENTLESS_EXIT_S = 15.0
+"""A daemon that had clients and has had none for this long exits: every observer of its job is gone."""
+BIND_RETRY_S = 45.0
+"""A fixed port a previous attempt's daemon still holds (a restart under torchrun): it frees it within
+``CLIENTLESS_EXIT_S`` of its observers' end, so the new daemon tries this long."""
+
+
+def _listen(bind: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            return socket.create_server((bind, port), family=family, backlog=4096)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or not port or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+
+
+class _Closers:
+    """The ranks whose sealed entry is in the daemon's closed list; each entry is checked once (the list grows
+    by one entry per rank, and is read every few seconds)."""
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+        self.ranks: set[str] = set()
+        self._read = 0
+
+    def update(self, raw: bytes) -> set[str]:
+        end = raw.rfind(b",") + 1  # whole entries only: the rest is still arriving
+        if end > self._read:
+            self.ranks |= _closed(raw[self._read:end], self.secret)
+            self._read = end
+        return self.ranks
 
 
 def daemon_key(key: str) -> str:
@@ -296,8 +340,6 @@ def closed_ranks(store: Any, secret: str) -> set[str]:
 
 
 def _closed(raw: bytes, secret: str) -> set[str]:
-    from scout_core.progress.sealed import unseal_entries
-
     return set(unseal_entries(secret, daemon_key(CLOSED_KEY), raw))
 
 

@@ -52,6 +52,10 @@ class StoreUnreachable(OSError):
     """The store's server could not be reached, refused us, or closed the connection."""
 
 
+class _HandshakeCut(StoreUnreachable):
+    """The server closed the connection before it answered our proof."""
+
+
 def store_timeouts() -> tuple[type[BaseException], ...]:
     """The timeout errors of every store an observer's protocol may be given: ours, and torch's where torch is
     loaded already (the tests drive the protocol with torch's in-memory store)."""
@@ -196,15 +200,26 @@ class PlainStore:
             try:
                 sock = socket.create_connection((self.host, self.port),
                                                 timeout=max(0.1, min(self.timeout_s, deadline - time.monotonic())))
-                break
             except OSError as exc:
                 if time.monotonic() >= deadline:
                     raise StoreUnreachable(f"cannot reach the store at {self.host}:{self.port}: {exc}") from exc
                 time.sleep(0.1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._conn = _Connection(sock)
-        if self._secret:
-            self._prove()
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conn = _Connection(sock)
+            if not self._secret:
+                break
+            try:
+                self._prove()
+                break
+            except _HandshakeCut as exc:
+                # The daemon closed the connection before its proof: a wrong secret, or ours was the oldest
+                # handshake when it had too many (a flood, or thousands of observers starting): try again.
+                if time.monotonic() >= deadline:
+                    raise StoreUnreachable(f"store {self.host}:{self.port} closed every connection during the "
+                                           f"handshake for {self.timeout_s:g} s: it serves another job (or "
+                                           f"run), or is flooded ({exc})") from exc
+                time.sleep(0.1)
         nonce = os.getpid() & 0xFFFFFFFF
         with self._exchange():
             self._send(_VALIDATE, _U32.pack(_MAGIC), bytes([_PING]), _U32.pack(nonce))
@@ -214,18 +229,20 @@ class PlainStore:
 
     def _prove(self) -> None:
         """The daemon's handshake: answer its challenge with the secret, and check that it knows it too."""
-        with self._exchange():
-            theirs = self._read(CHALLENGE_BYTES)
-            ours = os.urandom(CHALLENGE_BYTES)
-            self._send(AUTH, ours, client_proof(self._secret, theirs, ours))
-            try:
+        try:
+            with self._exchange():
+                theirs = self._read(CHALLENGE_BYTES)
+                ours = os.urandom(CHALLENGE_BYTES)
+                self._send(AUTH, ours, client_proof(self._secret, theirs, ours))
                 answer = self._read(32)
-            except StoreUnreachable as exc:
-                raise StoreUnreachable(f"store {self.host}:{self.port} refused this job's secret "
-                                       "(it serves another job, or another run)") from exc
-            if not hmac.compare_digest(answer, server_proof(self._secret, theirs, ours)):
-                raise StoreUnreachable(f"store {self.host}:{self.port} does not know this job's secret: "
-                                       "it is not the job's store daemon")
+        except StoreTimeout:
+            raise
+        except StoreUnreachable as exc:
+            raise _HandshakeCut(str(exc)) from exc
+        if not hmac.compare_digest(answer, server_proof(self._secret, theirs, ours)):
+            self.close()
+            raise StoreUnreachable(f"store {self.host}:{self.port} does not know this job's secret: "
+                                   "it is not the job's store daemon")
 
     def _key(self, key: str) -> str:
         return f"/{self.prefix}/{key}" if self.prefix else f"/{key}"  # torch's client puts "/" before every key

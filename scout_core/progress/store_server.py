@@ -20,6 +20,7 @@ One thread, non-blocking sockets and ``selectors``: thousands of observers' conn
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import os
@@ -42,11 +43,15 @@ CHALLENGE_BYTES = 16
 _MAC_BYTES = 32
 AUTH_TIMEOUT_S = 10.0
 """A connection that has not proved the secret by then is closed."""
-MAX_UNPROVEN = 256
-"""Connections still in the handshake at once; past it the oldest is closed (a flood cannot exhaust the fds)."""
+MAX_UNPROVEN = 4096
+"""Connections still in the handshake at once; past it the oldest is closed (a flood cannot exhaust the fds). A
+job's own client cut off this way connects again (:class:`~scout_core.progress.store_client.PlainStore`)."""
+ACCEPT_PAUSE_S = 0.5
+"""Out of file descriptors with no connection in the handshake to close: stop accepting this long (not spin)."""
 MAX_KEY_BYTES = 4096
 MAX_VALUE_BYTES = 64 << 20
 MAX_KEYS = 1 << 20
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_UNSENT_BYTES = 256 << 20
 """A client that reads none of its answers is dropped before it fills the daemon's memory."""
 
@@ -122,15 +127,26 @@ class StoreServer:
         self.secret = secret
         self.listener = listener
         listener.setblocking(False)
-        self.values: dict[str, bytes] = {}
+        self.values: dict[str, bytearray] = {}  # appended in place: a list of 100k closers grows in O(1) steps
         self._waiters: dict[str, set[_Client]] = {}
         self._unproven: deque[_Client] = deque()
+        self._proven = 0
+        self.last_client_at: float | None = None
+        """When a client that proved the secret was last connected (None: none ever was, or one is now)."""
+        self._accept_paused_until = 0.0
+        self._closed = False
         self._sel = selectors.DefaultSelector()
         self._sel.register(listener, selectors.EVENT_READ, None)
 
     def value(self, key: str) -> bytes | None:
         """The value of ``key`` as a client's unprefixed view names it (torch's clients put ``/`` first)."""
-        return self.values.get("/" + key)
+        found = self.values.get("/" + key)
+        return None if found is None else bytes(found)
+
+    @property
+    def clients(self) -> int:
+        """Connections that proved the job's secret, open now."""
+        return self._proven
 
     def serve(self, seconds: float) -> None:
         """Answer whatever arrives for about ``seconds``."""
@@ -146,8 +162,14 @@ class StoreServer:
                 if events & selectors.EVENT_WRITE and client.sock.fileno() >= 0:
                     self._flush(client)
             self._expire_unproven()
+            if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+                self._accept_paused_until = 0.0
+                self._sel.register(self.listener, selectors.EVENT_READ, None)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for key in list(self._sel.get_map().values()):
             if key.data is not None:
                 self._drop(key.data)
@@ -162,8 +184,10 @@ class StoreServer:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # out of fds, or the peer left already: serve the others
-                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._out_of_files()
+                return  # or the peer left already: serve the others
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client = _Client(sock, os.urandom(CHALLENGE_BYTES))
@@ -173,24 +197,34 @@ class StoreServer:
             self._sel.register(sock, selectors.EVENT_READ, client)
             self._send(client, client.challenge)
 
+    def _out_of_files(self) -> None:
+        """No descriptor for a new connection: close the oldest one still in the handshake, or stop accepting a
+        moment (the listener would wake ``select`` at once, forever). The daemon raises its own limit at start."""
+        if self._unproven:
+            self._drop(self._unproven.popleft())
+            return
+        self._sel.unregister(self.listener)
+        self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+
     def _expire_unproven(self) -> None:
         now = time.monotonic()
         while self._unproven and now - self._unproven[0].since > AUTH_TIMEOUT_S:
             self._drop(self._unproven.popleft())
 
     def _drop(self, client: _Client) -> None:
+        if client.sock.fileno() < 0:
+            return
         if not client.proven:
             with contextlib.suppress(ValueError):
                 self._unproven.remove(client)
-        for key in client.waiting:
-            self._waiters.get(key, set()).discard(client)
-        client.waiting.clear()
-        if client.sock.fileno() >= 0:
-            try:
-                self._sel.unregister(client.sock)
-            except (KeyError, ValueError):
-                pass
-            client.sock.close()
+        else:
+            self._proven -= 1
+            if not self._proven:
+                self.last_client_at = time.monotonic()
+        self._forget_wait(client)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(client.sock)
+        client.sock.close()
 
     def _receive(self, client: _Client) -> None:
         try:
@@ -209,11 +243,9 @@ class StoreServer:
                 try:
                     self._command(client, reader)
                 except _Short:
-                    if not client.proven and len(client.inbox) > 1 + CHALLENGE_BYTES + _MAC_BYTES:
-                        raise _Broken("an oversized handshake") from None
                     return
                 del client.inbox[:reader.at]
-        except _Broken:
+        except Exception:  # noqa: BLE001 - _Broken, or a bug: this client goes, the job's store stays
             self._drop(client)
 
     def _send(self, client: _Client, data: bytes) -> None:
@@ -246,6 +278,8 @@ class StoreServer:
                 raise _Broken("a wrong proof")
             client.proven = True
             self._unproven.remove(client)
+            self._proven += 1
+            self.last_client_at = None
             self._send(client, server_proof(self.secret, client.challenge, theirs))
             return
         if not client.validated:
@@ -273,11 +307,18 @@ class StoreServer:
                 total = int(self.values.get(key, b"0")) + amount
             except ValueError:
                 raise _Broken("add to a value that is not a number") from None  # as torch's server does
+            if not _I64_MIN <= total <= _I64_MAX:
+                raise _Broken("add past a 64-bit integer")
             self._store(key, str(total).encode())
             self._send(client, _I64.pack(total))
         elif command == _APPEND:
             key, value = reader.key(), reader.blob(MAX_VALUE_BYTES)
-            self._store(key, self.values.get(key, b"") + value)
+            current = self.values.get(key)
+            if current is None:
+                self._store(key, value)
+            else:
+                current += value
+                self._wake(key)
         elif command == _DELETE_KEY:
             self._send(client, _I64.pack(1 if self.values.pop(reader.key(), None) is not None else 0))
         elif command == _CHECK:
@@ -295,9 +336,7 @@ class StoreServer:
             for key in missing:
                 self._waiters.setdefault(key, set()).add(client)
         elif command == _CANCEL_WAIT:
-            for key in client.waiting:
-                self._waiters.get(key, set()).discard(client)
-            client.waiting = set()
+            self._forget_wait(client)
             self._send(client, bytes([_WAIT_CANCELED]))
         else:
             raise _Broken(f"command {command}")
@@ -305,8 +344,20 @@ class StoreServer:
     def _send_blob(self, client: _Client, value: bytes) -> None:
         self._send(client, _U64.pack(len(value)) + value)
 
+    def _forget_wait(self, client: _Client) -> None:
+        for key in client.waiting:
+            waiting = self._waiters.get(key)
+            if waiting is not None:
+                waiting.discard(client)
+                if not waiting:
+                    del self._waiters[key]
+        client.waiting = set()
+
     def _store(self, key: str, value: bytes) -> None:
-        self.values[key] = value
+        self.values[key] = bytearray(value)
+        self._wake(key)
+
+    def _wake(self, key: str) -> None:
         for client in self._waiters.pop(key, ()):
             client.waiting.discard(key)
             if not client.waiting and client.sock.fileno() >= 0:
