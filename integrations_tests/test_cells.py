@@ -245,7 +245,7 @@ def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatc
     from scout_core.progress import control
     from scout_core.progress.store_server import StoreServer
 
-    def in_rank0(world_size, port=0, idle_exit_s=0.0, *, secret="", bind=""):
+    def in_rank0(world_size, port=0, idle_exit_s=0.0, *, secret="", bind="", clientless_s=0.0):
         server = StoreServer(socket.create_server((bind, port)), secret)
 
         def serve_forever():

@@ -36,7 +36,7 @@ from scout_core.moe.catalog import Catalog
 from scout_core.moe.replay import ExpertReplay
 from scout_core.observer_link import ObserverLink
 from scout_core.parts import ScoutParts
-from scout_core.progress.control import ControlPlane
+from scout_core.progress.control import ControlPlane, observer_timing
 from scout_core.progress.hooks import install_collective_hooks
 from scout_core.progress.observer import ObserverSpec, steady_threshold
 from scout_core.replay.engine import ReplayEngine
@@ -72,14 +72,14 @@ def start_observer(parts: ScoutParts, plane: ControlPlane, on_incident: Callable
                                obs.first_step_silence_s)
     warmup = max(obs.silence_threshold_s, obs.first_step_silence_s)
     tracker.record.learn_below = lambda published: steady(published) if published > 0 else warmup
-    heartbeat_s = max(obs.heartbeat_s, parts.world_size / 20000)
+    heartbeat_s, gather_timeout_s = observer_timing(obs.heartbeat_s, obs.gather_timeout_s, parts.world_size)
     link.start(ObserverSpec(
         run_id=parts.run_id, launch=parts.launch_id, rank=parts.rank, world_size=parts.world_size,
         record_path=tracker.record.path, control=plane, peer_groups=[list(g) for g in parts.groups.all_peers],
         hosts=parts.hosts, devices=parts.devices, silence_threshold_s=obs.silence_threshold_s,
         first_step_silence_s=obs.first_step_silence_s, io_silence_s=obs.io_silence_s,
         adaptive_multiple=obs.adaptive_multiple, heartbeat_s=heartbeat_s,
-        gather_timeout_s=max(obs.gather_timeout_s, 3 * heartbeat_s), startup_timeout_s=obs.startup_timeout_s,
+        gather_timeout_s=gather_timeout_s, startup_timeout_s=obs.startup_timeout_s,
         jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
         on_incident=on_incident, exclusions_path=exclude_hosts_path(cfg), start_method=obs.start_method,
         stop_on_verdict=cfg.actions.on_verdict == "stop",

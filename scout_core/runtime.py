@@ -51,7 +51,7 @@ from scout_core.handle import ScoutHandle
 from scout_core.metrics import start_metrics
 from scout_core.moe.replay import MoEBinding
 from scout_core.parts import ScoutParts
-from scout_core.progress.control import ControlPlane, choose_control_plane
+from scout_core.progress.control import ControlPlane, choose_control_plane, clientless_exit_s, observer_timing
 from scout_core.progress.spawn import named_callback
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
@@ -199,8 +199,10 @@ def _join_job(adapter: FrameworkAdapter, cfg: ScoutConfig,
         plane, plane_error = None, ""
         if cfg.observer.enabled and rank == 0:
             try:
+                timing = observer_timing(cfg.observer.heartbeat_s, cfg.observer.gather_timeout_s, world)
                 plane = choose_control_plane(cfg.observer.control_store, rank=rank, world_size=world,
-                                             bind_port=cfg.observer.store_port, advertise=cfg.observer.store_addr)
+                                             bind_port=cfg.observer.store_port, advertise=cfg.observer.store_addr,
+                                             clientless_s=clientless_exit_s(*timing))
             except Exception as exc:  # every rank raises it after the exchange: none is left waiting
                 plane_error = f"{type(exc).__name__}: {exc}"
         # The metrics endpoint binds its port before the exchange, so a port taken on one rank fails every rank.

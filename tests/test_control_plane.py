@@ -130,7 +130,7 @@ def test_under_torchrun_rank_0_starts_the_daemon_on_its_own_machine(monkeypatch)
     rendezvous host) need not be rank 0's machine: the daemon then listens on this machine's address toward it."""
     started = []
     monkeypatch.setattr(control, "start_store_daemon",
-                        lambda world, port, *, secret, bind: started.append(bind) or 4242)
+                        lambda world, port, *, secret, bind, clientless_s: started.append(bind) or 4242)
     monkeypatch.setattr(control, "_route_to", lambda address: "10.7.7.7")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -174,3 +174,26 @@ def test_the_closed_list_is_read_once_per_entry() -> None:
     assert closers.update(raw.encode()) == {"0"}  # rank 2's entry is still arriving
     raw = raw[:raw.rindex(",") + 1] + seal_entry(secret, key, "2") + seal_entry(secret, key, "0")
     assert closers.update(raw.encode()) == {"0", "2"}
+
+
+def test_the_daemon_outlives_a_reconnect_and_exits_once_its_observers_are_gone() -> None:
+    """Observers hold a connection from start-up to their closing messages; one that broke waits before it
+    connects again. A daemon with none connected for longer than that exits: its job is gone (a restarted job
+    wants the port back before the two-minute idle time)."""
+    secret = "d4" * 16
+    port = start_store_daemon(1, free_port(), idle_exit_s=60.0, secret=secret, clientless_s=3.0)
+    deadline = time.monotonic() + 10
+    while not _daemon_pids(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (pid,) = _daemon_pids(port)
+    time.sleep(6)  # no observer yet: a daemon waits for its job
+    assert _alive(pid)
+    PlainStore("127.0.0.1", port, timeout_s=10, secret=secret).close()
+    time.sleep(1.5)  # shorter than its limit: the observer that connects again finds it
+    observer = PlainStore("127.0.0.1", port, timeout_s=10, secret=secret)
+    observer.set("k", "v")
+    observer.close()
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid), "the daemon outlived its observers"

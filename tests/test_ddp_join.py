@@ -131,3 +131,30 @@ def test_a_copy_of_a_hooked_model_is_a_plain_ddp_model():
     result = launch(_copied, 2, timeout_s=60)
     assert result.ok, result.failures()
     assert all(v == {"accepted_on_original": 1} for v in result.values()), result.values()
+
+
+def _freed(ctx: RankContext):
+    import gc
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init_gloo(ctx)
+    ddp = DDP(torch.nn.Linear(8, 4))
+    tracker = ProgressTracker(RecordingRecord())
+    assert tracker.install_ddp_comm_hook(ddp)
+    with ddp.join(divide_by_initial_world_size=False):
+        ddp(torch.randn(3, 8)).sum().backward()
+    tracker.remove_hooks()
+    gone = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    return gone() is None
+
+
+def test_a_hooked_model_is_freed_when_the_job_lets_go_of_it():
+    """DDP's C++ reducer holds the comm hook where Python's cycle collector cannot see it: a hook (or SCOUT's
+    state beside the model) that held the model kept its parameters and buckets alive for good."""
+    result = launch(_freed, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    assert result.values() == [True, True]

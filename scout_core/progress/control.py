@@ -91,8 +91,25 @@ def _parse(address: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def observer_timing(heartbeat_s: float, gather_timeout_s: float, world_size: int) -> tuple[float, float]:
+    """The heartbeat and gather timeout observers use at this world size: the heartbeat raised so the store
+    serves at most 20k checks per second, the gather at least three heartbeats."""
+    heartbeat = max(heartbeat_s, world_size / 20000)
+    return heartbeat, max(gather_timeout_s, 3 * heartbeat)
+
+
+def clientless_exit_s(heartbeat_s: float, gather_timeout_s: float) -> float:
+    """How long a daemon with no observer connected waits before it exits: longer than an observer whose
+    connection broke waits before connecting again (``observer._control_plane_lost``), with a margin for a
+    loaded machine. Observers hold their connection from start-up to their closing messages."""
+    return gather_timeout_s + 2 * heartbeat_s + CLIENTLESS_MARGIN_S
+
+
+CLIENTLESS_MARGIN_S = 30.0
+
+
 def choose_control_plane(configured: str, *, rank: int, world_size: int, bind_port: int = 0,
-                         advertise: str = "") -> ControlPlane | None:
+                         advertise: str = "", clientless_s: float = DAEMON_IDLE_EXIT_S) -> ControlPlane | None:
     """The control plane this job uses, as far as this rank can tell without talking to the others.
 
     Returns None on ranks other than 0 when a daemon is needed: rank 0 starts it and shares its address.
@@ -115,7 +132,7 @@ def choose_control_plane(configured: str, *, rank: int, world_size: int, bind_po
         # MASTER_ADDR names another machine (torchrun's rendezvous host need not be rank 0's): this machine's
         # address on the way there, which the other machines reach it by.
         bind = host = _route_to(bind)
-    port = start_store_daemon(world_size, bind_port, secret=secret, bind=bind)
+    port = start_store_daemon(world_size, bind_port, secret=secret, bind=bind, clientless_s=clientless_s)
     return ControlPlane(host, port, kind="daemon", secret=secret)
 
 
@@ -193,12 +210,18 @@ def connect(plane: ControlPlane, run_id: str, timeout_s: float) -> PlainStore:
                       secret=plane.secret if plane.kind == "daemon" else "")
 
 
-DAEMON_START_S = 60.0
+FIRST_CLIENT_WAIT_S = 1800.0
+"""How long a daemon waits for its first observer before it takes its job for gone."""
+BIND_RETRY_S = 120.0
+"""A fixed port a previous attempt's daemon still holds (a restart under torchrun): it frees it once its
+observers are gone (they may answer for their dead trainers first) and :func:`clientless_exit_s` has passed, so
+the new daemon tries this long (rank 0 waits ``DAEMON_START_S`` beyond it)."""
+DAEMON_START_S = 60.0 + BIND_RETRY_S
 """How long rank 0 waits for the daemon's port (a fresh interpreter; a loaded machine may take seconds)."""
 
 
 def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEMON_IDLE_EXIT_S, *,
-                       secret: str = "", bind: str = LOOPBACK) -> int:
+                       secret: str = "", bind: str = LOOPBACK, clientless_s: float = DAEMON_IDLE_EXIT_S) -> int:
     """Start a store daemon detached from this process, listening on ``bind`` only; return the port it serves.
 
     A fresh interpreter (``python -m scout_core.progress.control``), not a fork of the trainer: the trainer
@@ -225,7 +248,8 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
         )
         assert first.stdout is not None and first.stdin is not None
         with contextlib.suppress(BrokenPipeError):  # the secret on stdin: never in its command line (ps shows that)
-            first.stdin.write(json.dumps({"secret": secret, "bind": bind}).encode() + b"\n")
+            first.stdin.write(json.dumps({"secret": secret, "bind": bind, "clientless_s": clientless_s}).encode()
+                              + b"\n")
             first.stdin.close()
         line = b""
         with selectors.DefaultSelector() as sel:  # not select(): the pipe's number may be above 1023
@@ -250,7 +274,7 @@ def start_store_daemon(world_size: int, port: int = 0, idle_exit_s: float = DAEM
 
 def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     given = json.loads(sys.stdin.readline())
-    secret, bind = str(given["secret"]), str(given["bind"])
+    secret, bind, clientless_s = str(given["secret"]), str(given["bind"]), float(given["clientless_s"])
     if os.fork() > 0:  # detach: our parent (rank 0) reaps this first process at once
         os._exit(0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the job's terminal is not for us
@@ -265,19 +289,28 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
     os.dup2(null, 2)  # nor to the start-up log
     closers = _Closers(secret)
     last: bytes | None = None
-    since = time.monotonic()
+    since = started = time.monotonic()
     while True:
-        with contextlib.suppress(Exception):  # a fault of ours must not end the job's store: serve on
+        try:
             server.serve(min(5.0, idle_exit_s / 4))
+        except Exception:  # noqa: BLE001 - a fault of ours must not end the job's store: serve on, not spin
+            time.sleep(0.1)
         # Only clients that proved the secret write here; the values are still checked (the sealed closers and
         # heartbeat), and anything that does not verify counts as life: nothing but the job itself ends it.
         if len(closers.update(server.value(daemon_key(CLOSED_KEY)) or b"")) >= world_size:
             server.serve(1.0)  # let the last closers finish their message
             return
-        # Every observer's connection gone for a while: the job's processes are (a launcher restarting the
-        # job wants this port back soon).
-        if server.last_client_at is not None and time.monotonic() - server.last_client_at > CLIENTLESS_EXIT_S:
+        # Every observer's connection gone for longer than any would wait to connect again: the job's processes
+        # are gone (a launcher restarting the job wants this port back sooner than the idle time).
+        if server.last_client_at is not None and time.monotonic() - server.last_client_at > clientless_s:
             return
+        if server.last_client_at is None and not server.clients:
+            # No observer yet: the other ranks may reach enable() long after rank 0 (a slow data loader's
+            # start); the start-up exchange they all join waits the process group's timeout, 30 min by default.
+            if time.monotonic() - started > FIRST_CLIENT_WAIT_S:
+                return
+            since = time.monotonic()
+            continue
         beats = server.value(daemon_key(BEAT_KEY)) or b""
         try:
             if beats:
@@ -288,13 +321,6 @@ def _serve(port: int, world_size: int, idle_exit_s: float) -> None:
             last, since = beats, time.monotonic()
         elif time.monotonic() - since > idle_exit_s:
             return
-
-
-CLIENTLESS_EXIT_S = 15.0
-"""A daemon that had clients and has had none for this long exits: every observer of its job is gone."""
-BIND_RETRY_S = 45.0
-"""A fixed port a previous attempt's daemon still holds (a restart under torchrun): it frees it within
-``CLIENTLESS_EXIT_S`` of its observers' end, so the new daemon tries this long."""
 
 
 def _listen(bind: str, port: int) -> socket.socket:

@@ -71,7 +71,10 @@ def take_later_hooks(ddp_model: Any, user_hook: list[tuple[Any, Callable[..., An
     """
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    model_ref = weakref.ref(ddp_model)  # the slot's functions must not keep the model alive (its weak key)
+
     def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+        ddp_model = model_ref()
         ddp_model._check_comm_hook(hook)
         if user_hook:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
@@ -80,6 +83,7 @@ def take_later_hooks(ddp_model: Any, user_hook: list[tuple[Any, Callable[..., An
         user_hook.append((state, hook, False))
 
     def register_builtin_comm_hook(comm_hook_type: Any) -> None:
+        ddp_model = model_ref()
         # The same arithmetic as DDP's C++ built-ins: divide, then all-reduce (FP16: cast, divide, all-reduce).
         builtins = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
                     dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}

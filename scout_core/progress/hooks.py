@@ -32,6 +32,7 @@ import collections
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -352,6 +353,9 @@ class ProgressTracker:
                         lambda _g, p=p: aliased.__setitem__(id(p), p.grad is not None and p.grad._base is not None)))
 
         user_hook: list[tuple[Any, Callable[..., Any], bool]] = []  # (state, hook, built-in), registered after
+        # DDP's C++ reducer holds the hook, out of sight of Python's cycle collector: the hook must not hold
+        # the model, or the model is never freed.
+        model_ref = weakref.ref(ddp_model)
 
         # DDP inspects the hook's annotations (and this module's are strings), so none here.
         def hook(state, bucket):  # noqa: ANN001, ANN202
@@ -366,7 +370,7 @@ class ProgressTracker:
             if user_hook:
                 return tracker._delegate(user_hook[0][1], user_hook[0][0], bucket, group)
             buffer = bucket.buffer()
-            world = divisor(ddp_model, world)  # under join, the ranks not yet joined (as DDP's reducer divides)
+            world = divisor(model_ref(), world)  # under join, the ranks not yet joined (as DDP's reducer divides)
             params = bucket.parameters() if view_mode else []
             if any(aliased.get(id(p)) for p in params):
                 for p, g in zip(params, bucket.gradients(), strict=True):
