@@ -79,6 +79,14 @@ def test_a_later_episode_over_the_same_stopped_ranks_is_not_reported_again():
     ev[5] = _ev(5, coordinate=(3, 1), pending=False, seq=44)  # rank 5 has not moved
     second, _ = _episode(obs, ev, list(range(8)))
     assert second.repeat and [v.ranks for v in second.verdicts] == [(5,)]
+    ev = {r: _ev(r, coordinate=(3, 3), seq=12) for r in range(8)}
+    ev[5] = _ev(5, coordinate=(3, 1), pending=False, seq=57, silent=False)  # busy at the same point: publishing
+    third, _ = _episode(obs, ev, list(range(8)))
+    assert third.repeat and [v.ranks for v in third.verdicts] == [(5,)]  # hang-rank0-busy reported it twice
+    ev[5] = _ev(5, coordinate=(4, 1), pending=False, seq=80)  # it moved, and stopped again further on
+    ev = {**{r: _ev(r, coordinate=(4, 3), seq=13) for r in range(8)}, 5: ev[5]}
+    fourth, _ = _episode(obs, ev, list(range(8)))
+    assert not fourth.repeat and [v.ranks for v in fourth.verdicts] == [(5,)]
 
 
 def test_an_episode_costs_each_observer_a_constant_and_a_leader_its_group():

@@ -298,9 +298,11 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
 
 
 def classify_group(group: Sequence[int], evidence: Mapping[int, Evidence]) -> dict[str, Any]:
-    """One peer group's summary (what its leader posts): verdicts, lost ranks, the named ranks' seqs."""
+    """One peer group's summary (what its leader posts): verdicts, lost ranks, where the named ranks stand."""
     verdicts = _group_verdicts(group, evidence)
-    named = {str(r): evidence[r].seq for v in verdicts for r in v.ranks if r in evidence}
+    # Where a named rank stands (its progress coordinate), not its record's sequence: a lagging rank that is
+    # still working publishes all the while, and a peer that went silent later must not name it again.
+    named = {str(r): list(evidence[r].coordinate) for v in verdicts for r in v.ranks if r in evidence}
     # The collectives that live members wait in without being silent yet (at most a few, whatever the group
     # size): another group's stall in one of them is not settled while these members may still be named.
     unsettled = sorted({e.fingerprint for r in group if (e := evidence.get(r)) is not None

@@ -13,8 +13,9 @@ Keys, under the job's prefix (``scout/<run id>/``):
   observer reads for its user callback;
 * ``ep/<n>/moved``: the observers whose trainer moved after the verdict (sealed entries); the
   reporter writes a ``resolved`` record once there is one;
-* ``named``: ranks named by the last verdict with their record sequence, so that a later
-  episode over the same stopped ranks (peers that went silent later) does not repeat it;
+* ``named``: ranks named by the last verdict with their progress coordinate, so that a later
+  episode over the same stopped ranks (peers that went silent later) does not repeat it, even where a named
+  rank is still working (publishing) at that point;
 * ``closed``: the list of ranks whose trainers closed SCOUT (each entry sealed; a rank may appear twice after a
   retried close); a leader counts them gone, not lost, and does not wait for them.
 
@@ -236,7 +237,7 @@ class EpisodeProtocol:
             self.episode = n + 1
             return EpisodeOutcome(n, [verdict], reporter=True)
         verdicts = merge(summaries, self.hosts)
-        named = {r: seq for s in summaries for r, seq in s["named"].items()
+        named = {r: where for s in summaries for r, where in s["named"].items()
                  if any(int(r) in v.ranks for v in verdicts)}
         lost = sorted(r for v in verdicts if v.hang_class.value == "lost" for r in v.ranks)
         signature = {"named": named, "lost": lost}
