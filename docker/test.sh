@@ -9,12 +9,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMP_NUM_THREADS=1
 
-python -m pytest -m "not cells and not matrix and not guards" -q --durations=40 "$@"
+python -m pytest -m "not cells and not matrix and not guards" -q --durations=10 "$@"
 [ $# -eq 0 ] || exit 0
 scout cells matrix --out runs --workdir runs/cells
 # The plugins' tests in processes of their own (their tests import the frameworks at module level). The first
 # pytest run above imports them into its parent too, once its plugin cells have run: the core cells before them
 # fork from a parent without them; the matrix runs the core cells first for the same reason.
 for plugin in scout-torchtitan scout-megatron scout-deepspeed; do
-  python -m pytest -q "plugins/$plugin/tests"
+  python -m pytest -q --durations=10 "plugins/$plugin/tests"
 done

@@ -18,10 +18,11 @@ LAYOUTS = ("ddp", "fsdp2", "hsdp")
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, bias: bool = True) -> None:
+    def __init__(self, hidden: int, bias: bool = True, norm_weight: bool = True) -> None:
         super().__init__()
-        # bias=False: Llama style (RMSNorm with a weight only, linears without bias): two tensors a block.
-        self.norm = nn.LayerNorm(hidden) if bias else nn.RMSNorm(hidden)
+        # bias=False: Llama style (RMSNorm with a weight only, linears without bias): two tensors a block;
+        # norm_weight=False: an RMSNorm without a weight (as in OLMo's non-parametric norm), one tensor a block.
+        self.norm = nn.LayerNorm(hidden) if bias else nn.RMSNorm(hidden, elementwise_affine=norm_weight)
         self.fc = nn.Linear(hidden, hidden, bias=bias)
         # No-op points at the block's entry and exit, where a cell hooks the whole block's forward and
         # backward (FSDP2 replay calls the block's forward directly, past hooks on the block itself).
@@ -35,10 +36,10 @@ class Block(nn.Module):
 
 class TinyModel(nn.Module):
     def __init__(self, dim_in: int = 16, hidden: int = 32, depth: int = 3, dim_out: int = 8,
-                 bias: bool = True) -> None:
+                 bias: bool = True, norm_weight: bool = True) -> None:
         super().__init__()
         self.embed = nn.Linear(dim_in, hidden, bias=bias)
-        self.layers = nn.ModuleList(Block(hidden, bias) for _ in range(depth))
+        self.layers = nn.ModuleList(Block(hidden, bias, norm_weight) for _ in range(depth))
         self.head = nn.Linear(hidden, dim_out, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,15 +60,16 @@ class Parallel:
 
 
 def build(layout: str, *, seed: int = 0, hsdp_replicas: int = 4, bucket_cap_mb: float | None = None,
-          hidden: int = 32, bias: bool = True, depth: int = 3) -> Parallel:
+          hidden: int = 32, bias: bool = True, depth: int = 3, norm_weight: bool = True) -> Parallel:
     """The seeded model wrapped for ``layout`` over the default process group (``bucket_cap_mb``: DDP's
     bucket size; a small one splits the gradients into several all-reduces, as on a large model; ``hidden``:
     the blocks' width, larger where a cell needs compute measurable in milliseconds; ``bias=False``: Llama-style
-    blocks, 2 parameter tensors a block instead of 4; ``depth``: the number of blocks)."""
+    blocks, 2 parameter tensors a block instead of 4; ``norm_weight=False`` with it: 1; ``depth``: the number of
+    blocks)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     torch.manual_seed(seed)
-    model = TinyModel(hidden=hidden, bias=bias, depth=depth)
+    model = TinyModel(hidden=hidden, bias=bias, depth=depth, norm_weight=norm_weight)
     world = dist.get_world_size()
     if layout == "ddp":
         kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
@@ -97,7 +99,7 @@ def start_rank(ctx: Any, *, timeout_s: float = 300.0) -> tuple[dict[str, Any], A
     a = ctx.args
     injector = Injector(a["faults"], seed=a["seed"])
     par = build(a["layout"], seed=a["seed"], hidden=a.get("hidden", 32), hsdp_replicas=a.get("replicas", 4),
-                bias=a.get("bias", True), depth=a.get("depth", 3))
+                bias=a.get("bias", True), depth=a.get("depth", 3), norm_weight=a.get("norm_weight", True))
     return a, injector, par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
 
 

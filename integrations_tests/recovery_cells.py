@@ -170,7 +170,7 @@ def _phase_b(ctx: RankContext) -> dict[str, Any]:
     init_gloo(ctx, timeout_s=300)
     a = ctx.args
     par = build(a["layout"], seed=a["seed"] + 17, bias=a.get("bias", True),  # other weights: the restore overwrites
-                hsdp_replicas=a.get("replicas", 4), depth=a.get("depth", 3))
+                hsdp_replicas=a.get("replicas", 4), depth=a.get("depth", 3), norm_weight=a.get("norm_weight", True))
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-3)
     tokens = _Tokens()
     if a.get("defect_persists"):

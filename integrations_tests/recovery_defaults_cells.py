@@ -6,7 +6,8 @@ flush SCOUT after each step: persistence runs behind training, as in a user's lo
 
 Phase A trains the tiny model in Llama style (two repeated blocks of an RMSNorm and a linear without bias; AdamW
 over 6 parameter tensors, so replay's coverage is the optimizer slice's 6 parameters, the two blocks, the
-embedding and the head: 6 checks, 120 steps at cadence 20). A persistent defect starts in
+embedding and the head: 6 checks, 120 steps at cadence 20; the 16-rank cells take weight-free RMSNorms,
+``norm_weight: false``: 4 tensors, 4 checks, 80 steps, which shortens the run by a third). A persistent defect starts in
 block 1, the block the rotation reaches last, right after the rotation's check of it: one rank's block 1 flips a
 bit in its output at every call from then on (training and replay alike). SCOUT's replay finds it when the
 rotation comes back to block 1 and stops the job. Phase B (fresh processes, other initial weights) calls
@@ -53,16 +54,34 @@ def _clean(ctx: RankContext) -> dict[str, Any]:
     return state_signatures(par, opt, tokens.state_dict())
 
 
+# What the clean run reads of a cell's arguments: cells that agree on these share one reference run (in one
+# parent process, as under `scout cells matrix`), e.g. the DDP recovery cells restoring the same step.
+_REFERENCE_KEYS = ("seed", "layout", "replicas", "hidden", "bias", "norm_weight", "depth")
+_references: dict[str, list[dict[str, Any]]] = {}
+
+
+def _clean_reference(args: dict[str, Any], world_size: int, timeout_s: float,
+                     until: int) -> tuple[list[dict[str, Any]], str]:
+    """Each rank's state signatures in the clean run at ``until``, and what went wrong if the run failed."""
+    key = json.dumps([world_size, until, [args.get(k) for k in _REFERENCE_KEYS]])
+    if key not in _references:
+        clean = launch(_clean, world_size, timeout_s=timeout_s, args={**args, "faults": [], "until": until})
+        if not clean.ok:
+            return [], clean.failures()
+        _references[key] = clean.values()
+    return _references[key], ""
+
+
 def stop_and_restart(faults: list[Any], *, layout: str, steps: int, world_size: int, workdir: str, run_id: str,
                      seed: int = 0, certify: str = "coverage", timeout_s: float = 300.0,
-                     replicas: int = 4) -> dict[str, Any]:
+                     replicas: int = 4, norm_weight: bool = True) -> dict[str, Any]:
     """Phase A (the faults, shipped defaults, stop on a verdict), then phase B (``resume()`` in fresh processes):
     the exit codes, what each rank restored, the incident and decision records."""
     args = {
         "faults": faults, "seed": seed, "layout": layout, "steps": steps, "replicas": replicas,
         "incidents": os.path.join(workdir, "incidents.jsonl"), "store": os.path.join(workdir, "store"),
         "workdir": workdir, "run_id": run_id, "failure": None, "kill_step": None, "flush": False,
-        "defaults": True, "bias": False, "depth": 2, "ref_every": 0, "replicate": True,
+        "defaults": True, "bias": False, "norm_weight": norm_weight, "depth": 2, "ref_every": 0, "replicate": True,
         "overrides": [f"checkpoint.certify={certify}"],
         "defect_persists": True,  # the restart runs on the same machines: a defective unit is still there
     }
@@ -92,7 +111,7 @@ def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> Cel
     start = time.monotonic()
     run = stop_and_restart(list(spec.faults), layout=p["layout"], steps=int(p["steps"]), world_size=world_size,
                            workdir=workdir, run_id=spec.name, seed=spec.seed, certify=p.get("certify", "coverage"),
-                           timeout_s=spec.timeout_s)
+                           timeout_s=spec.timeout_s, norm_weight=bool(p.get("norm_weight", True)))
     problems, incidents, decisions = run["problems"], run["incidents"], run["decisions"]
     got_inc = sorted({(i.kind.value, i.scope.value, tuple(sorted(i.ranks))) for i in incidents})
     want_inc = sorted({(i["kind"], i["scope"], tuple(i["ranks"])) for i in expect["incidents"]})
@@ -120,10 +139,10 @@ def judge_restore(values: list[dict[str, Any]], decisions: list[dict[str, Any]],
         return [] if not expect_restore else ["nothing restored: no generation was ever verified in this run"]
     problems = [] if source == "verified" else [
         f"restored {source} {generation} though the state carried a defect (expected a verified generation)"]
-    clean = launch(_clean, world_size, timeout_s=timeout_s, args={**args, "faults": [], "until": generation})
-    if not clean.ok:
-        return problems + ["the clean reference run failed: " + clean.failures()]
-    bad = {r: [k for k, want in ref.items() if want != values[r]["got"][k]] for r, ref in enumerate(clean.values())}
+    reference, failure = _clean_reference(args, world_size, timeout_s, generation)
+    if failure:
+        return problems + ["the clean reference run failed: " + failure]
+    bad = {r: [k for k, want in ref.items() if want != values[r]["got"][k]] for r, ref in enumerate(reference)}
     bad = {r: keys for r, keys in bad.items() if keys}
     if bad:
         problems.append(f"the restored {source} step {generation} is not the clean run's state at that step (it "

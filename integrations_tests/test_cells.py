@@ -150,7 +150,7 @@ def test_recovery_cell_fails_when_sdc_resumes_from_latest(monkeypatch):
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2", "hsdp"])
 def test_recovery_defaults_cell_fails_with_the_last_check_rule(layout):
     """The guard of {ddp,fsdp2,hsdp}-recovery-sdc-defaults: with the paper's K = 1 rule (``checkpoint.certify:
-    last_check_only``) the capture of step 300, after 19 steps of the defect, is verified by the clean check of
+    last_check_only``) the capture of step 180, after 19 steps of the defect, is verified by the clean check of
     block 0 and restored: the clean run's state differs from it."""
     spec = SPECS[f"{layout}-recovery-sdc-defaults"]
     spec = dataclasses.replace(spec, params={**spec.params, "certify": "last_check_only"})
@@ -160,7 +160,7 @@ def test_recovery_defaults_cell_fails_with_the_last_check_rule(layout):
 
 def test_straggler_sdc_cell_fails_when_a_straggler_restores_latest_unswept(monkeypatch):
     """The guard of ddp-recovery-straggler-sdc-defaults: with the paper's straggler policy (latest, no sweep:
-    "slowness is not numerical divergence") the restart restores the capture of step 320, which carries the SDC
+    "slowness is not numerical divergence") the restart restores the capture of step 200, which carries the SDC
     no check had reached yet."""
     from scout_core.checkpoint import resume
     from scout_core.checkpoint.certify import FailureKind, RetrievalDecision

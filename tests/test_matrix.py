@@ -242,3 +242,13 @@ with _output_to(Path({str(tmp_path / "b.log")!r})):
     assert run.returncode == 0, run.stderr
     assert "first cell" in (tmp_path / "a.log").read_text()
     assert (tmp_path / "b.log").read_text() == "second cell\n"  # not a "--- Logging error ---" about a closed file
+
+
+def test_the_slowest_cells_are_listed_slowest_first():
+    from scout_core.testing.matrix import slowest_cells
+
+    text = slowest_cells(REPORTS, count=2)
+    lines = text.strip().splitlines()
+    assert lines[0].startswith("2 slowest cells") and len(lines) == 3
+    walls = [float(line.split()[0]) for line in lines[1:]]
+    assert walls == sorted((r.wall_s for r in REPORTS), reverse=True)[:2]

@@ -117,6 +117,14 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
     return "\n".join(lines) + "\n"
 
 
+def slowest_cells(reports: Sequence[CellReport], count: int = 10) -> str:
+    """The ``count`` slowest cells of a run, slowest first: where CI's time goes, printed at the end of each run."""
+    ranked = sorted(reports, key=lambda r: r.wall_s, reverse=True)[:count]
+    lines = [f"\n{len(ranked)} slowest cells ({sum(r.wall_s for r in reports):.0f} s in all):"]
+    lines += [f"  {r.wall_s:7.1f} s  {r.name} ({r.world_size} ranks)" for r in ranked]
+    return "\n".join(lines)
+
+
 def matrix_plot(specs: Mapping[str, CellSpec], reports: Sequence[CellReport], path: str | os.PathLike[str]) -> None:
     """Three panels: passed / run per layout and fault class (green all passed, red any failed, blank none run);
     each cell's time to verdict by fault class where the cell timed it (the observer's verdicts); each cell's
