@@ -6,14 +6,17 @@ a forward they fetch (all-gather) the module's parameters, after it they release
 they fetch again and reduce-scatter the gradients into the optimizer's partition. A replay that ran those hooks
 would move the prefetch coordinator's trace and reduce replay's gradients into training's. So the parameters are
 gathered with ``deepspeed.zero.GatheredParameters`` (without a modifier rank: nothing is written back) on every rank
-of the partition group at the same check, as FSDP2 replay unshards, and the hooks are set aside while the layer
-replays. Replay's gradients are computed with ``torch.autograd.grad``, which never runs the parameters'
-post-accumulate-grad hooks (ZeRO's gradient reduction).
+of the partition group at the same check, as FSDP2 replay unshards, and DeepSpeed's hooks are set aside while the
+layer replays. Hooks of anyone else (the user's, a library's) stay and run in replay as in training, as they do under
+ZeRO-1/2 and every other layout: a fault that enters through such a hook is replayed too, not silently skipped.
+Replay's gradients are computed with ``torch.autograd.grad``, which never runs the parameters' post-accumulate-grad
+hooks (ZeRO's gradient reduction).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,18 +27,33 @@ __all__ = ["gather_zero3", "gathered_bytes", "module_hooks_set_aside"]
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def _from_deepspeed(hook: Any) -> bool:
+    """Whether a hook is DeepSpeed's own (defined in a ``deepspeed`` module: ZeRO-3's fetch, release and gradient
+    hooks are closures of ``deepspeed.runtime.zero``), seen through partials and bound methods."""
+    fn = hook
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__func__"):
+            fn = fn.__func__
+        else:
+            break
+    module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+    return module == "deepspeed" or module.startswith("deepspeed.")
+
+
 @contextlib.contextmanager
 def module_hooks_set_aside(module: nn.Module) -> Iterator[None]:
-    """``module`` and everything inside it called without their module hooks (ZeRO-3's parameter fetch and
-    release, its pre-backward gradient hooks), restored afterwards, also on a failure."""
+    """``module`` and everything inside it called without DeepSpeed's module hooks (ZeRO-3's parameter fetch and
+    release, its pre-backward gradient hooks), restored afterwards, also on a failure; other hooks stay."""
     saved: list[tuple[nn.Module, str, Any]] = []
     try:
         for m in module.modules():
             for attr in _HOOK_DICTS:
                 hooks = getattr(m, attr, None)
-                if hooks:
+                if hooks and any(_from_deepspeed(h) for h in hooks.values()):
                     saved.append((m, attr, hooks))
-                    setattr(m, attr, type(hooks)())
+                    setattr(m, attr, type(hooks)((k, h) for k, h in hooks.items() if not _from_deepspeed(h)))
         yield
     finally:
         for m, attr, hooks in saved:

@@ -124,4 +124,9 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
         log.info("scout_torchtitan: SCOUT attached to %d model part(s), %d optimizer(s), peer groups %s; hidden "
                  "layers replayed every %d steps", len(adapter.chunks), len(adapter.optimizers),
                  peer_groups(trainer.parallel_dims), section.replay.cadence.hidden)
+        debug = getattr(getattr(trainer, "config", None), "debug", None)  # TorchTitan 0.3: Trainer.config.debug
+        if debug is not None and getattr(debug, "seed", 0) is None:
+            log.warning("scout_torchtitan: --debug.seed is not set: each run of this job starts from other random "
+                        "weights, so no two runs (with SCOUT or without) can be compared bit for bit; SCOUT's own "
+                        "checks compare replicas within this run and need no seed")
     return handle
