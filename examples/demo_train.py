@@ -54,22 +54,6 @@ def install_fault(model: nn.Module, state: dict[str, int], from_step: int) -> No
         block.o_proj.register_forward_hook(flip)
 
 
-def init_for_restarts() -> None:
-    """The default process group on the elastic agent's store under a prefix of its own per restart attempt.
-
-    With torch 2.13's ``torchrun --max-restarts``, a restarted gloo group found the previous attempt's addresses
-    in the agent's store and failed to connect ("Gloo connectFullMesh failed ... Connection refused"), with or
-    without SCOUT; a prefix per attempt keeps each attempt's rendezvous apart."""
-    import datetime
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                          is_master=False, timeout=datetime.timedelta(seconds=300))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
-                            world_size=world)
-
-
 def progress(step: int, total: int, started: float, note: str) -> None:
     done = int(30 * step / total)
     rate = step / max(time.monotonic() - started, 1e-6)
@@ -79,7 +63,9 @@ def progress(step: int, total: int, started: float, note: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    init_for_restarts()
+    # Plain init: `import scout_core` above keeps each restart attempt's rendezvous apart (torch 2.13's torchrun
+    # reuses one store across attempts: scout_core/restart_rendezvous.py).
+    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ["SCOUT_HOSTNAME"] = f"node{rank // args.ranks_per_host}"  # simulated machines
     torch.set_num_threads(1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,8 @@ def _finals(out: Path) -> list[dict]:
     return [{k: v for k, v in f.items() if k != "step_s"} for f in finals]
 
 
-@pytest.mark.parametrize(("model", "layout"), [("gpt2", "ddp"), ("gpt2", "fsdp2"), ("llama", "fsdp2")])
+# GPT-2's call style under DDP and Llama's under FSDP2: each model and each layout once (a third pair cost CI 28 s).
+@pytest.mark.parametrize(("model", "layout"), [("gpt2", "ddp"), ("llama", "fsdp2")])
 def test_torchrun_clean_run_is_bitwise_unchanged_and_silent(tmp_path, model, layout):
     plain = _torchrun(tmp_path / "plain", model=model, layout=layout)
     assert plain.returncode == 0, _why(plain)
@@ -89,6 +91,10 @@ def test_torchrun_bit_flip_names_that_rank_and_stops(tmp_path, model, layout):
                     "--scout-set", f"checkpoint.memory_dir={tmp_path / 'memory'}", model=model, layout=layout)
     assert run.returncode != 0, "the trainers should have stopped on the verdict"
     assert "exitcode  : 75" in run.stderr or "exitcode: 75" in run.stderr, run.stderr[-3000:]
+    # torchrun's summary names SCOUT's verdict as the root cause (the error file SCOUT wrote), not an exit status.
+    root_cause = run.stderr.rpartition("Root Cause")[2]
+    assert "SCOUT stopped this job (exit status 75) on its verdict: silent data corruption on rank 2" in root_cause, \
+        run.stderr[-3000:]
     incidents = list(read_incidents(out / "incidents.jsonl"))
     assert [(i.kind.value, i.scope.value, i.ranks, i.step) for i in incidents] == [("sdc", "rank", [2], 2)]
     excluded = json.loads((out / "checkpoints" / "exclude_hosts.json").read_text())
@@ -153,3 +159,40 @@ def test_torchrun_hang_stop_ends_trainers_whose_sigterm_handler_only_sets_a_flag
     incidents = list(read_incidents(out / "incidents.jsonl"))
     assert [(i.kind.value, i.scope.value, i.ranks) for i in incidents][:1] == [("hang", "rank", [2])]
     assert proc.returncode != 0  # the launcher saw its workers end by a signal, not a finished job
+    # Its summary names SCOUT's verdict (the observers wrote it into each trainer's error file before the
+    # SIGTERM), not "Signal 15 received" on whichever healthy rank it saw first.
+    stderr = proc.stderr.read().decode() if proc.stderr else ""
+    assert "SCOUT stopped this job (SIGTERM) on its verdict: a hang on rank 2" in stderr.rpartition("Root Cause")[2], \
+        stderr[-3000:]
+
+
+_RESTARTED = '''
+import os, sys
+import torch
+import scout_core  # after torch, before the process group: each restart attempt rendezvous apart
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"attempt {attempt} rank {dist.get_rank()} sum {t.item():.0f}", flush=True)
+if attempt == 0:
+    sys.exit(3)  # ends as a stopped job does (its group not destroyed); torchrun starts it again
+dist.destroy_process_group()
+'''
+
+
+def test_a_restarted_attempt_connects_with_a_plain_init_process_group(tmp_path):
+    """torch 2.13's torchrun hands every attempt the same store: a restarted gloo group read the dead attempt's
+    addresses and failed to connect (with or without SCOUT). Importing scout_core keeps the attempts apart, so a
+    script needs no helper of its own to restart after a stop."""
+    script = tmp_path / "restarted.py"
+    script.write_text(_RESTARTED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    # (the two ranks' lines may interleave on torchrun's stdout)
+    assert sorted(re.findall(r"attempt 1 rank (\d) sum 2", run.stdout)) == ["0", "1"], run.stdout[-2000:]

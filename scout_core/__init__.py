@@ -5,6 +5,8 @@ submodules (consensus, signature, topology, config, report) are usable on their 
 holds the test machinery (launcher, cells, fault injector).
 """
 
+import os as _os
+import sys as _sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -24,3 +26,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'scout_core' has no attribute {name!r}")
+
+
+# A torchrun worker that imported torch before SCOUT: its restart attempts rendezvous apart
+# (scout_core/restart_rendezvous.py). Elsewhere `import scout_core` touches nothing, and imports no torch.
+if _os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "torch" in _sys.modules:
+    from scout_core.restart_rendezvous import separate_restart_attempts as _separate
+
+    try:
+        _separate()
+    except Exception:  # noqa: BLE001 - an import never fails on account of it (the restart may still fail)
+        pass

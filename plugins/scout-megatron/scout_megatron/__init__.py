@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from scout_core.plugin_support import UnsupportedVersion, VersionGate
+from scout_core.restart_rendezvous import separate_restart_attempts
 
 __all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "parse_and_validate_args", "plugin", "pretrain",
            "transformer_engine_version"]
@@ -61,3 +62,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(entry, name)
     raise AttributeError(f"module 'scout_megatron' has no attribute {name!r}")
+
+
+# A torchrun worker: each restart attempt's process group rendezvous apart (scout_core/restart_rendezvous.py), also
+# where the script imports this plugin before torch.
+separate_restart_attempts()
