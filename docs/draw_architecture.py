@@ -16,7 +16,7 @@ START, END = "<!-- architecture-graph:start -->", "<!-- architecture-graph:end -
 
 # Each part of the picture, and the modules (dotted prefixes under scout_core) it stands for; first match wins.
 PARTS: dict[str, tuple[str, ...]] = {
-    "enable / assembly": ("runtime", "assembly"),
+    "enable / assembly": ("runtime", "assembly", "restart_rendezvous"),
     "handle": ("handle", "handle_view", "observer_link"),
     "parts (one rank's SCOUT)": ("parts",),
     "step boundary": ("boundary",),
@@ -31,8 +31,8 @@ PARTS: dict[str, tuple[str, ...]] = {
     "replay/": ("replay",),
     "moe/": ("moe",),
     "checkpoint/": ("checkpoint",),
-    "records, actions, metrics": ("report", "report_html", "actions", "metrics"),
-    "scout CLI": ("cli",),
+    "records, actions, metrics": ("report", "report_html", "actions", "metrics", "run_log"),
+    "scout CLI": ("cli", "tryout"),
     "plugin support": ("plugin_support",),
 }
 

@@ -134,6 +134,18 @@ class _RecordsSettled:
         return n > 0 and now - self.since >= self.settle_s
 
 
+def _stack_problems(incidents: list[Any], *, rank: int, frame: str) -> list[str]:
+    """The named rank's stacks at the verdict, as its observer wrote them to the file the record names, show
+    ``frame`` (the line of its training thread where the fault holds it)."""
+    paths = [i.evidence.get("stack_files", {}).get(str(rank)) for i in incidents]
+    path = next((p for p in paths if p), None)
+    if path is None:
+        return [f"no record names a stack file for rank {rank}"]
+    text = open(path).read() if os.path.exists(path) else ""
+    return [] if frame in text else [f"rank {rank}'s stacks at the verdict ({path}) do not show {frame!r}: "
+                                     f"{text[:400] or 'no file'}"]
+
+
 def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     p = spec.params
     jsonl = os.path.join(workdir, "incidents.jsonl")
@@ -169,6 +181,8 @@ def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         seen = "; ".join(f"{i.reason} [coordinates {i.evidence.get('coordinates')}, pending "
                          f"{i.evidence.get('pending')}, stall {i.evidence.get('stall_s')} s]" for i in incidents)
         problems.append(f"reported {got}, expected {want}; evidence: {seen}")
+    if p.get("stack"):
+        problems += _stack_problems(incidents, **p["stack"])
     if expect:
         calls = [f for f in os.listdir(workdir) if f.startswith("callback-r")]
         if len(calls) < world_size - sum(len(e["ranks"]) for e in expect if e.get("class") == "lost"):

@@ -767,6 +767,15 @@ def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(
     assert report.verdict == "FAIL", report.details
 
 
+def test_data_stall_cell_fails_without_the_named_ranks_stacks(monkeypatch):
+    """The guard of data-stall's stack check: a trainer that armed no dump leaves the record naming no stack file."""
+    import scout_core.assembly as assembly
+
+    monkeypatch.setattr(assembly, "arm_trainer_stacks", lambda: None)
+    (report,) = run_cells([SPECS["data-stall"]], root=ROOT)
+    assert report.verdict == "FAIL" and "no record names a stack file for rank 9" in report.details, report.details
+
+
 def test_deepspeed_zero3_optimizer_sdc_cell_fails_when_the_slice_is_taken_in_every_sub_group(monkeypatch):
     """The guard of deepspeed-zero3-optimizer-sdc: a slice taken in every inner step ends in the last sub-group at
     every check, and the wrong update in the second is never seen."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,17 @@ from scout_core.report import Incident, IncidentKind, IncidentScope, drains_mach
 if TYPE_CHECKING:  # the observer imports this module, without torch or the config's parser
     from scout_core.config import ScoutConfig
 
-__all__ = ["ExclusionsError", "ScoutStop", "actionable", "exclude_hosts_path", "hang_action", "record_exclusions",
-           "verdict_summary"]
+__all__ = ["LAUNCHER_ERROR_FILE_ENV", "ExclusionsError", "ScoutStop", "actionable", "exclude_hosts_path",
+           "hang_action", "record_exclusions", "stop_message", "verdict_summary", "write_launcher_error"]
+
+LAUNCHER_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+"""Where torchelastic (``torchrun``) reads a failed worker's root cause: its "Root Cause" summary prints the message
+of the earliest error file instead of the exit code or signal of whichever rank it happened to see first."""
+
+_STALL_KINDS = ("hang", "data_stall", "checkpoint_stall")
+_PLAIN_KINDS = {"sdc": "silent data corruption", "straggler": "a straggler", "hang": "a hang",
+                "data_stall": "an input stall", "checkpoint_stall": "a checkpoint stall",
+                "inconclusive": "an inconclusive check"}
 
 _ACTIONABLE_KINDS = {IncidentKind.SDC, IncidentKind.STRAGGLER, IncidentKind.HANG, IncidentKind.DATA_STALL,
                      IncidentKind.CHECKPOINT_STALL}
@@ -165,3 +175,40 @@ def hang_action(path: str | None, user_callback: Callable[[Incident], None] | No
             record_exclusions(path, [verdict_summary(inc)])  # every observer may write: merged, deduplicated
 
     return act
+
+
+def stop_message(summaries: Iterable[dict[str, Any]], *, how: str, records: str | None) -> str:
+    """One paragraph for the launcher's summary: what SCOUT found, where, and how it ended the trainer."""
+    found = []
+    for v in summaries:
+        ranks = ", ".join(map(str, v.get("ranks") or [])) or "none"
+        hosts = sorted({h for h in v.get("hosts") or [] if h and h != "?"})
+        where = f"rank{'s' if len(v.get('ranks') or []) > 1 else ''} {ranks}" + (
+            f" (machine {', '.join(hosts)})" if hosts else "")
+        step = v.get("step")
+        # A stall's record counts the steps its ranks finished; the stall is in the next one (the step being run).
+        at = "" if step is None else f" in step {step + 1}" if v.get("kind") in _STALL_KINDS else f" at step {step}"
+        kind = _PLAIN_KINDS.get(v.get("kind"), v.get("kind"))
+        found.append(f"{kind} on {where}{at}: {v.get('reason') or ''}".strip().rstrip(":"))
+    text = f"SCOUT stopped this job ({how}) on its verdict: " + "; ".join(found or ["(no summary)"])
+    where = f"; the incident records are in {records} (`scout report {records}`)" if records else ""
+    return text + where + ". Other ranks that ended at the same time were stopped by SCOUT, not failing."
+
+
+def write_launcher_error(message: str, path: str | None = None) -> bool:
+    """Write ``message`` as torchelastic's error file for this process (``$TORCHELASTIC_ERROR_FILE``), in the
+    format of its own ``@record`` handler; False where no launcher asked for one or the write failed (never
+    raises: the stop goes on either way)."""
+    path = path if path is not None else os.environ.get(LAUNCHER_ERROR_FILE_ENV)
+    if not path:
+        return False
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.scout-{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from scout_core.actions import exclude_hosts_path
+from scout_core.actions import LAUNCHER_ERROR_FILE_ENV, exclude_hosts_path
 from scout_core.boundary import StepBoundary
 from scout_core.checkpoint.certify import Certifier
 from scout_core.checkpoint.coordinator import CheckpointCoordinator
@@ -39,6 +39,7 @@ from scout_core.parts import ScoutParts
 from scout_core.progress.control import ControlPlane, observer_timing
 from scout_core.progress.hooks import install_collective_hooks
 from scout_core.progress.observer import ObserverSpec, steady_threshold
+from scout_core.progress.stacks import arm_trainer_stacks
 from scout_core.replay.engine import ReplayEngine
 from scout_core.replay.layer import device_of
 from scout_core.replay.scratch import fsdp_owners
@@ -73,6 +74,7 @@ def start_observer(parts: ScoutParts, plane: ControlPlane, on_incident: Callable
     warmup = max(obs.silence_threshold_s, obs.first_step_silence_s)
     tracker.record.learn_below = lambda published: steady(published) if published > 0 else warmup
     heartbeat_s, gather_timeout_s = observer_timing(obs.heartbeat_s, obs.gather_timeout_s, parts.world_size)
+    arm = link.stacks = arm_trainer_stacks()
     link.start(ObserverSpec(
         run_id=parts.run_id, launch=parts.launch_id, rank=parts.rank, world_size=parts.world_size,
         record_path=tracker.record.path, control=plane, peer_groups=[list(g) for g in parts.groups.all_peers],
@@ -83,6 +85,8 @@ def start_observer(parts: ScoutParts, plane: ControlPlane, on_incident: Callable
         jsonl_path=cfg.report.jsonl_path, fsync=cfg.report.fsync, log_level=cfg.report.log_level,
         on_incident=on_incident, exclusions_path=exclude_hosts_path(cfg), start_method=obs.start_method,
         stop_on_verdict=cfg.actions.on_verdict == "stop",
+        launcher_error_file=os.environ.get(LAUNCHER_ERROR_FILE_ENV) or None,
+        trainer_stacks=[arm.fd, arm.sig, arm.main_thread] if arm is not None else None,
     ), world_control=parts.groups.world_control)
     a = parts.adapter
     tracker.install_module_hooks(a.marked_layers or a.repeated_layers(), backward=obs.layer_backward_marks)

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scout_core.actions import ScoutStop, actionable, exclude_hosts_path, record_exclusions, verdict_summary
+from scout_core.actions import (
+    ScoutStop,
+    actionable,
+    exclude_hosts_path,
+    record_exclusions,
+    stop_message,
+    verdict_summary,
+    write_launcher_error,
+)
 from scout_core.checkpoint.certify import Action, BoundaryEvidence, Certifier, FailureKind
 from scout_core.checkpoint.coordinator import combine_evidence
 from scout_core.checkpoint.coverage import required_units
@@ -46,6 +54,7 @@ class StepBoundary:
         self.stop_on_verdict = parts.config.actions.on_verdict == "stop"
         self.exit_code = parts.config.actions.exit_code
         self._stop_code: int | None = None  # a verdict asked to stop: raised at the next settle point
+        self._stop_summaries: list[dict[str, Any]] = []  # what it was, for the launcher's summary
         self._settle_extra = False  # a capture waits for the caller's end-of-step state
         self.caller_check = CallerStateCheck()  # can a restart load the caller's state? (first capture per keys)
         self._finite_skips_said = False  # tensors the finite-state check cannot test were named (once)
@@ -188,6 +197,7 @@ class StepBoundary:
             p.guard.report(result.step, "actions", exc, "verdict actions")
         if self.stop_on_verdict:
             self._stop_code = self.exit_code  # at the end of this step (see settle)
+            self._stop_summaries = summaries
 
     # -- the end of the training step ----------------------------------------------------------------
 
@@ -206,6 +216,9 @@ class StepBoundary:
                 p.tracker.mark(Phase.CLOSED)
             if p.metrics is not None:  # the verdict stays readable; no stall alert for a job that stopped
                 p.metrics.stopped()
+            # torchrun's "Root Cause" then names the verdict, not the exit status of whichever rank it saw first.
+            write_launcher_error(stop_message(self._stop_summaries, how=f"exit status {self._stop_code}",
+                                              records=p.config.report.jsonl_path))
             raise ScoutStop(self._stop_code)
 
     def flush(self) -> None:

@@ -85,6 +85,8 @@ class ScoutHandle(HandleView):
         finally:  # also when the boundary stops the job: the last figures are the ones an operator reads
             if self.parts.metrics is not None:
                 self.parts.metrics.boundary(self, time.perf_counter() - start)
+            if self.parts.run_log is not None:  # what the end record counts
+                self.parts.run_log.counts.count(self.parts.step(), self.last_result, self.last_expert)
 
     def settle(self) -> None:
         """End of the training step, as seen from the next data fetch or the next optimizer step: the
@@ -200,7 +202,8 @@ class ScoutHandle(HandleView):
             raise pending
 
     def _release(self, *, failing: bool, stopped: bool, discard_snapshots: bool) -> None:
-        """close()'s clean-up, in order: hooks, snapshots (flushed), replay, observer, metrics, control, groups."""
+        """close()'s clean-up, in order: hooks, snapshots (flushed), replay, observer, metrics, control, groups,
+        and last the end record (a write that hangs on a hung file system holds nothing else back)."""
         p = self.parts
         for h in p.hooks:
             self._quietly(h.remove, "hook removal")
@@ -230,6 +233,9 @@ class ScoutHandle(HandleView):
                   p.groups.replica_control, getattr(checkpoint, "repl_group", None)} - {None}:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(g)
+        if p.run_log is not None:
+            ended = "stopped on a verdict" if stopped else "failed" if failing else "closed"
+            self._quietly(lambda: p.run_log.end(ended), "end record")
 
     def _quietly(self, fn: Callable[[], Any], what: str) -> None:
         """One clean-up step: a failure is logged and the next step still runs."""

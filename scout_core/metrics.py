@@ -26,6 +26,7 @@ from typing import Any
 from scout_core.config import PrometheusConfig
 from scout_core.private_dir import shared_dir
 from scout_core.report import Incident, IncidentKind, IncidentScope
+from scout_core.run_log import check_outcome
 
 __all__ = ["JOB_ID_ENV", "LOCAL_RANK_ENV", "ScoutMetrics", "job_name", "local_rank", "start_metrics"]
 
@@ -164,15 +165,12 @@ class ScoutMetrics:
         if result is not None and result is not self._counted:  # a boundary without replay leaves the last one
             self._counted = result
             self.step.labels(r).set(result.step)
-            expert = expert if expert is not None and expert.step == result.step else None
-            if result.skipped or (expert is not None and expert.skipped and not result.checked):
+            outcome = check_outcome(result, expert)
+            if outcome == "skipped":
                 self.skipped.labels(r).inc()
-            elif result.checked or expert is not None:
+            elif outcome is not None:
                 self.checks.labels(r).inc()
-                found = (result.incidents or result.incidents_global or result.sdc or result.inconclusive
-                         or (expert is not None and (expert.incidents or expert.sdc or expert.inconclusive
-                                                     or expert.skipped)))
-                if not found and not result.missing:  # a check without evidence vouches for nothing
+                if outcome == "agreed":  # a check without evidence vouches for nothing
                     self.agreed.labels(r).inc()
                     self._last_clean = now
                     self.last_clean.labels(r).set(now)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from scout_core.progress.hooks import ProgressTracker, uninstall_collective_hooks
 from scout_core.progress.observer import OBSERVER_REPORTED_EXIT, OBSERVER_STACKS_SIGNAL, ObserverSpec, start_observer
 from scout_core.progress.record import Phase, create_record
+from scout_core.progress.stacks import StacksArm
 from scout_core.report import Incident, IncidentKind, IncidentScope, Reporter
 
 __all__ = ["ObserverLink"]
@@ -40,6 +41,7 @@ class ObserverLink:
         self.reporter = reporter
         self.host, self.device = host, device
         self.tracker = ProgressTracker(create_record(run_id, rank))
+        self.stacks: StacksArm | None = None  # this trainer's stack dump on its observer's request
         self.observer_pid: int | None = None
         self.startup_s: float | None = None
         self.control_plane: Any = None
@@ -117,6 +119,8 @@ class ObserverLink:
             self.reap()
         quietly(tracker.record.unlink, "progress record")
         quietly(tracker.record.close, "progress record")
+        if self.stacks is not None:
+            quietly(self.stacks.disarm, "stack dump signal")
 
     def reap(self) -> None:
         """Wait for the observer we terminated: ``OBSERVER_EXIT_S`` from close() or from the end of its last

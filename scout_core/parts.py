@@ -17,6 +17,7 @@ from scout_core.config import ScoutConfig
 from scout_core.groups import ScoutGroups
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.report import Reporter
+from scout_core.run_log import RunLog
 
 if TYPE_CHECKING:
     from scout_core.checkpoint.certify import Certifier
@@ -62,6 +63,8 @@ class ScoutParts:
     """What replay vouched for on this rank since the candidate's capture (``checkpoint.certify``)."""
     hooks: list[Any] = field(default_factory=list)
     """Hook handles SCOUT installed on the caller's objects (each has ``remove()``)."""
+    run_log: RunLog | None = None
+    """The start and end records beside the incident file (rank 0 writes them; see :mod:`scout_core.run_log`)."""
 
     @property
     def tracker(self) -> ProgressTracker | None:

@@ -61,6 +61,9 @@ class IncidentKind(enum.StrEnum):
     """SCOUT's own work failed on this rank; the check was skipped on every peer (not a verdict on the job)."""
     RESOLVED = "resolved"
     """Progress resumed after a hang verdict: the stall it named ended by itself."""
+    SHUTDOWN = "shutdown"
+    """The job ended (closed, interrupted, stopped) while a hang verdict stood, with no progress seen after it: the
+    stall is not known to have ended."""
     INCONCLUSIVE = "inconclusive"
     """A check could not decide, for a reason in ``evidence.reason`` (``nondeterministic``: a rank's replay,
     run twice, signed differently); never acted on, and the boundary is not certified."""

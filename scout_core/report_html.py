@@ -30,7 +30,7 @@ __all__ = ["render_html", "timing_rounds"]
 _KIND_COLOURS = {
     "sdc": "#d62728", "straggler": "#ff7f0e", "hang": "#9467bd", "data_stall": "#8c564b",
     "checkpoint_stall": "#e377c2", "observer_failure": "#7f7f7f", "diagnosis_error": "#bcbd22",
-    "resolved": "#2ca02c", "inconclusive": "#17becf",
+    "resolved": "#2ca02c", "shutdown": "#7f7f7f", "inconclusive": "#17becf",
 }
 
 _CSS = """

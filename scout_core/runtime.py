@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import socket
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,7 @@ from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import device_of
 from scout_core.replay.rng import RngProvider
 from scout_core.report import Incident, JsonlSink, LoggingSink, Reporter
+from scout_core.run_log import RunLog
 from scout_core.topology import peer_groups as peer_groups_of_shape
 from scout_core.topology import peer_groups_from_mesh
 from scout_core.wire import all_gather_data
@@ -182,10 +184,49 @@ def enable_with(adapter: FrameworkAdapter, *, config: ScoutConfig | None = None,
         parts.labels = build_labels(parts)
         register_live_keys(handle.live, parts, handle.boundary)
         install_step_hooks(parts, handle)
+        try:
+            _start_record(parts)
+        except Exception as exc:  # noqa: BLE001 - a record that cannot be made never stops SCOUT from starting
+            _log.warning("rank %d: SCOUT's start record was not written: %s: %s", parts.rank, type(exc).__name__, exc)
     except BaseException:
         handle.close()
         raise
     return handle
+
+
+def _start_record(parts: ScoutParts) -> None:
+    """Rank 0's start record beside the incident file: what this launch checks (see :mod:`scout_core.run_log`)."""
+    cfg = parts.config
+    parts.run_log = RunLog(cfg.report.jsonl_path, rank=parts.rank, run_id=parts.run_id, fsync=cfg.report.fsync)
+    cadence = cfg.replay.cadence
+    recipes = [f"{name} every {every}" for name in ("embedding", "hidden", "output", "optimizer", "expert")
+               if (every := getattr(cadence, name)) > 0 and parts.replay is not None
+               and (name != "expert" or parts.experts is not None)]
+    peers = [list(g) for g in parts.groups.all_peers]
+    on = {"observer": parts.observer is not None, "replay": parts.replay is not None,
+          "experts": parts.experts is not None, "snapshots": parts.checkpoint is not None,
+          "framework_checkpoint_labels": parts.labels is not None,
+          "metrics": parts.metrics is not None, "control": parts.control is not None}
+    parts.run_log.start(config=cfg, world_size=parts.world_size, peer_groups=peers, parts_on=on, recipes=recipes)
+    if parts.rank == 0 and logging.getLevelName(cfg.report.log_level.upper()) <= logging.WARNING:
+        # One line of the same shape under every plugin, on stderr whatever the framework did to logging (DeepSpeed
+        # shows no INFO line): a user sees that SCOUT is on and what it watches.
+        print(attach_line(parts.run_id, parts.world_size, peers, on, recipes, cfg.report.jsonl_path),
+              file=sys.stderr, flush=True)
+
+
+def attach_line(run_id: str, world: int, peers: list[list[int]], on: dict[str, bool], recipes: list[str],
+                records: str | None) -> str:
+    """``SCOUT on: ...``: the run, the peer groups, what is watched, where the records go."""
+    size = max(map(len, peers), default=0)
+    watched = ["hang observer" if on["observer"] else "no hang observer",
+               f"replay ({', '.join(recipes)})" if recipes else "no replay",
+               "snapshots" if on["snapshots"] else "no snapshots"]
+    if on["framework_checkpoint_labels"]:
+        watched.append("framework checkpoint labels")
+    where = f"records in {records}" if records else "records in the log only (report.jsonl_path unset)"
+    return (f"SCOUT on: run {run_id}, {world} ranks in {len(peers)} peer group(s) of {size}; "
+            f"{', '.join(watched)}; {where}")
 
 
 def _join_job(adapter: FrameworkAdapter, cfg: ScoutConfig,

@@ -238,3 +238,26 @@ def test_an_equal_progress_stall_elsewhere_is_named_while_a_rank_saves_alone():
     ev |= {r: _ev(r, op=8) for r in (4, 5, 6, 7)}
     v = _one(classify(ev, [[0, 1, 2, 3], [4, 5, 6, 7]]))
     assert (v.hang_class, v.ranks) == (HangClass.EQUAL_PROGRESS_STALL, (4, 5, 6, 7))
+
+
+def test_a_verdict_says_where_the_rank_is_in_plain_words_and_counts_the_step_being_run():
+    """A rank asleep in Python while its peers wait was described as ``at (5, 18) (collective, ...)``, where 5 meant
+    five finished steps; the reason now names the step being run and what the rank is doing."""
+    from scout_core.progress.classify import Evidence, classify_group, where_in_words
+
+    def ev(rank: int, **kw) -> Evidence:
+        base = dict(rank=rank, step=5, op_id=18, phase=7, pending=True, fp_hash=1, silent_s=12.0, silent=True,
+                    alive=True, seq=1, fingerprint="all_reduce(float32[1024], sum)")
+        return Evidence(**{**base, **kw})
+
+    evidence = {r: ev(r) for r in range(4)}
+    evidence[2] = ev(2, op_id=3, phase=2, pending=False, fp_hash=0, fingerprint="", silent_s=14.2)
+    (verdict,) = classify_group([0, 1, 2, 3], evidence)["verdicts"]
+    assert verdict["reason"] == ("lagging: r2 in step 6, in the backward pass, outside any collective, after "
+                                 "collective 3 of the step (last progress 14.2 s ago); its peers are inside "
+                                 "collective 18 of step 6")
+    assert where_in_words(ev(0, phase=7, pending=False, op_id=0)) == (
+        "step 6, in compute or Python code, outside any collective, before any collective of the step")
+    assert where_in_words(ev(0, phase=4, pending=False)) == "step 6, in the data loader"
+    assert where_in_words(ev(0, phase=6, pending=False)) == "step 6, writing a checkpoint"
+    assert where_in_words(ev(0)) == "step 6, waiting inside collective 18 of the step (all_reduce(float32[1024], sum))"

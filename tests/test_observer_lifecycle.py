@@ -163,3 +163,69 @@ def test_the_observer_acts_on_what_the_trainer_changed_live(tmp_path):
     assert [s.level for s in observer.reporter.sinks if isinstance(s, LoggingSink)] == [40]
     record.set_live(on_verdict="log")
     assert observer._live_settings() is False
+
+
+@pytest.mark.parametrize(("resumed", "own_moved", "kind"), [
+    (True, False, "resolved"), (False, False, "shutdown"), (None, False, "shutdown"), (False, True, "resolved")])
+def test_a_job_that_ends_while_a_verdict_stands_is_not_called_resolved(tmp_path, resumed, own_moved, kind):
+    """Ctrl-C on a job still hung closed every trainer and was written as "progress resumed". Only progress after
+    the verdict makes a ``resolved`` record: a rank silent at the verdict moved again, or the reporter's own trainer
+    got past where it was (a rank that moved and closed within one look of its observer posts nothing); otherwise
+    (or when the store is gone with the job) the record says the job ended with the verdict standing."""
+    import contextlib
+
+    from scout_core.progress.delivery import VerdictReporting
+    from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, Reporter, read_incidents
+
+    class Protocol:
+        def resumed(self, n: int) -> bool:
+            if resumed is None:
+                raise ConnectionError("the job's store is gone")
+            return resumed
+
+    class Observer(VerdictReporting):
+        pass
+
+    class Record:
+        def read(self) -> types.SimpleNamespace:
+            return types.SimpleNamespace(coordinate=(6 if own_moved else 5, 3, 1))
+
+        def live(self) -> tuple[None, None]:
+            return None, None
+
+    obs = Observer()
+    obs.spec = types.SimpleNamespace(stop_on_verdict=False)
+    obs.record = Record()
+    obs._watch_from = (5, 3)
+    obs.proto = Protocol()
+    obs.reporter = Reporter([JsonlSink(str(tmp_path / "incidents.jsonl"))], run_id="r", rank=0)
+    obs._critical_section = contextlib.nullcontext
+    hang = Incident(kind=IncidentKind.HANG, scope=IncidentScope.RANK, ranks=[2], step=5,
+                    evidence={"class": "lagging"}, reason="rank 2 stopped publishing")
+    obs._watch = (0, [hang], time.monotonic())
+    obs._closed_while_watching()
+    (record,) = read_incidents(tmp_path / "incidents.jsonl")
+    assert (record.kind.value, record.ranks, record.evidence["verdict"]) == (kind, [2], "hang")
+    assert obs._watch is None
+    obs._closed_while_watching()  # written once
+    assert len(list(read_incidents(tmp_path / "incidents.jsonl"))) == 1
+
+
+def test_a_named_ranks_stack_is_read_from_its_trainer_through_the_armed_signal(tmp_path):
+    """The trainer arms faulthandler on a signal of its own into an in-memory file; its observer empties the file,
+    signals and reads every thread's stack, and finds the training thread's innermost frames."""
+    from scout_core.progress.stacks import arm_trainer_stacks, capture_stacks, main_thread_frames
+
+    arm = arm_trainer_stacks()
+    assert arm is not None
+    try:
+        for _ in range(2):  # a second request reads a fresh dump, not the first one's
+            dump = capture_stacks(os.getpid(), arm.fd, arm.sig)
+            assert dump.count("most recent call first") >= 1, dump
+            frames = main_thread_frames(dump, arm.main_thread)
+            assert frames and "capture_stacks" in frames[0], dump
+            assert "test_a_named_ranks_stack_is_read" in " ".join(main_thread_frames(dump, arm.main_thread, 9))
+        assert arm_trainer_stacks() is None  # the signal has a handler now: never taken over twice
+    finally:
+        arm.disarm()
+    assert "no stack" in capture_stacks(os.getpid(), arm.fd, arm.sig, answer_s=0.2)  # disarmed: says so

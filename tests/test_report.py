@@ -268,3 +268,27 @@ def test_the_restart_list_and_the_drain_list_agree_on_what_to_drain(tmp_path):
     old = tmp_path / "old.json"  # a file from before the drain list: its verdicts still name the machines
     old.write_text(json.dumps({"hosts": ["node1"], "ranks": [9], "verdicts": [verdict_summary(records[0])]}))
     assert record_exclusions(str(old), [verdict_summary(records[1])])["drain"] == ["node1"]
+
+
+def test_a_stop_writes_the_verdict_where_torchrun_reads_its_root_cause(tmp_path, monkeypatch):
+    """torchrun's summary reads a failed worker's error file with its own ProcessFailure: the message it prints
+    is SCOUT's verdict, whatever the exit status or signal."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from scout_core.actions import LAUNCHER_ERROR_FILE_ENV, stop_message, write_launcher_error
+
+    summary = {"kind": "sdc", "scope": "rank", "ranks": [9], "hosts": ["node1"], "step": 200, "surface": "",
+               "reason": "its replay of layers.1 disagreed with 15 replicas"}
+    message = stop_message([summary], how="exit status 75", records="/runs/incidents.jsonl")
+    assert message.startswith("SCOUT stopped this job (exit status 75) on its verdict: silent data corruption on "
+                              "rank 9 (machine node1) at step 200: its replay of layers.1 disagreed")
+    assert "scout report /runs/incidents.jsonl" in message
+    monkeypatch.delenv(LAUNCHER_ERROR_FILE_ENV, raising=False)
+    assert not write_launcher_error(message)  # no launcher asked for one: nothing written
+    path = tmp_path / "error.json"
+    monkeypatch.setenv(LAUNCHER_ERROR_FILE_ENV, str(path))
+    assert write_launcher_error(message)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=-15, error_file=str(path))
+    assert failure.message["extraInfo"]["py_callstack"] == message
+    assert list(tmp_path.iterdir()) == [path]  # written whole (no temporary left)
+    assert not write_launcher_error(message, str(tmp_path / "missing" / "error.json"))  # never raises

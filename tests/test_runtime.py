@@ -145,6 +145,31 @@ def test_enable_builds_everything_reads_every_key_and_close_removes_everything(t
     assert not unread, f"configuration keys that nothing reads: {sorted(unread)}"
 
 
+def test_a_clean_run_leaves_start_and_end_records_that_scout_report_reads(tmp_path, capsys):
+    """A run that found nothing writes no incident record; rank 0's life-cycle records say what ran and what was
+    checked, and ``scout report`` answers with them instead of "no such file"."""
+    from scout_core.cli import main
+    from scout_core.run_log import read_run_log
+
+    result = launch(_lifecycle, 2, timeout_s=120, args={"faults": [], "seed": 0, "layout": "ddp",
+                                                        "dir": str(tmp_path)})
+    assert result.ok, result.failures()
+    assert not (tmp_path / "inc.jsonl").exists()
+    records = read_run_log(str(tmp_path / "inc.run.jsonl"))
+    assert [r["record"] for r in records] == ["start", "end", "start", "end"]  # rank 0 only; two launches
+    start, end = records[0], records[1]
+    assert start["world_size"] == 2 and start["parts"]["observer"] and start["parts"]["snapshots"]
+    assert start["recipes"] == ["embedding every 1", "hidden every 1", "output every 1", "optimizer every 1"]
+    assert (end["ended"], end["steps"], end["checks"], end["agreed"]) == ("closed", 3, 3, 3)
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "inc.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "ended (closed) after 3 steps, 3 replay checks (3 agreed by every peer)" in out
+    assert "no incidents recorded" in out
+    assert main(["report", str(tmp_path / "elsewhere.jsonl")]) == 2  # a wrong path is still an error
+    assert "no SCOUT run wrote its records here" in capsys.readouterr().err
+
+
 def _verdict_log(ctx: RankContext):
     import scout_core
     from integrations_tests.models import install_block_faults, start_rank

@@ -189,10 +189,43 @@ def _compact(facts: dict[str, Any], members: int) -> dict[str, Any]:
     return out
 
 
+_DOING = {Phase.FORWARD: "in the forward pass", Phase.BACKWARD: "in the backward pass",
+          Phase.OPTIMIZER: "in the optimizer step", Phase.STEP_END: "between steps"}
+
+
+def where_in_words(e: Evidence) -> str:
+    """Where a rank is, in plain words: the step it is running (its count of finished steps, plus one) and what it
+    was doing at its last published point (inside which collective, in the data loader, in a checkpoint, or in
+    Python and compute outside any collective)."""
+    phase = Phase(e.phase)
+    if e.pending:
+        what = f"waiting inside collective {e.op_id} of the step" + (f" ({e.fingerprint})" if e.fingerprint else "")
+    elif phase is Phase.DATALOADER:
+        what = "in the data loader"
+    elif phase in (Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE):
+        what = f"{'reading' if phase is Phase.CHECKPOINT_READ else 'writing'} a checkpoint"
+    elif phase is Phase.STARTING:
+        what = "before its first published point"
+    elif phase is Phase.CLOSED:
+        what = "closed"
+    else:
+        after = f"after collective {e.op_id} of the step" if e.op_id else "before any collective of the step"
+        what = f"{_DOING.get(phase, 'in compute or Python code')}, outside any collective, {after}"
+    return f"step {e.step + 1}, {what}"
+
+
+def _peers_at(coordinate: Sequence[int]) -> str:
+    """The majority's place, in plain words (a coordinate is finished steps, collective, 0 while inside it)."""
+    step, op, done = coordinate[:3]
+    if not op:
+        return f"its peers are at the start of step {step + 1}"
+    return f"its peers are {'inside' if not done else 'past'} collective {op} of step {step + 1}"
+
+
 def _named(cls: HangClass, ranks: list[int], group: Sequence[int], evidence: Mapping[int, Evidence],
            facts: dict[str, Any], peers: str) -> HangVerdict:
-    where = ", ".join(f"r{r} at {evidence[r].coordinate[:2]} ({Phase(evidence[r].phase).name.lower()}, last "
-                      f"progress {evidence[r].silent_s:.1f} s ago)" for r in ranks)
+    where = ", ".join(f"r{r} in {where_in_words(evidence[r])} (last progress {evidence[r].silent_s:.1f} s ago)"
+                      for r in ranks)
     return HangVerdict(cls, tuple(ranks), tuple(group), f"{cls.value.replace('_', ' ')}: {where}; {peers}", facts)
 
 
@@ -220,7 +253,7 @@ def _progress_minority_verdicts(progress: C3Result, ev: Sequence[Evidence], grou
             by_class.setdefault(_minority_class(e, majority), []).append(e.rank)
     out: list[HangVerdict] = []
     for cls, named in by_class.items():
-        v = _named(cls, named, group, evidence, facts, f"peers wait at {tuple(majority)[:2]}")
+        v = _named(cls, named, group, evidence, facts, _peers_at(majority))
         behind = cls is HangClass.PROTOCOL_MISMATCH and all(
             evidence[r].pending and evidence[r].coordinate < tuple(majority) for r in named)
         out.append(HangVerdict(v.hang_class, v.ranks, v.peer_group, v.reason, v.evidence, waits_behind=behind))
@@ -260,7 +293,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         a, b = sorted(ev, key=lambda e: e.coordinate)
         if b.pending and b.silent and not a.pending:
             return out + [_named(_stopped_class(a), [a.rank], group, evidence, facts,
-                                 f"r{b.rank} waits for it at {b.coordinate[:2]}")]
+                                 f"r{b.rank} waits for it, in {where_in_words(b)}")]
     if progress.status is C3Status.INCONCLUSIVE:
         return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
                                   "peers stopped at different points without a strict majority", facts)]
@@ -284,7 +317,7 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
                                   "fingerprints disagree without a strict majority", facts)]
     if len(waiting) < len(ev):
         return out  # same point, same collective, some still working: not a stall of this group
-    where = f"{tuple(ev[0].coordinate)[:2]} in {ev[0].fingerprint or Phase(ev[0].phase).name.lower()}"
+    where = f"({where_in_words(ev[0])})"
     if gone and not any(e.pending for e in ev):
         if all(Phase(evidence[r].phase) is Phase.CLOSED for r in gone):
             return out  # the others closed SCOUT in order (the job ended): nobody waits for them

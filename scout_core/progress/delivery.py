@@ -10,6 +10,7 @@ record.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -18,14 +19,25 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from scout_core.actions import hang_action
+from scout_core.actions import hang_action, stop_message, verdict_summary, write_launcher_error
 from scout_core.progress.classify import HangVerdict
 from scout_core.progress.episode import EpisodeOutcome
 from scout_core.progress.record import ProgressRecord, ProgressSnapshot
 from scout_core.progress.spec import ObserverSpec
+from scout_core.progress.stacks import capture_stacks, main_thread_frames, stacks_path
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
 
 __all__ = ["VerdictReporting", "incident_reporter"]
+
+_log = logging.getLogger("scout")
+_STALLS = (IncidentKind.HANG, IncidentKind.DATA_STALL, IncidentKind.CHECKPOINT_STALL)
+STACKS_MAX_RANKS = 8
+"""A verdict naming more ranks (a whole peer group waiting in one collective) gets no stack files: they would all
+show that collective, one file per rank of the group."""
+
+
+def _wants_stacks(inc: Incident) -> bool:
+    return inc.kind in _STALLS and 0 < len(inc.ranks) <= STACKS_MAX_RANKS
 
 
 class _Stopped(Exception):
@@ -48,6 +60,8 @@ class VerdictReporting:
     record: ProgressRecord | None
     reporter: Reporter
     _watch: tuple[int, list[Incident], float] | None
+    _watch_from: tuple[int, int] | None
+    proto: Any
     _plane_reported: bool
     _critical_section: Callable[..., contextlib.AbstractContextManager[None]]
     _trainer_gone: Callable[[], bool]
@@ -77,12 +91,37 @@ class VerdictReporting:
                 traceback.print_exc()
         # A verdict over values someone outside the job wrote names nobody and never stops a trainer.
         steered = any("tampered" in v.evidence for v in outcome.verdicts)
+        if not steered and any(self.spec.rank in inc.ranks for inc in incidents if _wants_stacks(inc)):
+            self._save_stacks(outcome.episode)  # before a stop ends the trainer
         if stop_on_verdict and incidents and not steered and not self._trainer_gone():
             if not self._trainer_closing():  # a trainer closing SCOUT is ending already: its close is not cut short
+                if self.spec.launcher_error_file:  # torchrun's summary names the verdict, not a SIGTERM
+                    write_launcher_error(stop_message([verdict_summary(i) for i in incidents], how="SIGTERM",
+                                                      records=self.spec.jsonl_path), self.spec.launcher_error_file)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.spec.trainer_pid, signal.SIGTERM)
             raise _Stopped  # out of the critical section: _see_trainer_out answers the trainer's close, now or later
         return incidents
+
+    def _save_stacks(self, episode: int) -> None:
+        """A verdict names our rank: its trainer's stacks into the file the incident names (and the innermost
+        frames of its main thread into the log)."""
+        spec = self.spec
+        if spec.trainer_stacks is None or self._trainer_gone():
+            return
+        fd, sig, main_thread = spec.trainer_stacks
+        dump = capture_stacks(spec.trainer_pid, fd, sig)
+        frames = main_thread_frames(dump, main_thread)
+        _log.warning("SCOUT: rank %d's training thread at the verdict of episode %d: %s", spec.rank, episode,
+                     " <- ".join(frames) if frames else dump.strip().splitlines()[0] if dump.strip() else "(empty)")
+        if spec.jsonl_path:
+            path = stacks_path(spec.jsonl_path, spec.run_id, episode, spec.rank)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as fh:
+                    fh.write(dump)
+            except OSError as exc:
+                _log.warning("SCOUT: rank %d's stacks not written to %s: %s", spec.rank, path, exc)
 
     def _resolved(self) -> None:
         """Write the follow-up of the verdict we reported: progress resumed (or the job closed normally)."""
@@ -91,6 +130,36 @@ class VerdictReporting:
         self._live_settings()  # logged at the level the trainer set last
         with self._critical_section():  # a closing trainer's SIGTERM must not cut these records short
             self._emit_resolved()
+
+    def _closed_while_watching(self) -> None:
+        """Our trainer closed while a verdict we reported was watched: ``resolved`` when progress resumed first (a
+        rank silent at the verdict moved again, or our own trainer got past where it was at the verdict: the stall
+        ended and training went on), else ``shutdown``: the job ended with the verdict standing (Ctrl-C, a
+        launcher's stop, an exception), which is no sign the stall ended."""
+        if self._watch is None:
+            return
+        try:
+            moved = self.proto is not None and self.proto.resumed(self._watch[0])
+        except Exception:  # noqa: BLE001 - the store is gone with the job: nothing says anyone moved
+            moved = False
+        if not moved and self.record is not None and self._watch_from is not None:
+            with contextlib.suppress(Exception):
+                moved = self.record.read().coordinate[:2] != self._watch_from
+        if moved:
+            self._resolved()
+            return
+        self._live_settings()
+        with self._critical_section():
+            (episode, incidents, t_verdict), self._watch = self._watch, None
+            for inc in incidents:
+                self.reporter.emit(Incident(
+                    kind=IncidentKind.SHUTDOWN, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
+                    devices=list(inc.devices), step=inc.step,
+                    evidence={"episode": episode, "verdict": inc.kind.value, "class": inc.evidence.get("class"),
+                              "after_s": round(time.monotonic() - t_verdict, 3)},
+                    reason=f"the job ended while episode {episode}'s verdict stood; no progress was seen after it "
+                           f"({inc.reason})",
+                ))
 
     def _emit_resolved(self) -> None:
         assert self._watch is not None
@@ -104,6 +173,16 @@ class VerdictReporting:
                 reason=f"progress resumed after episode {episode}'s verdict ({inc.reason})",
             ))
 
+    def _stack_files(self, v: HangVerdict, episode: int) -> dict[str, Any]:
+        """Where each named rank's observer writes its trainer's stacks (the same path on every observer): for the
+        verdicts :meth:`_save_stacks` answers, of ranks whose trainer and observer are there to answer."""
+        spec = self.spec
+        if (not spec.jsonl_path or spec.trainer_stacks is None or IncidentKind(v.kind) not in _STALLS
+                or not 0 < len(v.ranks) <= STACKS_MAX_RANKS or "tampered" in v.evidence
+                or v.hang_class.value in ("lost", "exited")):
+            return {}
+        return {"stack_files": {str(r): stacks_path(spec.jsonl_path, spec.run_id, episode, r) for r in v.ranks}}
+
     def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int, threshold: float) -> Incident:
         spec = self.spec
         # The stall is the named ranks' silence (the reporter itself may have been working).
@@ -114,6 +193,7 @@ class VerdictReporting:
             step=snap.step,
             surface=(_values(v.evidence.get("fingerprints")) or [""])[0] if v.scope == "peer_group" else "",
             evidence={"class": v.hang_class.value, "peer_group": list(v.peer_group), "episode": episode,
+                      **self._stack_files(v, episode),
                       "control_plane": spec.control.kind,
                       "stall_s": round(stall_s, 3), "threshold_s": round(threshold, 3), **v.evidence},
             time_to_verdict_s=round(max(0.0, stall_s - threshold), 3),

@@ -14,8 +14,8 @@ every observer then posts its rank's state, working or not, and
 :class:`~scout_core.progress.episode.EpisodeProtocol` turns the evidence into
 one verdict. The reporter writes the records, every observer runs the user's
 callback, even though the trainers stay blocked, and once a stopped rank moves
-again the reporter writes a ``resolved`` record
-(:mod:`~scout_core.progress.delivery`).
+again the reporter writes a ``resolved`` record, and a job that ends with the verdict
+standing a ``shutdown`` record (:mod:`~scout_core.progress.delivery`).
 
 A trainer that exits without :meth:`~scout_core.handle.ScoutHandle.close` is
 answered for by its observer (``alive: false``) in one last episode, so the
@@ -118,6 +118,7 @@ class _Observer(TrainerEnding, VerdictReporting):
         """Inside an episode or the delivery of its verdict: a closing trainer's SIGTERM waits until it ends."""
         self._close_pending = False
         self._watch: tuple[int, list[Incident], float] | None = None
+        self._watch_from: tuple[int, int] | None = None  # our trainer's (step, collective) at that verdict
         """(episode, incidents, when) of a verdict we reported and whose stall has not ended yet."""
         self.reporter = incident_reporter(spec)
 
@@ -155,7 +156,7 @@ class _Observer(TrainerEnding, VerdictReporting):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
             if self._watch is not None and self.record is not None and self.record.read().phase is Phase.CLOSED:
                 with contextlib.suppress(Exception):
-                    self._resolved()  # the trainer went on to close normally: the stall ended
+                    self._closed_while_watching()  # resolved if a named rank moved first, else shutdown
             if self._trainer_gone() and self.record is not None:
                 self.record.unlink()  # the trainer died without cleaning up
 
@@ -183,7 +184,7 @@ class _Observer(TrainerEnding, VerdictReporting):
                 self._watch_once()
             except _Closing:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # closing now: a second SIGTERM changes nothing
-                self._resolved()
+                self._closed_while_watching()
                 self._answer_closed()
                 return
             except _ControlPlaneDown as down:
@@ -204,6 +205,7 @@ class _Observer(TrainerEnding, VerdictReporting):
         silent_in: tuple[int, int] | None = None  # (episode, seq) in which our trainer was silent
         gone_until: float | None = None  # our trainer died without closing: answer for it until then
         gone_opened = False
+        silent_at: tuple[int, int] = (-1, -1)  # where our trainer was when silent_in was set
         next_beat = next_daemon_beat = 0.0
         beats = 0
         with _store_errors():
@@ -211,6 +213,9 @@ class _Observer(TrainerEnding, VerdictReporting):
                 gone = self._trainer_gone()
                 snap = record.read()
                 if snap.phase is Phase.CLOSED:
+                    if silent_in is not None and snap.coordinate[:2] != silent_at:
+                        # It moved on and closed within one look: progress resumed before the job ended.
+                        proto.moved(silent_in[0])
                     raise _Closing
                 now = time.monotonic()
                 threshold = silence_threshold(spec, snap)
@@ -250,7 +255,7 @@ class _Observer(TrainerEnding, VerdictReporting):
                         outcome = proto.run(mine)
                         if mine.silent and outcome is not None:  # no verdict came (the reporter died): retry
                             diagnosed_seq = snap.seq
-                            silent_in = (episode, snap.seq)
+                            silent_in, silent_at = (episode, snap.seq), snap.coordinate[:2]
                             # Deferred on a rank's tolerated I/O: that rank opens the next episode when its
                             # tolerance ends, unless it leaves its I/O by closing: then we try again ourselves.
                             retry_at = time.monotonic() + spec.io_silence_s if outcome.deferred else None
@@ -258,6 +263,7 @@ class _Observer(TrainerEnding, VerdictReporting):
                             incidents = self._deliver(outcome, snap, threshold)
                             if outcome.reporter:
                                 self._watch = (outcome.episode, incidents, time.monotonic())
+                                self._watch_from = snap.coordinate[:2]
                     if gone and outcome is not None and outcome.verdicts:
                         raise SystemExit(0)  # we answered for our dead trainer, and a verdict came
                     continue

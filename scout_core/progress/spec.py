@@ -58,6 +58,12 @@ class ObserverSpec:
     """How often a healthy observer checks whether an episode is open (one store message)."""
     stop_on_verdict: bool = False
     """``actions.on_verdict: stop``: after a hang verdict every observer terminates its trainer."""
+    trainer_stacks: list[int] | None = None
+    """``[fd, signal, main thread id]``: where the trainer dumps its threads' stacks on its observer's signal
+    (:mod:`scout_core.progress.stacks`); None: not armed."""
+    launcher_error_file: str | None = None
+    """The trainer's ``$TORCHELASTIC_ERROR_FILE``: a stop on a verdict writes the verdict there first, so that
+    torchrun's summary names it (None: no launcher asked for one)."""
 
 
 _IO_PHASES = (Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE)

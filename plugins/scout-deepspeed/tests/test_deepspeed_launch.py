@@ -40,16 +40,27 @@ def test_torchrun_deepspeed_script_names_the_faulty_rank_and_stops(tmp_path):
     run = _torchrun(tmp_path, _config(tmp_path, actions={"on_verdict": "stop"}), "--fault-rank", "2")
     assert run.returncode != 0, "the job should have stopped on the verdict"
     assert re.search(r"exitcode\s*:\s*75", run.stderr), run.stderr[-3000:]  # SCOUT's stop status
+    # torchrun's own summary names the verdict (SCOUT's error file), not a bare exit status
+    assert "SCOUT stopped this job (exit status 75) on its verdict: silent data corruption on rank 2" in \
+        run.stderr.rpartition("Root Cause")[2], run.stderr[-3000:]
     incidents = list(read_incidents(tmp_path / "incidents.jsonl"))
     assert incidents and {(i.kind.value, i.scope.value, tuple(i.ranks)) for i in incidents} == {("sdc", "rank", (2,))}
 
 
 def test_torchrun_deepspeed_script_clean_run_checks_at_optimizer_steps_only(tmp_path):
-    run = _torchrun(tmp_path, _config(tmp_path), "--steps", "4")
+    report = {"jsonl_path": str(tmp_path / "incidents.jsonl"), "log_level": "WARNING"}
+    run = _torchrun(tmp_path, _config(tmp_path, report=report), "--steps", "4")
     assert run.returncode == 0, run.stderr[-3000:]
+    # One attach line, from rank 0, whatever DeepSpeed did to logging (it showed none before)
+    assert len(re.findall(r"^SCOUT on: run \w+, 4 ranks in 1 peer group\(s\) of 4; hang observer, replay "
+                          r"\([^)]*hidden every 1[^)]*\)", run.stderr, flags=re.M)) == 1, run.stderr[-3000:]
     for rank in range(4):
         result = json.loads((tmp_path / "out" / f"rank-{rank}.json").read_text())
         # 4 optimizer steps of 2 micro-batches each: one check per optimizer step, none skipped
         assert result["steps"] == 4 and [c[0] for c in result["checks"]] == [1, 2, 3, 4], result
         assert not any(c[2] for c in result["checks"]), result
     assert not (tmp_path / "incidents.jsonl").exists() or list(read_incidents(tmp_path / "incidents.jsonl")) == []
+    from scout_core.cli import main
+
+    assert main(["report", str(tmp_path / "incidents.jsonl")]) == 0  # a clean run is reported as one
+
