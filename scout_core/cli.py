@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["main"]
 
@@ -43,9 +43,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     import shutil
 
     from scout_core.report import format_table
+    from scout_core.run_log import read_run_log, run_log_path, run_summary
 
+    runs = read_run_log(run_log_path(args.path))
+    if runs and not os.path.exists(args.path):  # a run that found nothing writes no incident record
+        print(run_summary(runs, incidents=0))
+        return 0
     read = _read_records([args.path], "report")
     if read is None:
+        if not os.path.exists(args.path):
+            print(f"scout report: no start record in {run_log_path(args.path)} either: no SCOUT run wrote its "
+                  "records here (report.jsonl_path)", file=sys.stderr)
         return 2
     incidents, bad = read
     if args.kind:
@@ -54,6 +62,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return _write_html(args, incidents) or (1 if bad else 0)
     width = None if args.wide else shutil.get_terminal_size((160, 24)).columns
     print(format_table(incidents, width=width, group=not args.every))
+    if runs:
+        print("\n" + run_summary(runs, incidents=len(incidents)))
     return 1 if bad else 0
 
 
@@ -128,6 +138,38 @@ def _cmd_plugins(_args: argparse.Namespace) -> int:
         print(f"{ep.name}: {plugin.framework} {plugin.framework_version} (tested: {plugin.supported})\n"
               f"  {plugin.how}")
     return 1 if failed else 0
+
+
+def _add_try_parser(sub: Any) -> None:
+    tryout = sub.add_parser("try", help="a first run on this machine's CPUs: a small job of a plugin's framework "
+                                        "under torchrun, SCOUT on, optionally a fault, and what SCOUT found")
+    tryout.add_argument("plugin", help="torchtitan, megatron or deepspeed (see `scout plugins`)")
+    tryout.add_argument("--fault", choices=("none", "sdc", "hang"), default="sdc",
+                        help="sdc: rank 1 computes wrongly from step 3; hang: rank 1 stops at step 4")
+    tryout.add_argument("--ranks", type=int, default=4, help="CPU ranks (processes) to train on")
+    tryout.add_argument("--steps", type=int, default=100,
+                        help="optimizer steps (at SCOUT's shipped cadence, a check every 20 steps, one block each)")
+    tryout.add_argument("--out", default="runs/try", help="where each run's records go (a folder per run)")
+    tryout.set_defaults(func=_cmd_try)
+
+
+def _cmd_try(args: argparse.Namespace) -> int:
+    from importlib import metadata
+
+    from scout_core.tryout import run_tryout
+
+    found = {ep.name: ep for ep in metadata.entry_points(group=PLUGIN_GROUP)}
+    if args.plugin not in found:
+        print(f"scout try: no plugin {args.plugin!r} is installed (installed: {', '.join(sorted(found)) or 'none'})",
+              file=sys.stderr)
+        return 2
+    try:
+        plugin = found[args.plugin].load()
+    except Exception as exc:  # noqa: BLE001 - its framework missing or outside the tested range: said plainly
+        print(f"scout try: the {args.plugin} plugin cannot be used here: {exc}", file=sys.stderr)
+        return 2
+    return run_tryout(plugin, fault=args.fault, ranks=args.ranks, steps=args.steps,
+                      out=os.path.join(args.out, args.plugin))
 
 
 def _cmd_ctl(args: argparse.Namespace) -> int:
@@ -256,7 +298,7 @@ def _run_with_progress(path: Path, specs: Sequence, *, show_output: bool = False
 
 def _cmd_cells_matrix(args: argparse.Namespace) -> int:
     from scout_core.testing.cells import write_json
-    from scout_core.testing.matrix import matrix_plot, matrix_summary
+    from scout_core.testing.matrix import matrix_plot, matrix_summary, slowest_cells
 
     path, specs = _load_specs(args)
     placed = [n for n, s in specs.items() if s.matrix is not None]
@@ -276,6 +318,7 @@ def _cmd_cells_matrix(args: argparse.Namespace) -> int:
     (out / "matrix.md").write_text(summary)
     print()
     print(summary)
+    print(slowest_cells(reports))
     try:
         matrix_plot(specs, reports, out / "matrix.png")
         print(f"wrote {out / 'matrix.json'}, {out / 'matrix.md'}, {out / 'matrix.png'}")
@@ -344,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="the installed framework plugins, their framework versions, how to "
                                              "turn each on")
     plugins.set_defaults(func=_cmd_plugins)
+    _add_try_parser(sub)
 
     ctl = sub.add_parser("ctl", help="steer a running job: pause, resume, or set a live key (docs/control.md)")
     ctl.add_argument("run", help="the run id (report.run_id), or the path of its control folder")

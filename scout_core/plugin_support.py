@@ -27,6 +27,8 @@ class PluginInfo:
     """The tested range, as pip writes it (``>=0.19,<0.20``)."""
     how: str
     """How to turn SCOUT on in that framework's launch."""
+    tryout: str = ""
+    """The plugin's CPU try-out script, a module ``scout try <name>`` runs under torchrun (empty: none)."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,10 @@ class VersionGate:
                                      f"{installed} is installed ({hint})")
         return installed
 
-    def describe(self, framework_version: str, *, name: str, how: str) -> PluginInfo:
+    def describe(self, framework_version: str, *, name: str, how: str, tryout: str = "") -> PluginInfo:
         """The plugin's entry-point object, once :meth:`check` gave the framework's version."""
         return PluginInfo(name=name, framework=self.framework, framework_version=framework_version,
-                          supported=self.spec, how=how)
+                          supported=self.spec, how=how, tryout=tryout)
 
 
 def _major_minor(bound: str, prefix: str) -> tuple[int, ...]:

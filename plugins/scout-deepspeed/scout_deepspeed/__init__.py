@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from scout_core.plugin_support import UnsupportedVersion, VersionGate
+from scout_core.restart_rendezvous import separate_restart_attempts
 
 __all__ = ["SUPPORTED", "UnsupportedVersion", "attach", "handle_of", "initialize", "plugin"]
 
@@ -36,7 +37,7 @@ DEEPSPEED_VERSION = check_version()
 
 plugin = _GATE.describe(DEEPSPEED_VERSION, name="deepspeed", how=(
     'add "scout": {"enabled": true, ...} to the DeepSpeed config and call scout_deepspeed.initialize(...) '
-    "instead of deepspeed.initialize(...)"))
+    "instead of deepspeed.initialize(...)"), tryout="scout_deepspeed.tryout")
 """What scout_core learns of this plugin through the entry point."""
 
 
@@ -47,3 +48,8 @@ def __getattr__(name: str) -> Any:
 
         return getattr(entry, name)
     raise AttributeError(f"module 'scout_deepspeed' has no attribute {name!r}")
+
+
+# A torchrun worker: each restart attempt's process group rendezvous apart (scout_core/restart_rendezvous.py), also
+# where the script imports this plugin before torch.
+separate_restart_attempts()

@@ -8,6 +8,7 @@ Importing the package checks that the installed TorchTitan is one this plugin is
 from __future__ import annotations
 
 from scout_core.plugin_support import UnsupportedVersion, VersionGate
+from scout_core.restart_rendezvous import separate_restart_attempts
 
 __all__ = ["SUPPORTED", "UnsupportedVersion", "plugin"]
 
@@ -20,5 +21,11 @@ _GATE = VersionGate(plugin="scout-torchtitan", framework="torchtitan", supported
 TORCHTITAN_VERSION = _GATE.check()
 
 plugin = _GATE.describe(TORCHTITAN_VERSION, name="torchtitan", how=(
-    "--module scout_torchtitan --config <config> --scout.enable [--scout.<section>.<key> VALUE ...]"))
+    "--module scout_torchtitan --config <config> --scout.enable [--scout.<section>.<key> VALUE ...]"),
+    tryout="scout_torchtitan.tryout")
 """What scout_core learns of this plugin through the entry point."""
+
+
+# A torchrun worker: each restart attempt's process group rendezvous apart (scout_core/restart_rendezvous.py), also
+# where the script imports this plugin before torch.
+separate_restart_attempts()
