@@ -6,7 +6,7 @@ Each rank runs what a ``pretrain_gpt.py`` launch with the one-line change runs: 
 from megatron.core with the local layer spec, Megatron's DDP and optimizer) and runs Megatron's own ``train``
 loop. Megatron's ``pretrain`` asserts CUDA, so here :func:`_pretrain_on_host` makes the same calls it makes
 (``initialize_megatron`` with ``allow_no_cuda``, ``setup_model_and_optimizer``, ``train``), with the CPU shim of
-:mod:`integrations_tests.megatron_cpu`; the plugin's wrapper around ``setup_model_and_optimizer`` is the one a
+:mod:`scout_megatron.cpu`; the plugin's wrapper around ``setup_model_and_optimizer`` is the one a
 GPU job runs.
 
 Faults (``faults`` in configs/cells.yaml) act in a transformer layer's forward, in training and in SCOUT's replay
@@ -40,7 +40,7 @@ SEQ, VOCAB, MICRO_BATCH = 32, 128, 2
 def _prepare() -> None:
     """Import Megatron in the parent, once: forked ranks start with it loaded."""
     prepare_parent()
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -223,7 +223,7 @@ def _megatron_rank(ctx: RankContext) -> dict[str, Any]:
                       CUDA_DEVICE_MAX_CONNECTIONS="1")  # what Megatron's launch scripts set for TP
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // a['ranks_per_machine']}"
     init_gloo(ctx, timeout_s=120)  # Megatron keeps a process group that already exists
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.on_host()
     from megatron.training import training

@@ -561,7 +561,7 @@ def test_titan_snapshot_recovery_cell_fails_when_scout_does_not_restore_its_snap
 def test_megatron_sdc_cell_fails_without_the_replica_groups(monkeypatch):
     """The guard of megatron-tp2-dp2-sdc: rank 1's peer group is two data-parallel replicas; without the
     tensor-parallel partners' comparison the two cannot outvote each other and only the group is named."""
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -595,7 +595,7 @@ def test_megatron_clean_cell_fails_when_replay_touches_training(monkeypatch):
 def test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration(monkeypatch):
     """The guard of megatron-recovery-sdc: without the plugin's restart plan Megatron loads the iteration its
     tracker names (the rejected one), and the cell must say so."""
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -614,7 +614,7 @@ def test_megatron_distopt_cells_fail_without_the_plugins_boundary_or_param_sync(
     the next forward gathers. Either way the replicas would disagree with nothing wrong."""
     import contextlib
 
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -634,7 +634,7 @@ def test_megatron_distopt_cells_fail_without_the_plugins_boundary_or_param_sync(
 def test_megatron_moe_cell_fails_without_the_expert_binding(monkeypatch):
     """The guard of megatron-moe-sdc: without the plugin's binding of Megatron's experts the expert recipe does
     not run, and the corrupted expert is not named as such."""
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -651,7 +651,7 @@ def test_megatron_ep_cell_fails_without_the_ep_binding(monkeypatch, broken):
     """The guard of megatron-moe-ep2-clean: the plugin binds experts per EP position with the AllToAll replay.
     Without the EP groups no check replays the token exchange; with expert peers that span EP positions, experts
     that hold other weights are compared, and the clean job is reported."""
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -676,7 +676,7 @@ def test_megatron_bucket_hang_cell_fails_when_coalesced_buckets_are_not_observed
     """The guard of megatron-tp2-dp2-bucket-hang: with Megatron's coalescing manager left as bound at its import,
     a bucket's queued collectives show done at once: rank 2's one data-parallel peer, waiting in a bucket, looks
     stopped outside any collective like rank 2, and rank 2 is not named alone."""
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -693,7 +693,7 @@ def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged
     longer training's, and the job differs from the one without SCOUT."""
     import contextlib
 
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
@@ -707,7 +707,7 @@ def test_megatron_ep_clean_cell_fails_when_router_replays_reach_megatrons_logged
 def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
     """The guard of megatron-dp4-data-stall: without the plugin marking Megatron's data fetches, rank 2 waiting for
     its data looks like a rank stopped in compute: a hang, not a data stall."""
-    from integrations_tests import megatron_cpu
+    from scout_megatron import cpu as megatron_cpu
 
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()

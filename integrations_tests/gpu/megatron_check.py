@@ -60,7 +60,7 @@ def _rank_job(opts: argparse.Namespace, extra: list[str]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     on_cpu = opts.device == "cpu"
     if on_cpu:
-        from integrations_tests import megatron_cpu
+        from scout_megatron import cpu as megatron_cpu
 
         megatron_cpu.allow_python_311()
         megatron_cpu.stub_triton_ops()

@@ -36,7 +36,7 @@ MEGATRON_CORE_VERSION = check_version()
 
 plugin = _GATE.describe(MEGATRON_CORE_VERSION, name="megatron", how=(
     "from scout_megatron import parse_and_validate_args, pretrain; launch with --scout "
-    "[--scout-config PATH] [--scout-<section>-<key> VALUE ...]"))
+    "[--scout-config PATH] [--scout-<section>-<key> VALUE ...]"), tryout="scout_megatron.tryout")
 """What scout_core learns of this plugin through the entry point."""
 
 

@@ -1,5 +1,6 @@
-"""Megatron-Core on a machine without CUDA (this project's CI): a test-only compatibility shim, never imported by
-the plugin or by scout_core.
+"""CPU try-out support: Megatron-Core on a machine without CUDA, for ``scout try megatron`` and this project's tests.
+Never imported by the plugin's training path or by scout_core; :func:`on_host` refuses to run where CUDA is there
+(it patches ``torch.cuda`` for the whole process).
 
 Megatron-Core's model code is device-agnostic in its math but asks CUDA directly in a few places. What this shim
 stands in for, each measured on megatron-core 0.19.2 with the CPU build of torch 2.13:
@@ -43,8 +44,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from integrations_tests.training_jobs import quiet_renamed_collectives
-
 __all__ = ["OnHost", "allow_python_311", "on_host", "quiet_host_notices", "stub_triton_ops"]
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
@@ -54,10 +53,10 @@ def stub_triton_ops() -> bool:
     """Stand in for Megatron's one triton module that is imported at start-up, unless triton is importable."""
     if _PAGED_STASH in sys.modules or importlib.util.find_spec("triton") is not None:
         return False
-    module = types.ModuleType(_PAGED_STASH, "integrations_tests.megatron_cpu: Megatron's paged-stash kernels")
+    module = types.ModuleType(_PAGED_STASH, "scout_megatron.cpu: Megatron's paged-stash kernels")
 
     def needs_gpu(*_: Any, **__: Any) -> None:
-        raise RuntimeError(f"{_PAGED_STASH} needs triton and a GPU (integrations_tests.megatron_cpu stands in)")
+        raise RuntimeError(f"{_PAGED_STASH} needs triton and a GPU (scout_megatron.cpu stands in)")
 
     module.GLOBAL_BLOCK_SIZE = 1024
     module.paged_stash_copy_kernel = module.paged_stash_pop_kernel = needs_gpu
@@ -148,13 +147,18 @@ def quiet_host_notices() -> None:
     of torch's renamed collectives that Megatron calls."""
     for notice in HOST_NOTICES:  # (?s): some messages start with a newline, which a bare ".*" does not cross
         warnings.filterwarnings("ignore", message=f"(?s).*{re.escape(notice)}")
-    quiet_renamed_collectives()  # expert-parallel token counts, distributed-optimizer buckets
+    # torch 2.13 deprecates the names Megatron calls (expert-parallel token counts, distributed-optimizer buckets);
+    # the calls work.
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor). is deprecated",
+                            category=FutureWarning)
 
 
 def on_host() -> None:
     """Make this process run Megatron-Core on the host (idempotent for the module patches; enters the device
     mode for the calling thread each time)."""
     global _APPLIED
+    if torch.cuda.is_available() and not _APPLIED:
+        raise RuntimeError("scout_megatron.cpu.on_host() is CPU try-out support: this machine has CUDA, use it")
     stub_triton_ops()
     OnHost().__enter__()  # left entered for the life of the rank
     if _APPLIED:
