@@ -1,6 +1,7 @@
-"""CPU try-out support: Megatron-Core on a machine without CUDA, for ``scout try megatron`` and this project's tests.
-Never imported by the plugin's training path or by scout_core; :func:`on_host` refuses to run where CUDA is there
-(it patches ``torch.cuda`` for the whole process).
+"""CPU try-out support: Megatron-Core on a machine without CUDA, for ``scout try megatron`` and this project's
+tests; never imported by the plugin's training path or by scout_core.
+
+:func:`on_host` refuses to run where CUDA is there (it patches ``torch.cuda`` for the whole process).
 
 Megatron-Core's model code is device-agnostic in its math but asks CUDA directly in a few places. What this shim
 stands in for, each measured on megatron-core 0.19.2 with the CPU build of torch 2.13:
