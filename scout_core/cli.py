@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 __all__ = ["main"]
 
@@ -138,38 +138,6 @@ def _cmd_plugins(_args: argparse.Namespace) -> int:
         print(f"{ep.name}: {plugin.framework} {plugin.framework_version} (tested: {plugin.supported})\n"
               f"  {plugin.how}")
     return 1 if failed else 0
-
-
-def _add_try_parser(sub: Any) -> None:
-    tryout = sub.add_parser("try", help="a first run on this machine's CPUs: a small job of a plugin's framework "
-                                        "under torchrun, SCOUT on, optionally a fault, and what SCOUT found")
-    tryout.add_argument("plugin", help="torchtitan, megatron or deepspeed (see `scout plugins`)")
-    tryout.add_argument("--fault", choices=("none", "sdc", "hang"), default="sdc",
-                        help="sdc: rank 1 computes wrongly from step 3; hang: rank 1 stops at step 4")
-    tryout.add_argument("--ranks", type=int, default=4, help="CPU ranks (processes) to train on")
-    tryout.add_argument("--steps", type=int, default=100,
-                        help="optimizer steps (at SCOUT's shipped cadence, a check every 20 steps, one block each)")
-    tryout.add_argument("--out", default="runs/try", help="where each run's records go (a folder per run)")
-    tryout.set_defaults(func=_cmd_try)
-
-
-def _cmd_try(args: argparse.Namespace) -> int:
-    from importlib import metadata
-
-    from scout_core.tryout import run_tryout
-
-    found = {ep.name: ep for ep in metadata.entry_points(group=PLUGIN_GROUP)}
-    if args.plugin not in found:
-        print(f"scout try: no plugin {args.plugin!r} is installed (installed: {', '.join(sorted(found)) or 'none'})",
-              file=sys.stderr)
-        return 2
-    try:
-        plugin = found[args.plugin].load()
-    except Exception as exc:  # noqa: BLE001 - its framework missing or outside the tested range: said plainly
-        print(f"scout try: the {args.plugin} plugin cannot be used here: {exc}", file=sys.stderr)
-        return 2
-    return run_tryout(plugin, fault=args.fault, ranks=args.ranks, steps=args.steps,
-                      out=os.path.join(args.out, args.plugin))
 
 
 def _cmd_ctl(args: argparse.Namespace) -> int:
@@ -387,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="the installed framework plugins, their framework versions, how to "
                                              "turn each on")
     plugins.set_defaults(func=_cmd_plugins)
-    _add_try_parser(sub)
+    from scout_core.tryout import add_try_parser
+
+    add_try_parser(sub, PLUGIN_GROUP)
 
     ctl = sub.add_parser("ctl", help="steer a running job: pause, resume, or set a live key (docs/control.md)")
     ctl.add_argument("run", help="the run id (report.run_id), or the path of its control folder")
@@ -440,7 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed: list[str] = []
+    if "--" in argv:  # what follows goes to the command as it is (scout try: the plugin's try-out options)
+        argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser().parse_args(argv)
+    args.passed = passed
     return int(args.func(args))
 
 

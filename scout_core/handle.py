@@ -236,6 +236,11 @@ class ScoutHandle(HandleView):
         if p.run_log is not None:
             ended = "stopped on a verdict" if stopped else "failed" if failing else "closed"
             self._quietly(lambda: p.run_log.end(ended), "end record")
+            c = p.run_log.counts
+            if self.rank == 0 and logging.getLevelName(p.config.report.log_level.upper()) <= logging.WARNING:
+                print(f"SCOUT off: {ended} after {c.steps} steps, {c.checks} replay checks ({c.agreed} agreed by "
+                      f"every peer); records in {p.config.report.jsonl_path or 'the log only'}", file=sys.stderr,
+                      flush=True)
 
     def _quietly(self, fn: Callable[[], Any], what: str) -> None:
         """One clean-up step: a failure is logged and the next step still runs."""

@@ -169,6 +169,17 @@ class JsonlSink:
             os.close(fd)
 
 
+_STALL_KINDS = ("hang", "data_stall", "checkpoint_stall", "resolved", "shutdown")
+
+
+def step_being_run(incident: Incident) -> int | None:
+    """The step a message names: the step being run. A stall's record holds the steps its ranks had finished (the
+    stall is in the next one); a replay check's holds the step it checked."""
+    if incident.step is None:
+        return None
+    return incident.step + 1 if incident.kind.value in _STALL_KINDS else incident.step
+
+
 class LoggingSink:
     """Sends each incident to the ``scout`` logger as one readable line."""
 
@@ -181,7 +192,7 @@ class LoggingSink:
             self.level,
             "SCOUT %s scope=%s ranks=%s hosts=%s step=%s surface=%s: %s",
             incident.kind.value, incident.scope.value, incident.ranks, incident.hosts,
-            incident.step, surfaces_text(incident.surface), incident.reason,
+            step_being_run(incident), surfaces_text(incident.surface), incident.reason,
         )
 
 
@@ -332,7 +343,8 @@ def group_repeats(incidents: Iterable[Incident]) -> list[IncidentGroup]:
     for inc in incidents:  # one fault: one job, the same verdict, the same ranks on the same machines
         key = (inc.run_id, inc.kind, inc.scope, tuple(sorted(inc.ranks)), tuple(sorted(set(inc.hosts))))
         order.setdefault(key, []).append(inc)
-    return [IncidentGroup(first=g[0], count=len(g), steps=tuple(sorted({i.step for i in g if i.step is not None})),
+    return [IncidentGroup(first=g[0], count=len(g), steps=tuple(sorted({step_being_run(i) for i in g
+                                                                        if i.step is not None})),
                           surfaces=tuple(dict.fromkeys(i.surface for i in g if i.surface)),
                           last_time_unix=max(i.time_unix for i in g))
             for g in order.values()]
@@ -364,7 +376,7 @@ def format_table(incidents: Sequence[Incident], *, width: int | None = 160, grou
     ``width`` columns (None: never clipped); the JSON records keep every detail."""
     headers = ("time", "kind", "scope", "ranks", "hosts", "n", "step", "surface", "verdict_s", "reason")
     groups = group_repeats(incidents) if group else [
-        IncidentGroup(first=i, count=1, steps=() if i.step is None else (i.step,),
+        IncidentGroup(first=i, count=1, steps=() if i.step is None else (step_being_run(i),),
                       surfaces=(i.surface,) if i.surface else (), last_time_unix=i.time_unix) for i in incidents]
     rows = []
     for g in groups:

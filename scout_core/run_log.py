@@ -78,14 +78,14 @@ class RunLog:
         self.error: str | None = None
 
     def start(self, *, config: Any, world_size: int, peer_groups: list[list[int]], parts_on: dict[str, bool],
-              recipes: list[str]) -> None:
+              recipes: list[str], framework: str = "") -> None:
         import torch
 
         from scout_core import __version__
 
         settings = json.dumps(dataclasses.asdict(config), sort_keys=True, default=str)
         self._write({
-            "record": "start", "world_size": world_size,
+            "record": "start", "world_size": world_size, "framework": framework,
             "versions": {"scout": __version__, "torch": torch.__version__, "python": platform.python_version()},
             "config_sha256": hashlib.sha256(settings.encode()).hexdigest()[:16],
             "peer_groups": {"count": len(peer_groups), "size": max(map(len, peer_groups), default=0),
@@ -97,6 +97,12 @@ class RunLog:
         c = self.counts
         self._write({"record": "end", "ended": how, "steps": c.steps, "checks": c.checks, "agreed": c.agreed,
                      "skipped": c.skipped, "seconds": round(time.time() - self._t0, 1)})
+
+    def ended_by_stop(self, how: str, step: int) -> None:
+        """The end record of a job whose trainers SCOUT's observers stop (rank 0's observer writes it: those
+        trainers end by a signal, without close()); it knows the step, not the trainers' counts."""
+        self._write({"record": "end", "ended": how, "steps": step, "checks": None, "agreed": None, "skipped": None,
+                     "seconds": None})
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.path is None:
@@ -145,6 +151,9 @@ def run_summary(records: list[dict[str, Any]], incidents: int) -> str:
         if r.get("record") == "start":
             lines.append(f"run {r.get('run_id', '?')}: SCOUT started on {_int(r.get('world_size'))} ranks"
                          f" (scout {(r.get('versions') or {}).get('scout', '?')})")
+        elif r.get("record") == "end" and r.get("checks") is None:
+            lines.append(f"run {r.get('run_id', '?')}: ended ({r.get('ended', '?')}) in step "
+                         f"{_int(r.get('steps')) + 1}")
         elif r.get("record") == "end":
             checks, agreed = _int(r.get("checks")), _int(r.get("agreed"))
             skipped = f", {_int(r.get('skipped'))} skipped by a SCOUT failure" if _int(r.get("skipped")) else ""

@@ -207,7 +207,8 @@ def _start_record(parts: ScoutParts) -> None:
           "experts": parts.experts is not None, "snapshots": parts.checkpoint is not None,
           "framework_checkpoint_labels": parts.labels is not None,
           "metrics": parts.metrics is not None, "control": parts.control is not None}
-    parts.run_log.start(config=cfg, world_size=parts.world_size, peer_groups=peers, parts_on=on, recipes=recipes)
+    parts.run_log.start(config=cfg, world_size=parts.world_size, peer_groups=peers, parts_on=on, recipes=recipes,
+                        framework=parts.adapter.name)
     if parts.rank == 0 and logging.getLevelName(cfg.report.log_level.upper()) <= logging.WARNING:
         # One line of the same shape under every plugin, on stderr whatever the framework did to logging (DeepSpeed
         # shows no INFO line): a user sees that SCOUT is on and what it watches.

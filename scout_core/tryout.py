@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAULT_RANK", "FAULTS", "run_tryout"]
+__all__ = ["FAULT_RANK", "FAULTS", "add_try_parser", "run_tryout"]
 
 FAULTS = ("none", "sdc", "hang")
 FAULT_RANK = 1
@@ -29,7 +29,40 @@ _PLAIN = {"sdc": "silent data corruption", "hang": "a hang", "straggler": "a str
           "data_stall": "an input stall", "checkpoint_stall": "a checkpoint stall"}
 
 
-def run_tryout(plugin: Any, *, fault: str, ranks: int, steps: int, out: str, timeout_s: float = 600.0) -> int:
+def add_try_parser(sub: Any, plugin_group: str) -> None:
+    """``scout try``'s arguments, on the ``scout`` command's sub-parsers; plugins are found in ``plugin_group``."""
+    tryout = sub.add_parser("try", help="a first run on this machine's CPUs: a small job of a plugin's framework "
+                                        "under torchrun, SCOUT on, optionally a fault, and what SCOUT found",
+                            epilog="After --, the plugin's try-out options (its model or parallelism: its README).")
+    tryout.add_argument("plugin", help="torchtitan, megatron or deepspeed (see `scout plugins`)")
+    tryout.add_argument("--fault", choices=FAULTS, default="sdc",
+                        help="sdc: rank 1 computes wrongly from step 3; hang: rank 1 stops at step 4")
+    tryout.add_argument("--ranks", type=int, default=4, help="CPU ranks (processes) to train on")
+    tryout.add_argument("--steps", type=int, default=100,
+                        help="optimizer steps (at SCOUT's shipped cadence, a check every 20 steps, one block each)")
+    tryout.add_argument("--out", default="runs/try", help="where each run's records go (a folder per run)")
+    tryout.set_defaults(func=lambda args: _command(args, plugin_group))
+
+
+def _command(args: Any, plugin_group: str) -> int:
+    from importlib import metadata
+
+    found = {ep.name: ep for ep in metadata.entry_points(group=plugin_group)}
+    if args.plugin not in found:
+        print(f"scout try: no plugin {args.plugin!r} is installed (installed: {', '.join(sorted(found)) or 'none'})",
+              file=sys.stderr)
+        return 2
+    try:
+        plugin = found[args.plugin].load()
+    except Exception as exc:  # noqa: BLE001 - its framework missing or outside the tested range: said plainly
+        print(f"scout try: the {args.plugin} plugin cannot be used here: {exc}", file=sys.stderr)
+        return 2
+    return run_tryout(plugin, fault=args.fault, ranks=args.ranks, steps=args.steps,
+                      out=os.path.join(args.out, args.plugin), options=list(getattr(args, "passed", [])))
+
+
+def run_tryout(plugin: Any, *, fault: str, ranks: int, steps: int, out: str, options: list[str] | None = None,
+               timeout_s: float = 600.0) -> int:
     """Run ``plugin``'s try-out under torchrun and report; 0 when SCOUT found what the fault should give (nothing,
     when there is none), 1 otherwise, 2 when it could not run."""
     if not getattr(plugin, "tryout", ""):
@@ -46,8 +79,10 @@ def run_tryout(plugin: Any, *, fault: str, ranks: int, steps: int, out: str, tim
           f"{steps} steps, {what}; records in {run_dir}", flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            "-m", plugin.tryout, "--fault", fault, "--fault-rank", str(FAULT_RANK), "--steps", str(steps),
-           "--out", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+           "--out", str(run_dir), *(options or [])]
+    # CPU ranks even on a GPU host: the try-out's CPU support refuses where CUDA is visible.
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
     log = run_dir / "launch.log"
     started = time.monotonic()
     with open(log, "w") as fh:
@@ -88,7 +123,8 @@ def _report(run_dir: Path, fault: str, code: int, elapsed: float, text: str) -> 
               f"{', '.join(map(str, inc.ranks))} ({inc.scope.value}): {inc.reason}")
         files = (inc.evidence or {}).get("stack_files") or {}
         for rank, path in sorted(files.items()):
-            print(f"  rank {rank}'s stacks at the verdict: {path}")
+            print(f"  rank {rank}'s stacks at the verdict: {path}" if os.path.exists(path) else
+                  f"  rank {rank}'s stacks at the verdict: not written (its observer could not answer)")
     print(run_summary(runs, incidents=len(incidents)))
     expected = _EXPECTED[fault]
     named = {(i.kind.value, tuple(i.ranks)) for i in verdicts}

@@ -196,3 +196,24 @@ def test_replay_leaves_training_bitwise_unchanged_and_aligns_dropout(layout):
         assert a["sigs"] == b["sigs"]  # parameters, optimizer state and the training RNG stream
     # Dropout draws from the source's RNG on every peer: nothing disagrees.
     assert on.values()[0]["statuses"] == [C3Status.AGREE.value]
+
+
+def test_a_users_hook_that_fsdp2_replay_passes_by_is_named_once(caplog):
+    """FSDP2 replay calls the gathered layer's forward itself, past the module's own hooks: a user's hook there is
+    named once in a warning (torch's and SCOUT's own are not), never skipped in silence."""
+    import logging
+
+    from scout_core.replay.layer import _say_hooks_skipped
+
+    layer = torch.nn.Linear(4, 4)
+
+    def users_hook(_m, _a, _out):
+        return None
+
+    layer.register_forward_hook(users_hook)
+    with caplog.at_level(logging.WARNING, logger="scout"):
+        _say_hooks_skipped(layer)
+        _say_hooks_skipped(layer)
+        _say_hooks_skipped(torch.nn.Linear(4, 4))  # no hooks: nothing to say
+    said = [r.getMessage() for r in caplog.records if "past the module's own hooks" in r.getMessage()]
+    assert len(said) == 1 and "users_hook" in said[0], said

@@ -24,8 +24,9 @@ from scout_core.progress.classify import HangVerdict
 from scout_core.progress.episode import EpisodeOutcome
 from scout_core.progress.record import ProgressRecord, ProgressSnapshot
 from scout_core.progress.spec import ObserverSpec
-from scout_core.progress.stacks import capture_stacks, main_thread_frames, stacks_path
+from scout_core.progress.stacks import ANSWER_S, capture_stacks, main_thread_frames, stacks_path
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
+from scout_core.run_log import RunLog
 
 __all__ = ["VerdictReporting", "incident_reporter"]
 
@@ -93,15 +94,32 @@ class VerdictReporting:
         steered = any("tampered" in v.evidence for v in outcome.verdicts)
         if not steered and any(self.spec.rank in inc.ranks for inc in incidents if _wants_stacks(inc)):
             self._save_stacks(outcome.episode)  # before a stop ends the trainer
-        if stop_on_verdict and incidents and not steered and not self._trainer_gone():
-            if not self._trainer_closing():  # a trainer closing SCOUT is ending already: its close is not cut short
+        if stop_on_verdict and incidents and not steered:
+            if not self._trainer_gone() and not self._trainer_closing():  # a closing trainer is ending already
+                # The named ranks' stacks first: a launcher ends every worker once one of them ends.
+                self._await_stacks(incidents)
                 if self.spec.launcher_error_file:  # torchrun's summary names the verdict, not a SIGTERM
                     write_launcher_error(stop_message([verdict_summary(i) for i in incidents], how="SIGTERM",
                                                       records=self.spec.jsonl_path), self.spec.launcher_error_file)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.spec.trainer_pid, signal.SIGTERM)
-            raise _Stopped  # out of the critical section: _see_trainer_out answers the trainer's close, now or later
+                if self.spec.rank == 0:  # the run's end record: these trainers end by a signal, not by close()
+                    RunLog(self.spec.jsonl_path, rank=0, run_id=self.spec.run_id, fsync=self.spec.fsync).ended_by_stop(
+                        "stopped on a hang verdict", snap.step)
+            # Stopped, also when our trainer is already gone (a launcher ended it after a peer's stop): no episode
+            # answers for it after a stop. Out of the critical section: _see_trainer_out answers its close.
+            raise _Stopped
         return incidents
+
+    def _await_stacks(self, incidents: list[Incident]) -> None:
+        """Until the named ranks' stack files are written (their observers write them before stopping their own
+        trainers), at most a dump's answer time and a little more."""
+        paths = [p for inc in incidents if _wants_stacks(inc) for p in inc.evidence.get("stack_files", {}).values()]
+        deadline = time.monotonic() + ANSWER_S + 1.0
+        while paths and time.monotonic() < deadline:
+            paths = [p for p in paths if not os.path.exists(p)]
+            if paths:
+                time.sleep(0.05)
 
     def _save_stacks(self, episode: int) -> None:
         """A verdict names our rank: its trainer's stacks into the file the incident names (and the innermost
@@ -118,8 +136,9 @@ class VerdictReporting:
             path = stacks_path(spec.jsonl_path, spec.run_id, episode, spec.rank)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w") as fh:
+                with open(f"{path}.tmp", "w") as fh:  # whole when it appears: peers wait for it to exist
                     fh.write(dump)
+                os.replace(f"{path}.tmp", path)
             except OSError as exc:
                 _log.warning("SCOUT: rank %d's stacks not written to %s: %s", spec.rank, path, exc)
 

@@ -13,6 +13,8 @@ These are the layer-level pieces of :class:`~scout_core.replay.engine.ReplayEngi
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,8 @@ from scout_core.replay.capture import Captured
 from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
 from scout_core.replay.scratch import Scratch, fsdp_module, managed_parameters
 from scout_core.signature import sign_many
+
+_log = logging.getLogger("scout")
 
 __all__ = ["ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of", "gather_ranks",
            "materialize", "receive_buffers", "release_of", "replay_layer"]
@@ -90,6 +94,37 @@ def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> 
         dist.broadcast(t, src=src, group=host_group if t.device.type == "cpu" else group)
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_told: set[int] = set()
+
+
+def defining_module(hook: Any) -> str:
+    """The module that defined a hook, seen through partials and bound methods (whose hook it is)."""
+    fn = hook
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "__func__"):
+            fn = fn.__func__
+        else:
+            break
+    return getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+
+
+def _say_hooks_skipped(layer: torch.nn.Module) -> None:
+    """FSDP2 replay calls the gathered layer's ``forward`` itself, past the module's own hooks (FSDP's, which must
+    not run, and anyone else's, which then do not either): a user's hook there is named once, not skipped in
+    silence. Hooks of the layer's submodules run as in training."""
+    theirs = [h for attr in _HOOK_DICTS for h in getattr(layer, attr, {}).values()
+              if not defining_module(h).startswith(("torch.", "scout_core."))]
+    if theirs and id(layer) not in _told:
+        _told.add(id(layer))
+        names = ", ".join(sorted({getattr(h, "__qualname__", type(h).__name__) for h in theirs}))
+        _log.warning("SCOUT replays %s (FSDP2) by calling its forward past the module's own hooks: %s do not "
+                     "run in replay, so a fault they introduce is not seen there (hooks of its submodules run)",
+                     type(layer).__name__, names)
+
+
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
                 scratch: Scratch | None = None, gather: Any = None) -> tuple[Any, float | None, Any]:
     """``(forward, gather_s, release)`` for replaying ``layer``.
@@ -121,6 +156,7 @@ def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,
         from torch.distributed.fsdp import FSDPModule
 
         cls = next(c for c in type(layer).__mro__[1:] if not issubclass(c, FSDPModule))
+        _say_hooks_skipped(layer)
         return cls.forward.__get__(layer), gather_s, layer.reshard
     if owner is not None and fsdp_module(owner):
         # A boundary module (embedding, LM head) or a block's part whose parameters the enclosing FSDP module

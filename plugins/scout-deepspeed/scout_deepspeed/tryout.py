@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported: it picks its accelerator once
-
 __all__ = ["TinyLlama", "main"]
 
 
@@ -68,11 +66,11 @@ class TinyLlama(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def _config(out: Path, stop: bool) -> Path:
+def _config(out: Path, stop: bool, stage: int) -> Path:
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
+        "zero_optimization": {"stage": stage},
         "scout": {"enabled": True,
                   "report": {"jsonl_path": str(out / "incidents.jsonl")},
                   "checkpoint": {"directory": str(out / "checkpoints")},
@@ -90,9 +88,10 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="DeepSpeed's ZeRO stage")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
-
+    os.environ["DS_ACCELERATOR"] = "cpu"  # before deepspeed is imported: it picks its accelerator once
     import deepspeed
     import deepspeed.ops
 
@@ -101,7 +100,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    config = _config(args.out, stop=args.fault != "none")
+    config = _config(args.out, stop=args.fault != "none", stage=args.zero_stage)
     torch.distributed.barrier()  # rank 0 wrote the config
     torch.manual_seed(0)
     model = TinyLlama()

@@ -16,11 +16,12 @@ hooks (ZeRO's gradient reduction).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
+
+from scout_core.replay.layer import defining_module
 
 __all__ = ["gather_zero3", "gathered_bytes", "module_hooks_set_aside"]
 
@@ -30,15 +31,7 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 def _from_deepspeed(hook: Any) -> bool:
     """Whether a hook is DeepSpeed's own (defined in a ``deepspeed`` module: ZeRO-3's fetch, release and gradient
     hooks are closures of ``deepspeed.runtime.zero``), seen through partials and bound methods."""
-    fn = hook
-    for _ in range(8):
-        if isinstance(fn, functools.partial):
-            fn = fn.func
-        elif hasattr(fn, "__func__"):
-            fn = fn.__func__
-        else:
-            break
-    module = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", "") or ""
+    module = defining_module(hook)
     return module == "deepspeed" or module.startswith("deepspeed.")
 
 

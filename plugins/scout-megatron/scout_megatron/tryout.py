@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="Megatron's --tensor-model-parallel-size")
+    parser.add_argument("--num-layers", type=int, default=4)
     args = parser.parse_args()
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from scout_megatron import cpu
@@ -124,10 +126,12 @@ def main() -> None:
     import scout_megatron
 
     world = torch.distributed.get_world_size()
-    sys.argv = ["pretrain_gpt.py", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    sys.argv = ["pretrain_gpt.py", "--num-layers", str(args.num_layers), "--hidden-size", "64",
+                "--num-attention-heads", "4", "--tensor-model-parallel-size", str(args.tensor_parallel),
                 "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--vocab-size", str(VOCAB),
                 "--tokenizer-type", "NullTokenizer", "--micro-batch-size", str(MICRO_BATCH),
-                "--global-batch-size", str(MICRO_BATCH * world), "--train-iters", str(args.steps), "--lr", "1e-3",
+                "--global-batch-size", str(MICRO_BATCH * world // args.tensor_parallel), "--train-iters",
+                str(args.steps), "--lr", "1e-3",
                 "--seed", "1234", "--transformer-impl", "local", "--distributed-backend", "gloo",
                 "--attention-dropout", "0", "--hidden-dropout", "0", "--no-gradient-accumulation-fusion",
                 "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",

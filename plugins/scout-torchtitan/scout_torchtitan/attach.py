@@ -124,9 +124,18 @@ def attach(trainer: Any, section: ScoutSection) -> ScoutHandle:
         log.info("scout_torchtitan: SCOUT attached to %d model part(s), %d optimizer(s), peer groups %s; hidden "
                  "layers replayed every %d steps", len(adapter.chunks), len(adapter.optimizers),
                  peer_groups(trainer.parallel_dims), section.replay.cadence.hidden)
-        debug = getattr(getattr(trainer, "config", None), "debug", None)  # TorchTitan 0.3: Trainer.config.debug
-        if debug is not None and getattr(debug, "seed", 0) is None:
-            log.warning("scout_torchtitan: --debug.seed is not set: each run of this job starts from other random "
-                        "weights, so no two runs (with SCOUT or without) can be compared bit for bit; SCOUT's own "
-                        "checks compare replicas within this run and need no seed")
+        warning = unseeded_warning(trainer)
+        if warning:
+            log.warning(warning)
     return handle
+
+
+def unseeded_warning(trainer: Any) -> str:
+    """What to say when the job has no ``--debug.seed`` (TorchTitan 0.3: ``Trainer.config.debug``): the README's
+    "bitwise as without SCOUT" needs one; empty when a seed is set."""
+    debug = getattr(getattr(trainer, "config", None), "debug", None)
+    if debug is None or getattr(debug, "seed", 0) is not None:
+        return ""
+    return ("scout_torchtitan: --debug.seed is not set: each run of this job starts from other random weights, so "
+            "no two runs (with SCOUT or without) can be compared bit for bit; SCOUT's own checks compare replicas "
+            "within this run and need no seed")

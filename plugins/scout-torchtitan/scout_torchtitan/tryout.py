@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--fault-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", default="llama3_debugmodel",
+                        help="a config of the plugin's registry (e.g. deepseek_v3_debugmodel)")
     args = parser.parse_args()
 
     from scout_torchtitan import cpu
@@ -61,7 +63,7 @@ def main() -> None:
     from scout_torchtitan import config_registry
     from scout_torchtitan.override import section_from
 
-    cfg = config_registry.llama3_debugmodel()
+    cfg = getattr(config_registry, args.config)()
     cfg.scout = section_from({"report.jsonl_path": str(args.out / "incidents.jsonl"),
                               "actions.on_verdict": "stop" if args.fault != "none" else "log"})
     cpu.on_cpu(cfg, steps=args.steps, seq_len=64, local_batch_size=2, seed=0)

@@ -54,3 +54,15 @@ def test_peer_groups_are_torchtitans_data_parallel_groups(layout):
             assert mine == v["titan"], (rank, mine, v["titan"])
     dp_replicate, dp_shard, cp, tp, pp = layout
     assert len(ours[0]) == (dp_replicate if dp_replicate > 1 else dp_shard)
+
+
+def test_a_job_without_a_seed_is_told_that_runs_cannot_be_compared_bit_for_bit():
+    import types
+
+    from scout_torchtitan.attach import unseeded_warning
+
+    def trainer(seed):
+        return types.SimpleNamespace(config=types.SimpleNamespace(debug=types.SimpleNamespace(seed=seed)))
+
+    assert "--debug.seed is not set" in unseeded_warning(trainer(None))
+    assert unseeded_warning(trainer(0)) == "" and unseeded_warning(types.SimpleNamespace()) == ""
