@@ -31,6 +31,7 @@ from scout_core.signature import sign_many
 from scout_core.testing.cells import CellReport, CellSpec
 from scout_core.testing.inject import Injector
 from scout_core.testing.launcher import RankContext, init_gloo, prepare_parent
+from scout_megatron.tryout import masked_loss
 
 __all__ = ["megatron_cell"]
 
@@ -82,12 +83,6 @@ def _batches(seed: int, injector: Injector, rank: int) -> Any:
         yield torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
 
 
-def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    loss = (output.float().view(-1) * mask.view(-1)).sum()
-    tokens = mask.sum().to(torch.int)
-    return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1).float()])}
-
-
 def _forward_step(data_iterator: Any, model: Any) -> Any:
     """pretrain_gpt.py's forward step, on synthetic batches: as Megatron's ``get_batch``, tensor-parallel rank 0
     reads the batch (the others have no iterator) and broadcasts it to its tensor-parallel partners."""
@@ -100,7 +95,7 @@ def _forward_step(data_iterator: Any, model: Any) -> Any:
                        group=parallel_state.get_tensor_model_parallel_group())
     positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
     mask = torch.ones(MICRO_BATCH, SEQ)
-    return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]), partial(_loss, mask)
+    return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]), partial(masked_loss, mask)
 
 
 def _gpt_provider(pre_process: bool = True, post_process: bool = True, **_: Any) -> torch.nn.Module:

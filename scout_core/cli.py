@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     passed: list[str] = []
-    if "--" in argv:  # what follows goes to the command as it is (scout try: the plugin's try-out options)
+    if argv[:1] == ["try"] and "--" in argv:  # what follows is the plugin's try-out options, passed as they are
         argv, passed = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     args = build_parser().parse_args(argv)
     args.passed = passed

@@ -238,9 +238,10 @@ class ScoutHandle(HandleView):
             self._quietly(lambda: p.run_log.end(ended), "end record")
             c = p.run_log.counts
             if self.rank == 0 and logging.getLevelName(p.config.report.log_level.upper()) <= logging.WARNING:
-                print(f"SCOUT off: {ended} after {c.steps} steps, {c.checks} replay checks ({c.agreed} agreed by "
-                      f"every peer); records in {p.config.report.jsonl_path or 'the log only'}", file=sys.stderr,
-                      flush=True)
+                self._quietly(lambda: print(
+                    f"SCOUT off: {ended} after {c.steps} steps, {c.checks} replay checks ({c.agreed} agreed by every "
+                    f"peer); records in {p.config.report.jsonl_path or 'the log only'}", file=sys.stderr, flush=True),
+                    "closing line")
 
     def _quietly(self, fn: Callable[[], Any], what: str) -> None:
         """One clean-up step: a failure is logged and the next step still runs."""

@@ -22,6 +22,7 @@ from scout_core.report import (
     group_repeats,
     hosts_to_exclude,
     ranks_text,
+    step_being_run,
     surfaces_text,
 )
 
@@ -114,7 +115,7 @@ def _timeline(incidents: Sequence[Incident]) -> str:
         x = left + (inc.time_unix - t0) / span * width
         y = 20 + kinds.index(inc.kind.value) * row
         tip = (f"{_when(inc.time_unix)} {inc.kind.value}/{inc.scope.value} ranks {ranks_text(inc.ranks)} "
-               f"step {inc.step} {inc.surface[:120]}: {inc.reason[:300]}")
+               f"step {step_being_run(inc)} {inc.surface[:120]}: {inc.reason[:300]}")
         parts.append(f'<circle cx="{x:.1f}" cy="{y}" r="6" fill="{_KIND_COLOURS.get(inc.kind.value, "#333")}" '
                      f'fill-opacity="0.8"><title>{_e(tip)}</title></circle>')
     parts.append(f'<text x="{left}" y="{height - 6}" font-size="11" fill="#777">{_e(_when(t0))}</text>'

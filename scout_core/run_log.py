@@ -18,7 +18,8 @@ import platform
 import time
 from typing import Any
 
-__all__ = ["CheckCounts", "RunLog", "check_outcome", "read_run_log", "run_log_path", "run_summary"]
+__all__ = ["CheckCounts", "RunLog", "check_outcome", "read_json_objects", "read_run_log", "run_log_path",
+           "run_summary"]
 
 
 def run_log_path(jsonl_path: str) -> str:
@@ -123,9 +124,10 @@ class RunLog:
             self.error = f"{type(exc).__name__}: {exc}"
 
 
-def read_run_log(path: str) -> list[dict[str, Any]]:
-    """The records of a life-cycle file, in order; lines that are not JSON objects are skipped."""
-    records = []
+def read_json_objects(path: str) -> list[dict[str, Any]]:
+    """Every line of a JSON-lines file that is a JSON object, oldest first (a torn last line, or a line that is
+    anything else, is passed over; no file: none)."""
+    out = []
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
             for line in fh:
@@ -133,11 +135,16 @@ def read_run_log(path: str) -> list[dict[str, Any]]:
                     record = json.loads(line)
                 except (json.JSONDecodeError, RecursionError):
                     continue
-                if isinstance(record, dict) and record.get("record") in ("start", "end"):
-                    records.append(record)
+                if isinstance(record, dict):
+                    out.append(record)
     except FileNotFoundError:
         return []
-    return records
+    return out
+
+
+def read_run_log(path: str) -> list[dict[str, Any]]:
+    """The records of a life-cycle file, in order; lines that are not its records are skipped."""
+    return [r for r in read_json_objects(path) if r.get("record") in ("start", "end")]
 
 
 def _int(value: Any) -> int:

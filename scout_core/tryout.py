@@ -20,13 +20,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAULT_RANK", "FAULTS", "add_try_parser", "run_tryout"]
+__all__ = ["FAULT_RANK", "FAULTS", "add_try_parser", "run_tryout", "tryout_arguments"]
 
 FAULTS = ("none", "sdc", "hang")
 FAULT_RANK = 1
 _EXPECTED = {"none": None, "sdc": "sdc", "hang": "hang"}
 _PLAIN = {"sdc": "silent data corruption", "hang": "a hang", "straggler": "a straggler",
           "data_stall": "an input stall", "checkpoint_stall": "a checkpoint stall"}
+
+
+def tryout_arguments(description: str) -> Any:
+    """The arguments ``scout try`` passes to every plugin's try-out script (each adds its own options)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--fault", choices=FAULTS, default="none")
+    parser.add_argument("--fault-rank", type=int, default=FAULT_RANK)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
 
 
 def add_try_parser(sub: Any, plugin_group: str) -> None:

@@ -41,6 +41,7 @@ from scout_core.checkpoint.memory import MemorySlots, partners
 from scout_core.checkpoint.snapshot import SnapshotEngine, UnusableSnapshot
 from scout_core.checkpoint.store import DurableStore
 from scout_core.progress.hooks import unobserved
+from scout_core.run_log import read_json_objects
 
 __all__ = ["CheckpointCoordinator", "combine_evidence", "partners", "record_decision"]
 
@@ -364,15 +365,4 @@ def record_decision(path: str, decision: Any, *, certifier: Certifier | None = N
 def read_records(path: str) -> list[dict[str, Any]]:
     """Every decision and resume record, oldest first (a torn last line, or a line that is not a JSON object,
     is ignored)."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-    return out
+    return read_json_objects(path)

@@ -22,7 +22,7 @@ from typing import Any
 from scout_core.actions import hang_action, stop_message, verdict_summary, write_launcher_error
 from scout_core.progress.classify import HangVerdict
 from scout_core.progress.episode import EpisodeOutcome
-from scout_core.progress.record import ProgressRecord, ProgressSnapshot
+from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot
 from scout_core.progress.spec import ObserverSpec
 from scout_core.progress.stacks import ANSWER_S, capture_stacks, main_thread_frames, stacks_path
 from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
@@ -62,6 +62,7 @@ class VerdictReporting:
     reporter: Reporter
     _watch: tuple[int, list[Incident], float] | None
     _watch_from: tuple[int, int] | None
+    _stopped_at: int | None
     proto: Any
     _plane_reported: bool
     _critical_section: Callable[..., contextlib.AbstractContextManager[None]]
@@ -93,23 +94,31 @@ class VerdictReporting:
         # A verdict over values someone outside the job wrote names nobody and never stops a trainer.
         steered = any("tampered" in v.evidence for v in outcome.verdicts)
         if not steered and any(self.spec.rank in inc.ranks for inc in incidents if _wants_stacks(inc)):
-            self._save_stacks(outcome.episode)  # before a stop ends the trainer
+            # After the callbacks (every observer runs them at once; a frozen trainer's dump waits its 2 s), before
+            # a stop ends the trainer: peers stopping theirs wait for the file.
+            self._save_stacks(outcome.episode)
         if stop_on_verdict and incidents and not steered:
+            # The named ranks' stacks first: a launcher ends every worker once one of them ends.
+            self._await_stacks(incidents)
             if not self._trainer_gone() and not self._trainer_closing():  # a closing trainer is ending already
-                # The named ranks' stacks first: a launcher ends every worker once one of them ends.
-                self._await_stacks(incidents)
                 if self.spec.launcher_error_file:  # torchrun's summary names the verdict, not a SIGTERM
                     write_launcher_error(stop_message([verdict_summary(i) for i in incidents], how="SIGTERM",
                                                       records=self.spec.jsonl_path), self.spec.launcher_error_file)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.spec.trainer_pid, signal.SIGTERM)
-                if self.spec.rank == 0:  # the run's end record: these trainers end by a signal, not by close()
-                    RunLog(self.spec.jsonl_path, rank=0, run_id=self.spec.run_id, fsync=self.spec.fsync).ended_by_stop(
-                        "stopped on a hang verdict", snap.step)
+                self._stopped_at = snap.step  # for the end record, once the trainer is out (observer.run)
             # Stopped, also when our trainer is already gone (a launcher ended it after a peer's stop): no episode
             # answers for it after a stop. Out of the critical section: _see_trainer_out answers its close.
             raise _Stopped
         return incidents
+
+    def _end_record_of_stop(self) -> None:
+        """Rank 0's observer writes the run's end record after a hang stop, once its trainer is out: such trainers
+        end by a signal, without close(); one that closed (its SIGTERM handler exits) wrote its own."""
+        closed = self.record is not None and self.record.read().phase is Phase.CLOSED
+        if self.spec.rank == 0 and self._stopped_at is not None and not closed:
+            RunLog(self.spec.jsonl_path, rank=0, run_id=self.spec.run_id, fsync=self.spec.fsync).ended_by_stop(
+                "stopped on a hang verdict", self._stopped_at)
 
     def _await_stacks(self, incidents: list[Incident]) -> None:
         """Until the named ranks' stack files are written (their observers write them before stopping their own
@@ -133,7 +142,7 @@ class VerdictReporting:
         _log.warning("SCOUT: rank %d's training thread at the verdict of episode %d: %s", spec.rank, episode,
                      " <- ".join(frames) if frames else dump.strip().splitlines()[0] if dump.strip() else "(empty)")
         if spec.jsonl_path:
-            path = stacks_path(spec.jsonl_path, spec.run_id, episode, spec.rank)
+            path = stacks_path(spec.jsonl_path, spec.run_id, spec.launch, episode, spec.rank)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(f"{path}.tmp", "w") as fh:  # whole when it appears: peers wait for it to exist
@@ -169,27 +178,24 @@ class VerdictReporting:
             return
         self._live_settings()
         with self._critical_section():
-            (episode, incidents, t_verdict), self._watch = self._watch, None
-            for inc in incidents:
-                self.reporter.emit(Incident(
-                    kind=IncidentKind.SHUTDOWN, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
-                    devices=list(inc.devices), step=inc.step,
-                    evidence={"episode": episode, "verdict": inc.kind.value, "class": inc.evidence.get("class"),
-                              "after_s": round(time.monotonic() - t_verdict, 3)},
-                    reason=f"the job ended while episode {episode}'s verdict stood; no progress was seen after it "
-                           f"({inc.reason})",
-                ))
+            self._emit_follow_up(IncidentKind.SHUTDOWN, "the job ended while episode {episode}'s verdict stood; no "
+                                 "progress was seen after it ({reason})")
 
     def _emit_resolved(self) -> None:
+        self._emit_follow_up(IncidentKind.RESOLVED, "progress resumed after episode {episode}'s verdict ({reason})")
+
+    def _emit_follow_up(self, kind: IncidentKind, reason: str) -> None:
+        """The record that ends the watch of the verdict we reported (``reason`` formatted with the episode and the
+        verdict's own reason), one per incident of that verdict."""
         assert self._watch is not None
         (episode, incidents, t_verdict), self._watch = self._watch, None
         for inc in incidents:
             self.reporter.emit(Incident(
-                kind=IncidentKind.RESOLVED, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
+                kind=kind, scope=inc.scope, ranks=list(inc.ranks), hosts=list(inc.hosts),
                 devices=list(inc.devices), step=inc.step,
                 evidence={"episode": episode, "verdict": inc.kind.value, "class": inc.evidence.get("class"),
                           "after_s": round(time.monotonic() - t_verdict, 3)},
-                reason=f"progress resumed after episode {episode}'s verdict ({inc.reason})",
+                reason=reason.format(episode=episode, reason=inc.reason),
             ))
 
     def _stack_files(self, v: HangVerdict, episode: int) -> dict[str, Any]:
@@ -200,7 +206,8 @@ class VerdictReporting:
                 or not 0 < len(v.ranks) <= STACKS_MAX_RANKS or "tampered" in v.evidence
                 or v.hang_class.value in ("lost", "exited")):
             return {}
-        return {"stack_files": {str(r): stacks_path(spec.jsonl_path, spec.run_id, episode, r) for r in v.ranks}}
+        return {"stack_files": {str(r): stacks_path(spec.jsonl_path, spec.run_id, spec.launch, episode, r)
+                                for r in v.ranks}}
 
     def _incident(self, v: HangVerdict, snap: Any, t_verdict: float, episode: int, threshold: float) -> Incident:
         spec = self.spec

@@ -119,6 +119,7 @@ class _Observer(TrainerEnding, VerdictReporting):
         self._close_pending = False
         self._watch: tuple[int, list[Incident], float] | None = None
         self._watch_from: tuple[int, int] | None = None  # our trainer's (step, collective) at that verdict
+        self._stopped_at: int | None = None  # the step at which we stopped our trainer on a hang verdict
         """(episode, incidents, when) of a verdict we reported and whose stall has not ended yet."""
         self.reporter = incident_reporter(spec)
 
@@ -143,6 +144,8 @@ class _Observer(TrainerEnding, VerdictReporting):
             return 0
         except _Stopped:
             self._see_trainer_out()
+            with contextlib.suppress(Exception):
+                self._end_record_of_stop()
             return OBSERVER_REPORTED_EXIT
         except _Closing:  # closed during start-up or while the store was away
             self._answer_closed()

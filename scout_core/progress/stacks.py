@@ -114,6 +114,7 @@ def main_thread_frames(dump: str, main_thread: int, count: int = 3) -> list[str]
     return []
 
 
-def stacks_path(jsonl_path: str, run_id: str, episode: int, rank: int) -> str:
+def stacks_path(jsonl_path: str, run_id: str, launch: str, episode: int, rank: int) -> str:
+    """One file per launch, episode and rank (a restarted job keeps its run id and counts episodes from 0 again)."""
     root, _ = os.path.splitext(jsonl_path)
-    return os.path.join(f"{root}.stacks", f"{run_id}-episode-{episode}-rank-{rank}.txt")
+    return os.path.join(f"{root}.stacks", f"{run_id}-{launch[:8] or 'launch'}-episode-{episode}-rank-{rank}.txt")

@@ -16,7 +16,6 @@ training and in replay alike (a defective unit); ``hang``: that rank stops in Py
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from scout_core.tryout import tryout_arguments
 
 __all__ = ["TinyLlama", "main"]
 
@@ -83,11 +84,7 @@ def _config(out: Path, stop: bool, stage: int) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=("none", "sdc", "hang"), default="none")
-    parser.add_argument("--fault-rank", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", type=Path, required=True)
+    parser = tryout_arguments(__doc__.splitlines()[0])
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2, help="DeepSpeed's ZeRO stage")
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()

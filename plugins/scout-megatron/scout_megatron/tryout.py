@@ -14,17 +14,17 @@ iteration 3, in training and in replay alike (a defective unit); ``hang``: that 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["host_pretrain", "main"]
+from scout_core.tryout import tryout_arguments
+
+__all__ = ["host_pretrain", "main", "masked_loss"]
 
 SEQ, VOCAB, MICRO_BATCH = 32, 128, 2
 
@@ -37,7 +37,7 @@ def _batches(seed: int) -> Any:
         yield torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen)
 
 
-def _loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def masked_loss(mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     loss = (output.float().view(-1) * mask.view(-1)).sum()
     tokens = mask.sum().to(torch.int)
     return loss, tokens, {"lm loss": torch.cat([loss.detach().view(1), tokens.view(1).float()])}
@@ -47,7 +47,7 @@ def _forward_step(data_iterator: Any, model: Any) -> Any:
     tokens = next(data_iterator)
     positions = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, -1)
     mask = torch.ones(MICRO_BATCH, SEQ)
-    return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]), partial(_loss, mask)
+    return model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]), partial(masked_loss, mask)
 
 
 def _gpt_provider(pre_process: bool = True, post_process: bool = True, **_: Any) -> torch.nn.Module:
@@ -105,11 +105,7 @@ def host_pretrain(fault: str, fault_rank: int, seed: int = 0) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=("none", "sdc", "hang"), default="none")
-    parser.add_argument("--fault-rank", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", type=Path, required=True)
+    parser = tryout_arguments(__doc__.splitlines()[0])
     parser.add_argument("--tensor-parallel", type=int, default=1, help="Megatron's --tensor-model-parallel-size")
     parser.add_argument("--num-layers", type=int, default=4)
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """CPU try-out support: what TorchTitan 0.3 needs to run on a machine without CUDA, for ``scout try torchtitan``
-and this project's tests; never imported on the GPU path, and :func:`use_cpu` refuses where CUDA is there.
+(which hides CUDA from its job) and this project's tests; never imported on the GPU path.
 
 * Triton: importing TorchTitan's models imports its async expert-parallel kernels
   (``torchtitan.distributed.minimal_async_ep.kernels``), which import ``triton``; the CPU build of torch
@@ -91,8 +91,6 @@ def _host_device_module() -> Any:
 def use_cpu() -> None:
     """Make TorchTitan build its meshes and models on the host (gloo): every module that copied the device
     type and module at import sees ``cpu``."""
-    if torch.cuda.is_available():
-        raise RuntimeError("scout_torchtitan.cpu.use_cpu() is CPU try-out support: this machine has CUDA, use it")
     stub_triton_kernels()
     # TorchTitan's MoE router asks for a float32 autocast region, which the host's autocast does not support
     # (it warns once per process and runs in float32 anyway, which is what the router wants).

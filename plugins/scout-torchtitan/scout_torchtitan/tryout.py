@@ -13,14 +13,14 @@ at step 4.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from scout_core.tryout import tryout_arguments
 
 __all__ = ["main"]
 
@@ -46,11 +46,7 @@ def _install_fault(trainer: Any, fault: str, rank: int, fault_rank: int) -> None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=("none", "sdc", "hang"), default="none")
-    parser.add_argument("--fault-rank", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", type=Path, required=True)
+    parser = tryout_arguments(__doc__.splitlines()[0])
     parser.add_argument("--config", default="llama3_debugmodel",
                         help="a config of the plugin's registry (e.g. deepseek_v3_debugmodel)")
     args = parser.parse_args()
