@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from scout_core.report import Incident, IncidentKind, IncidentScope, drains_machine, list_of
+from scout_core.report import STALL_KINDS, Incident, IncidentKind, IncidentScope, drains_machine, list_of
 
 if TYPE_CHECKING:  # the observer imports this module, without torch or the config's parser
     from scout_core.config import ScoutConfig
@@ -45,7 +45,6 @@ LAUNCHER_ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 """Where torchelastic (``torchrun``) reads a failed worker's root cause: its "Root Cause" summary prints the message
 of the earliest error file instead of the exit code or signal of whichever rank it happened to see first."""
 
-_STALL_KINDS = ("hang", "data_stall", "checkpoint_stall")
 _PLAIN_KINDS = {"sdc": "silent data corruption", "straggler": "a straggler", "hang": "a hang",
                 "data_stall": "an input stall", "checkpoint_stall": "a checkpoint stall",
                 "inconclusive": "an inconclusive check"}
@@ -187,7 +186,7 @@ def stop_message(summaries: Iterable[dict[str, Any]], *, how: str, records: str 
             f" (machine {', '.join(hosts)})" if hosts else "")
         step = v.get("step")
         # A stall's record counts the steps its ranks finished; the stall is in the next one (the step being run).
-        at = "" if step is None else f" in step {step + 1}" if v.get("kind") in _STALL_KINDS else f" at step {step}"
+        at = "" if step is None else f" in step {step + 1}" if v.get("kind") in STALL_KINDS else f" at step {step}"
         kind = _PLAIN_KINDS.get(v.get("kind"), v.get("kind"))
         found.append(f"{kind} on {where}{at}: {v.get('reason') or ''}".strip().rstrip(":"))
     text = f"SCOUT stopped this job ({how}) on its verdict: " + "; ".join(found or ["(no summary)"])

@@ -169,7 +169,9 @@ class JsonlSink:
             os.close(fd)
 
 
-_STALL_KINDS = ("hang", "data_stall", "checkpoint_stall", "resolved", "shutdown")
+STALL_KINDS = ("hang", "data_stall", "checkpoint_stall")
+"""Verdicts on ranks that stopped progressing (the observers'): their ``step`` counts the steps those ranks finished."""
+_COUNTS_FINISHED = (*STALL_KINDS, "resolved", "shutdown")
 
 
 def step_being_run(incident: Incident) -> int | None:
@@ -177,7 +179,7 @@ def step_being_run(incident: Incident) -> int | None:
     stall is in the next one); a replay check's holds the step it checked."""
     if incident.step is None:
         return None
-    return incident.step + 1 if incident.kind.value in _STALL_KINDS else incident.step
+    return incident.step + 1 if incident.kind.value in _COUNTS_FINISHED else incident.step
 
 
 class LoggingSink:

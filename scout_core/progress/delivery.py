@@ -25,13 +25,13 @@ from scout_core.progress.episode import EpisodeOutcome
 from scout_core.progress.record import Phase, ProgressRecord, ProgressSnapshot
 from scout_core.progress.spec import ObserverSpec
 from scout_core.progress.stacks import ANSWER_S, capture_stacks, main_thread_frames, stacks_path
-from scout_core.report import Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
+from scout_core.report import STALL_KINDS, Incident, IncidentKind, IncidentScope, JsonlSink, LoggingSink, Reporter
 from scout_core.run_log import RunLog
 
 __all__ = ["VerdictReporting", "incident_reporter"]
 
 _log = logging.getLogger("scout")
-_STALLS = (IncidentKind.HANG, IncidentKind.DATA_STALL, IncidentKind.CHECKPOINT_STALL)
+_STALLS = tuple(IncidentKind(k) for k in STALL_KINDS)
 STACKS_MAX_RANKS = 8
 """A verdict naming more ranks (a whole peer group waiting in one collective) gets no stack files: they would all
 show that collective, one file per rank of the group."""
