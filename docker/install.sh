@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs SCOUT into the active Python environment: scout-core, and with the frameworks (the default) the three
+# Installs SCOUT into the active Python environment: scout-core, and with the frameworks (the default) the
 # plugins and the framework releases they are tested with. What nox's sessions (and so CI, in a fresh virtual
 # environment), docker/Dockerfile.cpu and docker/Dockerfile.cuda run.
 #
@@ -51,3 +51,8 @@ pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-megatron"
 pip "setuptools>=69" wheel
 DS_BUILD_OPS=0 pip --no-build-isolation -r "$ROOT/plugins/scout-deepspeed/requirements.txt"
 pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-deepspeed"
+
+# Hugging Face transformers and Accelerate (scout-hf), pinned in the plugin's requirements, torch held by the
+# constraint.
+pip -r "$ROOT/plugins/scout-hf/requirements.txt"
+pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-hf"

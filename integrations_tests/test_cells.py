@@ -795,3 +795,13 @@ def test_moe_attention_straggler_cell_fails_when_other_kinds_of_work_reset_the_s
     monkeypatch.setattr(Confirmation, "update", lambda self, result, kind=None: real(self, result))
     (report,) = run_cells([SPECS["moe-attention-straggler"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected [9]" in report.details, report.details
+
+
+def test_hf_recovery_cell_fails_without_the_restart_plan(monkeypatch):
+    """The guard of hf-trainer-recovery-sdc: without the plan the callback makes when the Trainer is built,
+    ``resume_from_checkpoint=True`` finds the newest folder, which the SDC verdict rejected."""
+    import scout_hf.checkpoints as checkpoints
+
+    monkeypatch.setattr(checkpoints, "_plan", lambda output_dir: None)
+    (report,) = run_cells([SPECS["hf-trainer-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "the restart failed" in report.details, report.details

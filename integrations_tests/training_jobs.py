@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -135,7 +136,9 @@ def restart_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_s
     after = {int(k): v["label"] for k, v in body["checkpoints"].items()}
     if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
         problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
-    aside = sorted(int(os.path.basename(x).split("-")[0][len(prefix):]) for x in body.get("set_aside", []))
+    # A set-aside folder is named <prefix><step>-<time>-<pid> (scout_core.checkpoint.durable.set_aside).
+    aside = sorted(int(re.match(rf"{re.escape(prefix)}(\d+)-", os.path.basename(x)).group(1))
+                   for x in body.get("set_aside", []))
     if aside != sorted(p["set_aside"]):
         problems.append(f"set aside {body.get('set_aside')}, expected the {unit}s {p['set_aside']}")
     return problems

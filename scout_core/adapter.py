@@ -218,8 +218,9 @@ def find_inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """
     if optimizer is None:
         return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
+        return [optimizer]  # (Accelerate's AcceleratedOptimizer is an Optimizer around one: the inner one steps)
     if isinstance(optimizer, (list, tuple)):
         return [o for item in optimizer for o in find_inner_optimizers(item)]
     for attr in ("chained_optimizers", "optimizers", "optimizer"):

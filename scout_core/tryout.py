@@ -46,7 +46,7 @@ def add_try_parser(sub: Any, plugin_group: str) -> None:
     tryout = sub.add_parser("try", help="a first run on this machine's CPUs: a small job of a plugin's framework "
                                         "under torchrun, SCOUT on, optionally a fault, and what SCOUT found",
                             epilog="After --, the plugin's try-out options (its model or parallelism: its README).")
-    tryout.add_argument("plugin", help="torchtitan, megatron or deepspeed (see `scout plugins`)")
+    tryout.add_argument("plugin", help="torchtitan, megatron, deepspeed, hf or lightning (see `scout plugins`)")
     tryout.add_argument("--fault", choices=FAULTS, default="sdc",
                         help="sdc: rank 1 computes wrongly from step 3; hang: rank 1 stops at step 4")
     tryout.add_argument("--ranks", type=int, default=4, help="CPU ranks (processes) to train on")

@@ -11,7 +11,8 @@ import scout_core
 
 PACKAGE = Path(scout_core.__file__).parent
 ROOT = PACKAGE.parent
-FRAMEWORKS = ("scout_torchtitan", "scout_megatron", "scout_deepspeed", "torchtitan", "megatron", "deepspeed")
+FRAMEWORKS = ("scout_torchtitan", "scout_megatron", "scout_deepspeed", "scout_hf", "scout_lightning", "torchtitan",
+              "megatron", "deepspeed", "transformers", "accelerate", "lightning")
 TESTING = "scout_core.testing"
 
 

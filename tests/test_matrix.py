@@ -73,7 +73,7 @@ def test_every_16_rank_cell_has_a_place_in_the_matrix():
     specs = load_cells(ROOT / "configs" / "cells.yaml")
     assert [n for n, s in specs.items() if s.world_size == 16 and s.matrix is None] == []
     layouts = {s.matrix.layout for s in specs.values() if s.matrix}
-    assert {"ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed"} <= layouts
+    assert {"ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed", "hf"} <= layouts
 
 
 KNOWN_GAPS: list[tuple[str, str]] = []

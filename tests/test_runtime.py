@@ -676,3 +676,18 @@ def test_a_handle_that_fails_to_build_releases_the_claim_and_handle_attributes_a
     for v in result.values():
         assert v["raised"] == "the handle could not be built" and not v["held"]
         assert "read-only" in v["write"] and "handle.boundary" in v["write"], v["write"]
+
+
+def test_the_inner_optimizer_of_a_wrapper_that_is_an_optimizer_is_found():
+    """Accelerate's ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` around the one that steps (without
+    its state): SCOUT's boundary hook goes on the inner one, which steps only where gradients were synchronized."""
+    from scout_core.adapter import find_inner_optimizers
+
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):  # as Accelerate's: no Optimizer.__init__
+            self.optimizer = optimizer
+
+    assert find_inner_optimizers(Wrapper(inner)) == [inner]
+    assert find_inner_optimizers(inner) == [inner]

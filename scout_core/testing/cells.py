@@ -60,7 +60,7 @@ class CellSpec:
     """Where the cell sits in the fault matrix (``nox -s matrix``): every 16-rank cell has a place."""
 
 
-MATRIX_LAYOUTS = ("ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed", "protocol")
+MATRIX_LAYOUTS = ("ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed", "hf", "lightning", "protocol")
 """Columns of the matrix: the four parallel layouts, the plugins' real frameworks, and the protocol cells (C3 and
 topology exercised without a training job)."""
 MATRIX_FAULTS = ("clean", "sdc", "compute_straggler", "comm_straggler", "hang", "input_stall", "checkpoint_stall",
