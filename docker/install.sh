@@ -56,3 +56,7 @@ pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-deepspeed"
 # constraint.
 pip -r "$ROOT/plugins/scout-hf/requirements.txt"
 pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-hf"
+
+# PyTorch Lightning (scout-lightning), pinned in the plugin's requirements, torch held by the constraint.
+pip -r "$ROOT/plugins/scout-lightning/requirements.txt"
+pip --no-deps ${EDITABLE[@]+"${EDITABLE[@]}"} "$ROOT/plugins/scout-lightning"

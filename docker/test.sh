@@ -15,6 +15,6 @@ scout cells matrix --out runs --workdir runs/cells
 # The plugins' tests in processes of their own (their tests import the frameworks at module level). The first
 # pytest run above imports them into its parent too, once its plugin cells have run: the core cells before them
 # fork from a parent without them; the matrix runs the core cells first for the same reason.
-for plugin in scout-torchtitan scout-megatron scout-deepspeed scout-hf; do
+for plugin in scout-torchtitan scout-megatron scout-deepspeed scout-hf scout-lightning; do
   python -m pytest -q --durations=10 "plugins/$plugin/tests"
 done

@@ -805,3 +805,23 @@ def test_hf_recovery_cell_fails_without_the_restart_plan(monkeypatch):
     monkeypatch.setattr(checkpoints, "_plan", lambda output_dir: None)
     (report,) = run_cells([SPECS["hf-trainer-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "the restart failed" in report.details, report.details
+
+
+def test_lightning_clean_cell_fails_without_the_closure_run_first(monkeypatch):
+    """The guard of lightning-ddp-clean: with Lightning's closure left inside the optimizer's step, SCOUT's pre-step
+    hooks run before the step's forward and backward (stale gradients in the optimizer check): false verdicts."""
+    import scout_lightning.callback as callback
+
+    monkeypatch.setattr(callback, "_closure_first", lambda optimizer: (lambda: None))
+    (report,) = run_cells([SPECS["lightning-ddp-clean"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected []" in report.details, report.details
+
+
+def test_lightning_recovery_cell_fails_without_the_restart_plan(monkeypatch):
+    """The guard of lightning-ddp-recovery-sdc: without the plan the callback makes at setup, ckpt_path="last"
+    loads last.ckpt as the stopped run left it: the state of step 40, which the SDC verdict rejected."""
+    import scout_lightning.checkpoints as checkpoints
+
+    monkeypatch.setattr(checkpoints, "_plan", lambda folder: None)
+    (report,) = run_cells([SPECS["lightning-ddp-recovery-sdc"]], root=ROOT)
+    assert report.verdict == "FAIL" and "loaded step [40]" in report.details, report.details

@@ -136,9 +136,10 @@ def restart_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_s
     after = {int(k): v["label"] for k, v in body["checkpoints"].items()}
     if after != {int(k): v for k, v in p["labels_after_restart"].items()}:
         problems.append(f"labels after the restarted run {after}, expected {p['labels_after_restart']}")
-    # A set-aside folder is named <prefix><step>-<time>-<pid> (scout_core.checkpoint.durable.set_aside).
-    aside = sorted(int(re.match(rf"{re.escape(prefix)}(\d+)-", os.path.basename(x)).group(1))
-                   for x in body.get("set_aside", []))
+    # A set-aside checkpoint is named <its name>-<time>-<pid> (scout_core.checkpoint.durable.set_aside); a
+    # framework's tracker file set aside with them (Lightning's last.ckpt) names no step.
+    found = [re.match(rf"{re.escape(prefix)}(\d+)\D", os.path.basename(x)) for x in body.get("set_aside", [])]
+    aside = sorted(int(m.group(1)) for m in found if m)
     if aside != sorted(p["set_aside"]):
         problems.append(f"set aside {body.get('set_aside')}, expected the {unit}s {p['set_aside']}")
     return problems

@@ -168,6 +168,24 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = 
     return validate(cfg)
 
 
+def resolve(config: ScoutConfig | str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> ScoutConfig:
+    """SCOUT's configuration from what a user hands a plugin's callback: a :class:`ScoutConfig`, a YAML file's path,
+    or None (the shipped defaults), with dotted ``key=value`` overrides on top."""
+    if isinstance(config, ScoutConfig):
+        if not overrides:
+            return validate(config)
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(list(overrides)))
+            cfg = OmegaConf.to_object(merged)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_error_message(exc)) from exc
+        assert isinstance(cfg, ScoutConfig)
+        return validate(cfg)
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"config is a ScoutConfig, a YAML file's path or None; got {type(config).__name__}")
+    return load(config, overrides)
+
+
 def _field_docs() -> dict[tuple[str, str], str]:
     """Field docstrings (the string literal after each field) read from the schema's source."""
     import ast

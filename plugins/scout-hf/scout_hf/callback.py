@@ -32,11 +32,11 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from scout_core.config import ConfigError, ScoutConfig
+from scout_core.config import ConfigError, ScoutConfig, resolve
 from scout_core.report import Incident
 from scout_core.runtime import ScoutHandle
 from scout_hf.checkpoints import TrainerCheckpoints, plan_restart, refuse_rejected_load
-from scout_hf.prepared import attach_prepared, scout_config
+from scout_hf.prepared import attach_prepared
 
 __all__ = ["ScoutCallback"]
 
@@ -53,7 +53,7 @@ class ScoutCallback(TrainerCallback):
 
     def __init__(self, config: ScoutConfig | str | os.PathLike[str] | None = None, *, overrides: Sequence[str] = (),
                  on_incident: Callable[[Incident], None] | str | None = None) -> None:
-        self.config = scout_config(config, overrides)
+        self.config = resolve(config, overrides)
         if self.config.checkpoint.enabled:
             raise ConfigError("scout_hf: checkpoint.enabled: SCOUT's in-memory snapshots do not hold the Trainer's "
                               "own state (data position, RNG, gradient scaler); certification labels the Trainer's "

@@ -29,28 +29,13 @@ import torch.distributed as dist
 from torch import nn
 
 from scout_core.adapter import torch_adapter
-from scout_core.config import ConfigError, ScoutConfig, load, validate
+from scout_core.config import ConfigError, ScoutConfig, resolve
 from scout_core.report import Incident
 from scout_core.runtime import ScoutHandle, enable_with
 
-__all__ = ["attach", "attach_prepared", "scout_config"]
+__all__ = ["attach", "attach_prepared"]
 
 log = logging.getLogger("scout_hf")
-
-
-def scout_config(config: ScoutConfig | str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> ScoutConfig:
-    """SCOUT's configuration from what a user hands the plugin: a :class:`ScoutConfig`, a YAML file's path, or None
-    (the shipped defaults), with ``key.path=value`` overrides on top."""
-    if isinstance(config, ScoutConfig):
-        if not overrides:
-            return config
-        from omegaconf import OmegaConf
-
-        merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(list(overrides)))
-        return validate(OmegaConf.to_object(merged))
-    if config is not None and not isinstance(config, (str, os.PathLike)):
-        raise TypeError(f"config is a ScoutConfig, a YAML file's path or None; got {type(config).__name__}")
-    return load(config, overrides)
 
 
 def attach(accelerator: Any, model: nn.Module, optimizer: Any, *,
@@ -62,7 +47,7 @@ def attach(accelerator: Any, model: nn.Module, optimizer: Any, *,
     ``key=value`` on top; ``lr_scheduler`` and ``state`` (objects with ``state_dict``) are kept in SCOUT's
     snapshots where ``checkpoint.enabled``. None, with a warning, in a job of one process (nothing to compare)."""
     return attach_prepared(str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)),
-                           model, optimizer, config=scout_config(config, overrides), lr_scheduler=lr_scheduler,
+                           model, optimizer, config=resolve(config, overrides), lr_scheduler=lr_scheduler,
                            state=state, on_incident=on_incident,
                            parallelism=getattr(accelerator, "parallelism_config", None))
 

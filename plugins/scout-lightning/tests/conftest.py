@@ -1,0 +1,6 @@
+"""The repository root importable (integrations_tests)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
