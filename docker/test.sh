@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMP_NUM_THREADS=1
+export SCOUT_SIGNATURE_CASES=2000  # the signature's property tests: 2,000 corruptions of each kind (10,000 alone)
 
 python -m pytest -m "not cells and not matrix and not guards" -q --durations=10 "$@"
 [ $# -eq 0 ] || exit 0

@@ -86,3 +86,19 @@ def test_snapshots_without_replay_checks_are_refused(override):
     with pytest.raises(ConfigError, match="checkpoint.enabled: certified snapshots are taken at replay checks"):
         load(None, ["checkpoint.enabled=true", *off])
     load(None, ["checkpoint.enabled=false", *off])  # fine without snapshots
+
+
+def test_resolve_takes_a_config_a_yaml_path_or_nothing_with_overrides_on_top(tmp_path):
+    """What a plugin's callback is handed (``ScoutCallback(config, overrides=...)``)."""
+    from scout_core.config import ConfigError, ScoutConfig, resolve
+
+    assert resolve(None) == ScoutConfig()
+    path = tmp_path / "scout.yaml"
+    path.write_text("replay:\n  cadence:\n    hidden: 7\n")
+    assert resolve(str(path), ["replay.cadence.output=3"]).replay.cadence.output == 3
+    cfg = resolve(resolve(path), ["replay.cadence.embedding=2"])
+    assert (cfg.replay.cadence.hidden, cfg.replay.cadence.embedding) == (7, 2)
+    with pytest.raises(ConfigError):
+        resolve(ScoutConfig(), ["replay.cadence.hidden=-1"])
+    with pytest.raises(TypeError, match="YAML file's path"):
+        resolve({"replay": {}})

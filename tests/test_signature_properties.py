@@ -1,4 +1,5 @@
-"""Property tests of the signature fold: 10,000 random corruptions of each kind, every one must be seen.
+"""Property tests of the signature fold: 10,000 random corruptions of each kind, every one must be seen (CI draws
+2,000 of each: ``SCOUT_SIGNATURE_CASES``, set by docker/test.sh).
 
 The kinds are the ones a plain wrapping sum of words misses (docs/signatures.md): several flips, two flips of
 one bit with opposite polarity, two sign bits, stuck lanes and swapped elements, each placed in one fold row
@@ -8,6 +9,7 @@ that the generated cases are not trivially caught: a plain per-row wrapping sum 
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 
@@ -16,7 +18,7 @@ import torch
 
 from scout_core.signature import _GEMM_ROWS, sign_many
 
-CASES = 10_000
+CASES = int(os.environ.get("SCOUT_SIGNATURE_CASES", "10000"))
 BATCH = 500
 SIZES = (4096, 65_536, 69_992, 262_144)  # bytes: rows of 8, 128, 144 (a partial last row) and 512 bytes
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
