@@ -44,22 +44,28 @@ def _prepare() -> None:
     import scout_hf.callback  # noqa: F401
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
-
-
 def _install_faults(model: nn.Module, injector: Injector, rank: int, step: Any) -> None:
-    """Faults inside the blocks' own ``forward`` (a faulty unit computes wrongly in training and in replay alike)."""
-    for i, block in enumerate(_blocks(model)):
+    """Faults inside each block's computation, in training and in replay alike: ``layers.<i>.output`` corrupts what
+    the block's MLP adds to its output (a defective unit in the block's feed-forward: under FSDP2 replay calls the
+    block's class ``forward``, and its submodules as in training), ``layers.<i>.forward`` freezes the rank as the
+    block starts."""
+    from scout_hf.tryout import blocks, feed_forward
+
+    for i, block in enumerate(blocks(model)):
         def forward(*args: Any, _inner: Any = block.forward, i: int = i, **kwargs: Any) -> Any:
             injector.freeze(f"layers.{i}.forward", rank=rank, step=step())
+            return _inner(*args, **kwargs)
+
+        part = feed_forward(block)
+
+        def mlp(*args: Any, _inner: Any = part.forward, i: int = i, **kwargs: Any) -> Any:
             out = _inner(*args, **kwargs)
             with torch.no_grad():
-                injector.corrupt(f"layers.{i}.output", out[0] if isinstance(out, tuple) else out, rank=rank,
-                                 step=step())
+                injector.corrupt(f"layers.{i}.output", out, rank=rank, step=step())
             return out
 
         block.forward = forward
+        part.forward = mlp
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,8 @@ def _trainer_rank(ctx: RankContext) -> dict[str, Any]:
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
     final = _signature(trainer.model, trainer.optimizer)
     dist.barrier()
-    return {"checks": checks, "steps": int(trainer.state.global_step), "final": final, "loaded": live["loaded"]}
+    return {"checks": checks, "steps": int(trainer.state.global_step), "final": final, "loaded": live["loaded"],
+            "fsdp2": _is_fsdp2(trainer.model_wrapped)}
 
 
 def _accelerate_rank(ctx: RankContext) -> dict[str, Any]:
@@ -160,11 +167,22 @@ def _accelerate_rank(ctx: RankContext) -> dict[str, Any]:
     if handle is not None:
         handle.close()
     dist.barrier()
-    return {"checks": checks, "steps": step["n"] - 1, "final": final, "loaded": []}
+    return {"checks": checks, "steps": step["n"] - 1, "final": final, "loaded": [], "fsdp2": _is_fsdp2(model)}
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _join(ctx: RankContext) -> None:
-    """The environment torchrun gives a worker (Accelerate reads it), then the job's gloo group."""
+    """The environment torchrun gives a worker (Accelerate reads it), then the job's gloo group; Accelerate's FSDP
+    path on these CPU ranks where the cell asks for FSDP2 (:mod:`scout_hf.cpu`)."""
+    if ctx.args["fsdp"]:
+        from scout_hf.cpu import fsdp_on_cpu
+
+        fsdp_on_cpu()
     os.environ.update(RANK=str(ctx.rank), LOCAL_RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size),
                       LOCAL_WORLD_SIZE=str(ctx.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ctx.master_port))
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // ctx.args['ranks_per_machine']}"
@@ -187,6 +205,9 @@ def hf_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     run = run_job(rank, spec, world_size, workdir, args, hang=hang, stop=stop)
     if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
         run.problems.append(f"trained {[v['steps'] for v in run.result.values()]} steps, expected {args['steps']}")
+    if run.result.ok and not hang and any(v["fsdp2"] != args["fsdp"] for v in run.result.values()):
+        run.problems.append(f"FSDP2 asked: {args['fsdp']}; the trained model was FSDP2 on "
+                            f"{[v['fsdp2'] for v in run.result.values()]}")
     if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
         run.problems += bitwise_problems(rank, spec, world_size, args, run)
     if recovery and not run.problems:

@@ -209,6 +209,19 @@ def _bodies(module: nn.Module) -> list[nn.Module]:
                                                                                        nn.Module)]
 
 
+def _declared(module: nn.Module, method: str) -> nn.Module | None:
+    """The module a model declares through ``method`` (transformers' ``get_input_embeddings`` and
+    ``get_output_embeddings``: a BERT-style model's embedding under ``.bert``, its head under ``.cls``), or None."""
+    get = getattr(module, method, None)
+    if not callable(get):
+        return None
+    try:
+        found = get()
+    except Exception:  # noqa: BLE001 - a model that does not implement it (NotImplementedError, AttributeError)
+        return None
+    return found if isinstance(found, nn.Module) and found is not module else None
+
+
 def find_inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside ``optimizer``: itself, or those a wrapper holds.
 
@@ -277,8 +290,12 @@ def torch_adapter(
         names = [where[id(m)] for m in found_layers] if all(id(m) in where for m in found_layers) else None
     if embedding is None:  # HF keeps the body under .model / .transformer
         embedding = next((e for m in _bodies(inner[0]) if (e := _named_child(m, EMBEDDING_NAMES))), None)
+    if embedding is None:
+        embedding = _declared(inner[0], "get_input_embeddings")
     if output is None:
         output = _named_child(inner[-1], OUTPUT_NAMES)
+    if output is None:
+        output = _declared(inner[-1], "get_output_embeddings")
     owner = None
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -36,6 +36,7 @@ from scout_core.moe.catalog import Catalog
 from scout_core.moe.replay import ExpertReplay
 from scout_core.observer_link import ObserverLink
 from scout_core.parts import ScoutParts
+from scout_core.plugin_support import InstanceAttribute
 from scout_core.progress.control import ControlPlane, observer_timing
 from scout_core.progress.hooks import install_collective_hooks
 from scout_core.progress.observer import ObserverSpec, steady_threshold
@@ -322,20 +323,4 @@ def install_step_hooks(parts: ScoutParts, handle: ScoutHandle) -> None:
         handle.on_step()
         return out
 
-    parts.hooks.append(_InstanceAttribute(owner, "step", step))
-
-
-class _InstanceAttribute:
-    """Sets ``obj.name`` on the instance until :meth:`remove` (a hook handle's interface)."""
-
-    def __init__(self, obj: Any, name: str, value: Any) -> None:
-        self.obj, self.name = obj, name
-        self.had = name in vars(obj)
-        self.before = vars(obj).get(name)
-        setattr(obj, name, value)
-
-    def remove(self) -> None:
-        if self.had:
-            setattr(self.obj, self.name, self.before)
-        else:
-            vars(self.obj).pop(self.name, None)
+    parts.hooks.append(InstanceAttribute(owner, "step", step))

@@ -8,11 +8,13 @@ hand each call to the part that does it: the step boundary (:mod:`scout_core.bou
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -28,7 +30,7 @@ from scout_core.live_control import LiveControl
 from scout_core.parts import ScoutParts
 from scout_core.replay.engine import BoundaryResult
 
-__all__ = ["ScoutHandle"]
+__all__ = ["ScoutHandle", "close_at_exit", "exit_closer"]
 
 _log = logging.getLogger("scout")
 
@@ -262,3 +264,23 @@ class _Claimed:
 
 
 _CLAIMED: Any = _Claimed()
+
+
+def close_at_exit(handle: ScoutHandle) -> None:
+    """Close ``handle`` when the interpreter exits, for a plugin whose framework may never say that training ended
+    (a script that never calls ``engine.destroy()``, a Trainer whose ``train()`` raised). An exit handler cannot
+    tell a normal end from ``sys.exit(1)`` after a caught error, so that close counts as a failure: the checkpoint
+    labels do not say the run ended normally, and a relaunch loads the newest verified checkpoint rather than the
+    newest one not rejected. Holds the handle weakly: one closed and collected is left alone."""
+    atexit.register(exit_closer(weakref.ref(handle)))
+
+
+def exit_closer(handle: Callable[[], Any]) -> Callable[[], None]:
+    """What :func:`close_at_exit` registers: ``handle()`` returns the handle, or None once it is gone."""
+
+    def close() -> None:
+        live = handle()
+        if live is not None:
+            live.close(failed=True)
+
+    return close

@@ -1,5 +1,5 @@
-"""What every framework plugin repeats at import: the gate on its framework's version, and the description
-``scout plugins`` reads through the ``scout.plugins`` entry-point group.
+"""What every framework plugin repeats: the gate on its framework's version, the description ``scout plugins``
+reads (``scout.plugins`` entry points), and a framework's method wrapped on one object until removed.
 
 The standard library only: a plugin's package imports this before (and without) its framework.
 """
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
-__all__ = ["PluginInfo", "UnsupportedVersion", "VersionGate"]
+__all__ = ["InstanceAttribute", "PluginInfo", "UnsupportedVersion", "VersionGate"]
 
 
 class UnsupportedVersion(ImportError):
@@ -80,3 +81,23 @@ def _major_minor(bound: str, prefix: str) -> tuple[int, ...]:
     if not bound.startswith(prefix):
         raise ValueError(f"a tested range is ('>=X.Y', '<X.Y'); got the bound {bound!r}")
     return tuple(int(p) for p in bound[len(prefix):].split("."))
+
+
+class InstanceAttribute:
+    """Sets ``obj.name`` on the instance until :meth:`remove`, which puts back what the instance had there (an
+    attribute of its own, such as an LR scheduler's wrapper of ``optimizer.step``) or nothing (the class's
+    again). A hook handle's interface."""
+
+    def __init__(self, obj: Any, name: str, value: Any) -> None:
+        self.obj, self.name, self.value = obj, name, value
+        self.had = name in vars(obj)
+        self.before = vars(obj).get(name)
+        setattr(obj, name, value)
+
+    def remove(self) -> None:
+        if vars(self.obj).get(self.name) is not self.value:
+            return  # replaced since (someone wrapped ours): theirs stays, and with it what it calls
+        if self.had:
+            setattr(self.obj, self.name, self.before)
+        else:
+            vars(self.obj).pop(self.name, None)

@@ -215,5 +215,8 @@ def test_a_users_hook_that_fsdp2_replay_passes_by_is_named_once(caplog):
         _say_hooks_skipped(layer)
         _say_hooks_skipped(layer)
         _say_hooks_skipped(torch.nn.Linear(4, 4))  # no hooks: nothing to say
+        patched = torch.nn.Linear(4, 4)
+        patched.forward = lambda x: x  # an instance's own forward: replay runs the class's
+        _say_hooks_skipped(patched)
     said = [r.getMessage() for r in caplog.records if "past the module's own hooks" in r.getMessage()]
-    assert len(said) == 1 and "users_hook" in said[0], said
+    assert len(said) == 2 and "users_hook" in said[0] and "<lambda>" in said[1], said

@@ -691,3 +691,26 @@ def test_the_inner_optimizer_of_a_wrapper_that_is_an_optimizer_is_found():
 
     assert find_inner_optimizers(Wrapper(inner)) == [inner]
     assert find_inner_optimizers(inner) == [inner]
+
+
+def test_embedding_and_head_a_model_declares_are_found_where_no_name_matches():
+    """A BERT-style model keeps its embedding and head under names SCOUT does not look for: the modules its
+    ``get_input_embeddings`` / ``get_output_embeddings`` return are taken (a method that raises: nothing)."""
+    from scout_core.adapter import torch_adapter
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.ModuleDict({"tokens": torch.nn.Embedding(8, 4)})
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+            self.cls = torch.nn.Sequential(torch.nn.Linear(4, 8))
+
+        def get_input_embeddings(self):
+            return self.body["tokens"]
+
+        def get_output_embeddings(self):
+            raise NotImplementedError
+
+    model = Encoder()
+    adapter = torch_adapter(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert adapter.embedding is model.body["tokens"] and adapter.output is None

@@ -117,12 +117,14 @@ def _say_hooks_skipped(layer: torch.nn.Module) -> None:
     silence. Hooks of the layer's submodules run as in training."""
     theirs = [h for attr in _HOOK_DICTS for h in getattr(layer, attr, {}).values()
               if not defining_module(h).startswith(("torch.", "scout_core."))]
+    if callable(vars(layer).get("forward")):  # an instance's own forward (a patch): replay runs the class's
+        theirs.append(vars(layer)["forward"])
     if theirs and id(layer) not in _told:
         _told.add(id(layer))
         names = ", ".join(sorted({getattr(h, "__qualname__", type(h).__name__) for h in theirs}))
-        _log.warning("SCOUT replays %s (FSDP2) by calling its forward past the module's own hooks: %s do not "
-                     "run in replay, so a fault they introduce is not seen there (hooks of its submodules run)",
-                     type(layer).__name__, names)
+        _log.warning("SCOUT replays %s (FSDP2) by calling its class's forward past the module's own hooks: %s "
+                     "do not run in replay, so a fault they introduce is not seen there (hooks and forwards of its "
+                     "submodules run)", type(layer).__name__, names)
 
 
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,

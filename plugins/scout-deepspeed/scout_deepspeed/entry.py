@@ -7,21 +7,20 @@ enables it (the one-line change), and the life of that SCOUT beside the engine.
 * After ``deepspeed.initialize`` returned, SCOUT is attached to the engine (:func:`scout_deepspeed.adapter.attach`)
   and the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped (:mod:`scout_deepspeed.checkpoints`).
 * SCOUT closes with the engine (``engine.destroy()``: a normal end) or, at the latest, when the process exits
-  (not known to be a normal end: see :func:`_close_at_exit`).
+  (not known to be a normal end: see :func:`scout_core.handle.close_at_exit`).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import inspect
 import logging
 import sys
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from scout_core.config import ScoutConfig
+from scout_core.handle import close_at_exit
 from scout_core.runtime import ScoutHandle
 from scout_deepspeed.section import config_from_deepspeed, user_config
 
@@ -101,20 +100,5 @@ def attach(engine: Any, config: ScoutConfig | None = None) -> ScoutHandle | None
         return destroy(*a, **k)
 
     engine.destroy = destroy_then_close
-    atexit.register(_close_at_exit(weakref.ref(handle)))
+    close_at_exit(handle)
     return handle
-
-
-def _close_at_exit(handle: Callable[[], Any]) -> Callable[[], None]:
-    """What closes SCOUT at interpreter exit, where the script never called ``engine.destroy()``. An exit handler
-    cannot tell a normal end from ``sys.exit(1)`` after a caught error, so this close counts as a failure: the
-    labels do not say the run ended normally, and a relaunch loads the newest verified checkpoint rather than the
-    newest one not rejected (``engine.destroy()`` at the end of training marks a normal end). ``handle`` returns
-    the handle, or None once it is gone."""
-
-    def close() -> None:
-        live = handle()
-        if live is not None:
-            live.close(failed=True)
-
-    return close

@@ -72,8 +72,10 @@ def test_an_exit_without_engine_destroy_is_not_taken_for_a_normal_end():
     """An exit handler cannot tell sys.exit(0) from sys.exit(1) after a caught error: it closes as a failure."""
     closed: list = []
     handle = SimpleNamespace(close=lambda failed=None: closed.append(failed))
-    entry._close_at_exit(lambda: handle)()
-    entry._close_at_exit(lambda: None)()  # closed and collected already: nothing to do
+    from scout_core.handle import exit_closer
+
+    exit_closer(lambda: handle)()
+    exit_closer(lambda: None)()  # closed and collected already: nothing to do
     assert closed == [True]
 
 

@@ -1,13 +1,13 @@
 """The Trainer's own ``checkpoint-N`` folders, labelled by SCOUT's certification, and the restart that resumes from
 the one SCOUT's retrieval policy chose.
 
-* While training, a save the Trainer decided on (``control.should_save`` at its step end) is marked as checkpoint
-  I/O for SCOUT's observers (a save that takes minutes is not a stalled job) and, once every rank finished its part
-  (the Trainer's ``on_save`` event and a barrier), labelled latest / candidate / verified / rejected in
+* While training, every save of the Trainer is checkpoint I/O for SCOUT's observers (a save that takes minutes is
+  not a stalled job: :mod:`scout_hf.callback`) and, once every rank finished its part (the Trainer's ``on_save``
+  event and a barrier), labelled latest / candidate / verified / rejected in
   ``scout-labels.json`` in the Trainer's ``output_dir`` (:mod:`scout_core.checkpoint.durable`), by its global step.
 * At a restart the callback steers ``trainer.train(resume_from_checkpoint=True)``: the Trainer resolves ``True`` to
-  the ``checkpoint-N`` folder of the highest N in ``output_dir`` (``get_last_checkpoint``), so when the Trainer is
-  built (the callback's ``on_init_end``, before ``train()`` is called) rank 0 reads the labels, chooses the step
+  the ``checkpoint-N`` folder of the highest N in ``output_dir`` (``get_last_checkpoint``), so before that call goes
+  on (the callback wrapped ``train`` when the Trainer was built) rank 0 reads the labels, chooses the step
   (after an SDC stop: the newest verified one) and moves the newer folders into ``scout-set-aside/`` (kept for
   forensics, out of the Trainer's reach). Where nothing is safe every folder is set aside and the Trainer says it
   found no checkpoint: the run starts without ``resume_from_checkpoint``.
@@ -19,7 +19,6 @@ the one SCOUT's retrieval policy chose.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -109,22 +108,10 @@ class TrainerCheckpoints:
         self.folder = output_dir
         # Certification starts now, so an SDC verdict before the first save rejects what is saved after it.
         self.labels = handle.label_framework_checkpoints(output_dir)
-        self._io: contextlib.AbstractContextManager[None] | None = None
-
-    def saving(self) -> None:
-        """The Trainer decided to save at this step end: the observers count the save as checkpoint I/O."""
-        if self._io is None:
-            self._io = self.handle.checkpoint_io("write")
-            self._io.__enter__()
 
     def saved(self, step: int) -> None:
         """The Trainer's ``on_save``: every rank wrote its part of ``checkpoint-<step>``; label it."""
-        try:
-            dist.barrier()  # rank 0 labels a folder every rank finished writing
-        finally:
-            io, self._io = self._io, None
-            if io is not None:
-                io.__exit__(None, None, None)
+        dist.barrier()  # rank 0 labels a folder every rank finished writing
         if self.labels is None:
             return
         try:

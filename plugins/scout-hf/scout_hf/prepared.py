@@ -18,10 +18,8 @@ through Accelerate's ``ParallelismConfig`` (a replayed block's collectives would
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch import nn
 
 from scout_core.adapter import torch_adapter
 from scout_core.config import ConfigError, ScoutConfig, resolve
+from scout_core.handle import close_at_exit
 from scout_core.report import Incident
 from scout_core.runtime import ScoutHandle, enable_with
 
@@ -72,8 +71,15 @@ def attach_prepared(distributed_type: str, model: nn.Module, optimizer: Any, *, 
                           "callback or the attach call for this job")
     _warn_kv_cache(model)
     if distributed_type == "DEEPSPEED":
-        from scout_deepspeed.adapter import attach as attach_deepspeed  # scout-deepspeed installed with deepspeed
-
+        try:
+            from scout_deepspeed.adapter import attach as attach_deepspeed
+        except ImportError as exc:
+            raise ConfigError("scout_hf: this job trains with DeepSpeed, which SCOUT diagnoses through "
+                              f"scout-deepspeed (plugins/scout-deepspeed/README.md); it cannot be imported here: "
+                              f"{exc}") from exc
+        if on_incident is not None or state:
+            log.warning("scout_hf: on_incident and state are not handed to scout-deepspeed's adapter (its DeepSpeed "
+                        "engine keeps the state); give them through its own attach to use them")
         handle = attach_deepspeed(model, config=config)
     else:
         kept = dict(state or {})
@@ -82,7 +88,7 @@ def attach_prepared(distributed_type: str, model: nn.Module, optimizer: Any, *, 
         adapter = torch_adapter(model, optimizer, state=kept or None)
         adapter.name = "hf"
         handle = enable_with(adapter, config=config, on_incident=on_incident)
-    atexit.register(_close_at_exit(weakref.ref(handle)))
+    close_at_exit(handle)
     if handle.rank == 0:
         log.info("scout_hf: SCOUT attached (%s, %s, %d repeated layers)", distributed_type, type(model).__name__,
                  len(handle.parts.adapter.layers or []))
@@ -119,15 +125,3 @@ def _unsupported(distributed_type: str, model: nn.Module, parallelism: Any) -> s
                                                                           or 1) > 1:
         return "HSDP through Accelerate's ParallelismConfig (dp_replicate_size and dp_shard_size both above 1)"
     return None
-
-
-def _close_at_exit(handle: Callable[[], Any]) -> Callable[[], None]:
-    """What closes SCOUT at interpreter exit where training never reached its end (an exception, ``sys.exit``): a
-    close that counts as a failure, so the checkpoint labels do not say the run ended normally."""
-
-    def close() -> None:
-        live = handle()
-        if live is not None:
-            live.close(failed=True)
-
-    return close

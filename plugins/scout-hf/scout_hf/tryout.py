@@ -3,10 +3,12 @@
 Not for training jobs: it trains on CPU ranks over gloo (``use_cpu``). A GPT-2 (or, with ``--model llama``, a Llama)
 of transformers' own classes, built from a small config (nothing is downloaded), trains on random tokens with the
 Trainer's DDP path (``--fsdp``: its FSDP2 path), with SCOUT switched on by ``callbacks=[ScoutCallback(...)]``: the
-one-line change of the plugin's README. The Trainer saves a checkpoint every 20 steps, which SCOUT labels.
+one-line change of the plugin's README. The Trainer saves a checkpoint every 20 steps, which SCOUT labels (not with
+``--fsdp``: see :func:`main`). With ``--fsdp``, Accelerate's FSDP path is made to run on CPU ranks
+(:mod:`scout_hf.cpu`).
 
-Faults (``--fault``): ``sdc``: rank ``--fault-rank``'s block 1 computes one output value wrong from step 3, in
-training and in replay alike (a defective unit); ``hang``: that rank stops in Python code at step 4.
+Faults (``--fault``): ``sdc``: rank ``--fault-rank``'s block 1 computes one value of its feed-forward wrong from
+step 3, in training and in replay alike (a defective unit); ``hang``: that rank stops in Python code at step 4.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from scout_core.tryout import tryout_arguments
 
-__all__ = ["RandomTokens", "build_model", "main", "trainer_arguments"]
+__all__ = ["RandomTokens", "blocks", "build_model", "feed_forward", "main", "trainer_arguments"]
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -40,7 +42,7 @@ class RandomTokens(torch.utils.data.Dataset):
 
 def build_model(kind: str = "gpt2", *, layers: int = 4) -> torch.nn.Module:
     """transformers' own model class from a small config, initialized from seed 0 (the same on every rank)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if kind == "gpt2":
@@ -49,7 +51,26 @@ def build_model(kind: str = "gpt2", *, layers: int = 4) -> torch.nn.Module:
         return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=64))
-    raise ValueError(f"model {kind!r}: gpt2 or llama")
+    if kind == "bert":  # a BERT-style encoder (masked LM; the try-out's labels are every token)
+        return BertForMaskedLM(BertConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=64))
+    raise ValueError(f"model {kind!r}: gpt2, llama or bert")
+
+
+def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks of the try-out's models (GPT-2's ``transformer.h``, Llama's ``model.layers``, BERT's
+    ``bert.encoder.layer``)."""
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    if hasattr(model, "bert"):
+        return model.bert.encoder.layer
+    return model.model.layers
+
+
+def feed_forward(block: torch.nn.Module) -> torch.nn.Module:
+    """The block's feed-forward part, whose output adds to the block's (BERT's ``output``: its second dense layer, the
+    residual and the norm)."""
+    return block.mlp if hasattr(block, "mlp") else block.output
 
 
 def trainer_arguments(out: Path, steps: int, *, fsdp: bool = False, accumulation: int = 1, save_steps: int = 20,
@@ -60,7 +81,7 @@ def trainer_arguments(out: Path, steps: int, *, fsdp: bool = False, accumulation
 
     extra: dict[str, Any] = {}
     if fsdp:
-        extra.update(fsdp="full_shard", fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+        extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
     return TrainingArguments(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-3,
         gradient_accumulation_steps=accumulation, save_strategy="steps" if save_steps else "no",
@@ -75,18 +96,17 @@ def fault_callback(fault: str, rank: int, fault_rank: int, model: torch.nn.Modul
 
     step = {"n": 0}
     if fault == "sdc" and rank == fault_rank:
-        blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
-        forward = blocks[1].forward
+        part = feed_forward(blocks(model)[1])
+        forward = part.forward  # the block's feed-forward: its output adds to the block's
 
         def defective(*args: Any, **kwargs: Any) -> Any:
             out = forward(*args, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
             if step["n"] >= onset:
                 with torch.no_grad():
-                    hidden.view(-1)[5] *= 1.001  # one value a little wrong, in training and in replay alike
+                    out.view(-1)[5] *= 1.001  # one value a little wrong, in training and in replay alike
             return out
 
-        blocks[1].forward = defective
+        part.forward = defective
 
     class Fault(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -99,7 +119,8 @@ def fault_callback(fault: str, rank: int, fault_rank: int, model: torch.nn.Modul
 
 def main() -> None:
     parser = tryout_arguments(__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("gpt2", "llama"), default="gpt2", help="transformers' model class")
+    parser.add_argument("--model", choices=("gpt2", "llama", "bert"), default="gpt2",
+                        help="transformers' model class")
     parser.add_argument("--fsdp", action="store_true", help="the Trainer's FSDP2 path instead of DDP")
     parser.add_argument("--gradient-accumulation", type=int, default=1, help="micro-batches per optimizer step")
     args = parser.parse_args()
@@ -108,7 +129,14 @@ def main() -> None:
     import scout_hf
 
     rank = int(os.environ.get("RANK", "0"))
-    targs = trainer_arguments(args.out, args.steps, fsdp=args.fsdp, accumulation=args.gradient_accumulation)
+    if args.fsdp:
+        from scout_hf.cpu import fsdp_on_cpu
+
+        fsdp_on_cpu()  # Accelerate turns FSDP on only for accelerator devices
+    # (No saves with --fsdp: the Trainer's FSDP2 save of the whole model fails on CPU ranks, in safetensors:
+    # "Attempted to access the data pointer on an invalid python storage".)
+    targs = trainer_arguments(args.out, args.steps, fsdp=args.fsdp, accumulation=args.gradient_accumulation,
+                              save_steps=0 if args.fsdp else 20)
     scout = scout_hf.ScoutCallback(overrides=[f"report.jsonl_path={args.out / 'incidents.jsonl'}",
                                               f"actions.on_verdict={'log' if args.fault == 'none' else 'stop'}"])
     model = build_model(args.model)

@@ -93,3 +93,49 @@ def test_attach_refuses_what_replay_cannot_pair_and_is_idle_in_a_single_process(
                                                                                  dp_shard_size=2))
     assert _unsupported("MULTI_CPU", nn.Linear(2, 2), None) is None
     assert "XLA" in _unsupported("XLA", nn.Linear(2, 2), None)
+
+
+def test_only_train_resume_from_checkpoint_true_makes_the_restart_plan(monkeypatch):
+    """A fresh start or a folder the user names moves nothing (the named one is loaded as named, unless rejected)."""
+    from types import SimpleNamespace
+
+    from scout_hf import callback
+
+    planned, trained = [], []
+    monkeypatch.setattr(callback, "plan_restart", lambda folder: planned.append(folder) or {"load": None})
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir="out"),
+                              train=lambda resume_from_checkpoint=None, **kw: trained.append(resume_from_checkpoint))
+    cb = ScoutCallback()
+    callback._plan_before_resume(cb, trainer)
+    trainer.train()
+    trainer.train(resume_from_checkpoint="out/checkpoint-40")
+    trainer.train(None)
+    assert planned == [] and cb.restart_plan is None
+    trainer.train(resume_from_checkpoint=True)
+    trainer.train(True)
+    assert planned == ["out", "out"] and trained == [None, "out/checkpoint-40", None, True, True]
+
+
+@pytest.mark.parametrize("kind", ["GPT2", "Llama", "Mistral", "Qwen2", "Bert"])
+def test_the_blocks_embedding_and_head_of_common_model_classes_are_found_by_structure(kind):
+    """transformers' own classes from small configs (nothing downloaded): the repeated blocks, the token embedding
+    and the output head SCOUT replays (BERT's under .bert and .cls, found through the model's declared
+    get_input_embeddings / get_output_embeddings)."""
+    import torch
+    import transformers
+
+    from scout_core.adapter import torch_adapter
+
+    small = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "max_position_embeddings": 64}
+    if kind == "GPT2":
+        config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    elif kind == "Bert":
+        config = transformers.BertConfig(**small)
+    else:
+        config = getattr(transformers, f"{kind}Config")(**small, num_key_value_heads=2)
+    head = "MaskedLM" if kind == "Bert" else "CausalLM"
+    model = getattr(transformers, f"{kind}For{head}" if kind != "GPT2" else "GPT2LMHeadModel")(config)
+    adapter = torch_adapter(model, torch.optim.AdamW(model.parameters()))
+    assert len(adapter.layers) == 2 and adapter.layer_names[0].endswith(".0")
+    assert adapter.embedding is model.get_input_embeddings() and adapter.output is model.get_output_embeddings()

@@ -2,8 +2,10 @@
 
 ``lightning.Trainer(..., callbacks=[ScoutCallback("scout.yaml")])`` is the whole integration. On Lightning's events:
 
-* ``setup`` (fit; the process group is up, no checkpoint read yet): the restart plan, which makes
-  ``ckpt_path="last"`` load the checkpoint SCOUT chose (:mod:`scout_lightning.checkpoints`);
+* ``setup`` (fit; the process group is up, no checkpoint read yet): unless the user named a ``ckpt_path``, the
+  restart plan, which makes the file ``"last"`` resolved to hold the checkpoint SCOUT chose after a verdict stop
+  (:mod:`scout_lightning.checkpoints`). The path Lightning resolved and the user's argument are not among a
+  callback's arguments: the callback reads them from the trainer's ``_run`` and ``fit`` that called it;
 * ``on_train_start`` (the strategy wrapped the model, the optimizers exist, a checkpoint was loaded): SCOUT attached
   to the LightningModule's model and the trainer's torch optimizers, a loaded checkpoint SCOUT labelled rejected
   refused, the step count set to the trainer's global step, and ``ModelCheckpoint``'s saves labelled;
@@ -13,8 +15,8 @@ Lightning's automatic optimization runs the training step and its backward insid
 SCOUT's step boundary hooks the torch optimizer's step, whose pre-step hooks would then run before the step's
 forward. The callback runs the closure first and then the optimizer's step without it, which is what torch's
 optimizers do inside their step (one call under ``enable_grad``), the same operations in the same order: the
-boundary and the optimizer check see the step's gradients. An optimizer that calls its closure more than once
-(LBFGS) is refused.
+boundary and the optimizer check see the step's gradients. Only torch's own optimizers (``torch.optim``, LBFGS
+excepted: it calls its closure more than once) are known to do that; others are refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +34,7 @@ from torch import nn
 
 from scout_core.adapter import torch_adapter
 from scout_core.config import ConfigError, ScoutConfig, resolve
+from scout_core.plugin_support import InstanceAttribute
 from scout_core.report import Incident
 from scout_core.runtime import ScoutHandle, enable_with
 from scout_lightning.checkpoints import continue_after_load, label_saves, plan_restart, refuse_rejected_load
@@ -57,13 +61,13 @@ class ScoutCallback(Callback):
                               "false")
         self.on_incident = on_incident
         self.handle: ScoutHandle | None = None
-        self.restart_plans: list[Any] = []
-        """What the restart plan chose at setup, per ModelCheckpoint folder."""
+        self.restart_plan: dict[str, Any] | None = None
+        """What the restart plan chose at setup (None: no plan, Lightning's own choice)."""
         self._undo: list[Callable[[], None]] = []
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            self.restart_plans = plan_restart(trainer)
+            self.restart_plan = plan_restart(trainer, *_ckpt_paths())
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._close()
@@ -121,31 +125,53 @@ def _adapter(trainer: Any, pl_module: nn.Module, optimizers: list[torch.optim.Op
 
 
 def _model_of(pl_module: nn.Module) -> nn.Module:
-    """The model inside the LightningModule that SCOUT looks into: the module's only child holding all its
-    parameters (``self.model = GPT2LMHeadModel(...)``), followed down while that holds; else the module itself."""
+    """The model inside the LightningModule that SCOUT looks into: the module's child holding all its parameters
+    (``self.model = GPT2LMHeadModel(...)``, beside a parameter-free loss module), followed down while one does;
+    else the module itself."""
     module = pl_module
     total = sum(1 for _ in module.parameters())
     while True:
         holders = [c for c in module.children() if sum(1 for _ in c.parameters()) == total]
-        if len(holders) != 1 or len(list(module.children())) != 1:
+        if len(holders) != 1 or total == 0:
             return module
         module = holders[0]
 
 
+def _ckpt_paths() -> tuple[str | None, Any]:
+    """The checkpoint path Lightning resolved for this run (``"last"`` to a ``last*.ckpt``) and the user's own
+    ``ckpt_path`` argument, read from the frames of the trainer's ``_run`` and ``fit`` that called the callback's
+    ``setup`` (a callback's arguments carry neither)."""
+    from lightning.pytorch import Trainer
+
+    resolved, asked = None, None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            if frame.f_code.co_name == "_run":
+                path = frame.f_locals.get("ckpt_path")
+                resolved = os.fspath(path) if path else None
+            elif frame.f_code.co_name == "fit":
+                asked = frame.f_locals.get("ckpt_path")
+                break
+        frame = frame.f_back
+    return resolved, asked
+
+
 def _unsupported(trainer: Any) -> str | None:
-    """A strategy or optimizer SCOUT cannot diagnose under Lightning (None: DDP, FSDP2 without tensor parallelism)."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    """A strategy or optimizer SCOUT cannot diagnose under Lightning (None: DDP). Strategies are allowed by name,
+    not by base class: DeepSpeedStrategy is a DDPStrategy whose optimizer state is partitioned (scout-deepspeed
+    handles DeepSpeed); ModelParallelStrategy (FSDP2) writes distributed checkpoints (folders), which the restart
+    does not steer yet."""
+    from lightning.pytorch.strategies import DDPStrategy
 
     strategy = trainer.strategy
-    if isinstance(strategy, FSDPStrategy):
-        return "Lightning's FSDPStrategy (FSDP1); FSDP2 through ModelParallelStrategy is supported"
-    if isinstance(strategy, ModelParallelStrategy):
-        mesh = getattr(strategy, "device_mesh", None)
-        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-            return "tensor parallelism (ModelParallelStrategy's tensor_parallel_size above 1)"
+    if type(strategy) is not DDPStrategy:
+        return (f"Lightning's {type(strategy).__name__} (DDPStrategy is supported; for DeepSpeed use "
+                "scout-deepspeed)")
     for opt in trainer.optimizers:
-        if isinstance(opt, torch.optim.LBFGS):
-            return "LBFGS (it calls its closure more than once per step)"
+        if isinstance(opt, torch.optim.LBFGS) or not type(opt).__module__.startswith("torch.optim"):
+            return (f"the optimizer {type(opt).__qualname__} ({type(opt).__module__}): the callback runs Lightning's "
+                    "closure before the step, as torch's own optimizers (LBFGS excepted) do inside it")
     return None
 
 
@@ -155,18 +181,13 @@ def _closure_first(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     step = optimizer.step
 
     @functools.wraps(step)
-    def closure_first(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    def closure_first(closure: Callable[[], Any] | None = None, *args: Any, **kwargs: Any) -> Any:
         if closure is None:
-            return step(**kwargs)
+            return step(None, *args, **kwargs)
         with torch.enable_grad():
             loss = closure()
-        step(**kwargs)
+        step(None, *args, **kwargs)
         return loss
 
-    optimizer.step = closure_first  # type: ignore[method-assign]
-
-    def restore() -> None:
-        if vars(optimizer).get("step") is closure_first:
-            del optimizer.step
-
-    return restore
+    # An instance attribute already there (an LR scheduler's wrapper of step) is what remove() puts back.
+    return InstanceAttribute(optimizer, "step", closure_first).remove

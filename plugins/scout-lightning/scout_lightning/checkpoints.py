@@ -2,16 +2,18 @@
 restart that makes ``ckpt_path="last"`` load the one SCOUT's retrieval policy chose.
 
 * While training, every ``trainer.save_checkpoint`` is checkpoint I/O for SCOUT's observers and, once Lightning
-  returned from it (rank 0 wrote the file, every rank passed Lightning's barrier), a step file in a
-  ``ModelCheckpoint`` folder (``epoch=0-step=40.ckpt``) is labelled latest / candidate / verified / rejected in
-  ``scout-labels.json`` beside it, by the trainer's global step. ``last.ckpt`` (rewritten at every save) is not
-  labelled itself: it holds the newest save.
-* ``trainer.fit(model, ckpt_path="last")`` resolves ``"last"`` to the path of ``last.ckpt`` before anything of the
-  run is set up, and reads that file only after the callbacks' ``setup``. There (:func:`plan_restart`) rank 0 reads
-  the labels and, where the newest checkpoint is not the one to load (after an SDC stop: the newest verified one),
-  moves the newer step files and ``last*.ckpt`` into ``scout-set-aside/`` (kept for forensics) and copies the chosen
-  step file to ``last.ckpt``: Lightning loads it. Where nothing is safe ``last.ckpt`` is set aside and Lightning
-  says the file is not there: start that run without ``ckpt_path``.
+  returned from it (rank 0 wrote the file, every rank passed Lightning's barrier), a step file in the first
+  ``ModelCheckpoint``'s folder (``epoch=0-step=40.ckpt``) is labelled latest / candidate / verified / rejected in
+  ``scout-labels.json`` beside it, by the trainer's global step. ``last*.ckpt`` (rewritten at every save, whatever
+  step files are kept) and the other folders' files are not labelled.
+* ``trainer.fit(model, ckpt_path="last")`` resolves ``"last"`` to the path of the newest ``last*.ckpt`` (or of a save
+  on an exception) before anything of the run is set up, and reads that file only after the callbacks' ``setup``.
+  There (:func:`plan_restart`), unless the user named a path, rank 0 reads the labels and, where the job stopped on a
+  verdict, chooses (after an SDC stop: the newest verified step file), moves every newer or unlabelled ``.ckpt`` of
+  every checkpoint folder into ``scout-set-aside/`` (kept for forensics) and copies the chosen step file to the path
+  Lightning resolved: Lightning loads it. Where nothing is safe every such file is set aside and Lightning says the
+  file is not there: start that run without ``ckpt_path``. After a normal end or a stop no verdict explains,
+  ``"last"`` is Lightning's own choice.
 * A step file the user names (``ckpt_path="ckpts/epoch=0-step=40.ckpt"``) is loaded as named, unless SCOUT labelled it
   rejected: training stops at its start on every rank unless ``checkpoint.load_rejected`` is set.
 """
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from scout_core.checkpoint import durable
 from scout_core.checkpoint.durable import FrameworkCheckpoints
 from scout_core.checkpoint.store import fsync_dir
+from scout_core.plugin_support import InstanceAttribute
 from scout_core.runtime import ScoutHandle
 
 __all__ = ["checkpoint_folders", "continue_after_load", "label_saves", "plan_restart", "refuse_rejected_load"]
@@ -54,31 +57,45 @@ def checkpoint_folders(trainer: Any) -> list[str]:
     return list(dict.fromkeys(folders))
 
 
-def _plan(folder: str) -> dict[str, Any] | None:
-    """Rank 0's restart plan for ``folder`` (None: nothing SCOUT labelled there, or the newest checkpoint is the one
-    to load: Lightning's own choice)."""
+def _plan(folder: str, others: list[str], resolved: str | None) -> dict[str, Any] | None:
+    """Rank 0's restart plan for ``folder`` (the labelled one; ``others``: the other checkpoint folders; ``resolved``:
+    the path Lightning resolved ``"last"`` to on rank 0). None: the job did not stop on a verdict (a normal end, an
+    unexplained crash): Lightning's own choice, its newest file. After a verdict stop every file newer than the
+    choice, and every file SCOUT did not label (``last*.ckpt``, Lightning's saves on an exception), in every
+    checkpoint folder, leaves Lightning's reach, and the chosen step file is copied to the path Lightning
+    resolved."""
     labels = FrameworkCheckpoints(folder, writer=True)
-    if not labels.entries:
+    if labels.stopped_for is None:
         return None
-    files = {step: e["path"] for step, e in labels.entries.items() if os.path.isfile(e["path"])}
+    # By name inside the folder: a folder moved or mounted elsewhere keeps its labels. Step files only: a
+    # distributed checkpoint (a folder) is not one SCOUT steers.
+    files = {step: os.path.join(folder, os.path.basename(e["path"])) for step, e in labels.entries.items()
+             if os.path.isfile(os.path.join(folder, os.path.basename(e["path"])))}
     choice = labels.choose(exists=lambda step: step in files)
-    if files and choice.step == max(files):
-        return None
     after = choice.step if choice.step is not None else -1
-    lasts = sorted(n for n in os.listdir(folder) if _LAST.match(n))
-    aside = [durable.set_aside(folder, os.path.basename(files[s])) for s in sorted(files, reverse=True) if s > after]
-    aside += [durable.set_aside(folder, name) for name in lasts]
+    keep = {os.path.basename(files[s]) for s in files if s <= after}
+    aside = [durable.set_aside(where, name) for where in [folder, *others] for name in _checkpoint_files(where)
+             if where != folder or name not in keep]
+    target = resolved if resolved and os.path.dirname(os.path.realpath(resolved)) in {
+        os.path.realpath(f) for f in [folder, *others]} else os.path.join(folder, "last.ckpt")
     if choice.step is not None:
-        for name in lasts or ["last.ckpt"]:
-            _link(files[choice.step], os.path.join(folder, name))
+        _link(files[choice.step], target)
     labels.restarted_from(choice.step, set_aside=aside)
     if choice.step is None:
         log.warning("scout_lightning: no checkpoint in %s is safe to load (%s): %d file(s) set aside in %s; start this "
                     "run without ckpt_path", folder, choice.reason, len(aside), durable.SET_ASIDE)
     else:
-        log.warning('scout_lightning: ckpt_path="last" loads %s (%s: %s); %d newer file(s) set aside in %s',
-                    os.path.basename(files[choice.step]), choice.label, choice.reason, len(aside), durable.SET_ASIDE)
+        log.warning('scout_lightning: ckpt_path="last" loads %s (%s: %s), copied to %s; %d newer or unlabelled '
+                    "file(s) set aside in %s", os.path.basename(files[choice.step]), choice.label, choice.reason,
+                    target, len(aside), durable.SET_ASIDE)
     return {"load": None if choice.step is None else files[choice.step], "step": choice.step, "reason": choice.reason}
+
+
+def _checkpoint_files(folder: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(folder) if n.endswith(".ckpt"))
+    except OSError:
+        return []
 
 
 def _link(source: str, target: str) -> None:
@@ -92,51 +109,62 @@ def _link(source: str, target: str) -> None:
     fsync_dir(os.path.dirname(target))
 
 
-def plan_restart(trainer: Any) -> list[dict[str, Any] | None]:
-    """At the trainer's setup, before Lightning reads the checkpoint ``ckpt_path`` named: each ``ModelCheckpoint``
-    folder's plan (every rank calls it; rank 0 moves files and broadcasts)."""
-    if not dist.is_initialized():
-        return []
-    return [durable.agreed_restart_plan(folder, lambda f=folder: _plan(f), who="scout_lightning",
-                                        what="Lightning's checkpoint file")
-            for folder in checkpoint_folders(trainer)]
+def plan_restart(trainer: Any, resolved: str | None, asked: Any) -> dict[str, Any] | None:
+    """At the trainer's setup, before Lightning reads the checkpoint it resolved ``ckpt_path`` to (``resolved``; the
+    user's own argument: ``asked``): the labelled folder's plan, unless the user named a path (loaded as named,
+    refused at train start if labelled rejected). Every rank calls it (rank 0 moves files and broadcasts): each
+    rank resolved the path from its own view of the files, so only rank 0's counts."""
+    folders = checkpoint_folders(trainer)
+    if not dist.is_initialized() or not folders or (asked is not None and asked != "last"):
+        return None
+    return durable.agreed_restart_plan(folders[0], lambda: _plan(folders[0], [*folders[1:], *_exception_folders(
+        trainer)], resolved), who="scout_lightning", what="Lightning's checkpoint file")
+
+
+def _exception_folders(trainer: Any) -> list[str]:
+    """The folders Lightning's OnExceptionCheckpoint callbacks write to (their files are among "last"'s)."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    return [os.fspath(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
 
 
 def refuse_rejected_load(path: str, *, allowed: bool) -> None:
     """Lightning loaded ``path``: raise ``RejectedCheckpointError`` on every rank if SCOUT labelled it rejected
     (``allowed``: ``checkpoint.load_rejected``, a warning instead)."""
-    name = os.path.realpath(path)
-    durable.refuse_rejected(os.path.dirname(name), lambda _s, e: os.path.realpath(e.get("path", "")) == name,
-                            os.path.basename(path), who="scout_lightning", allowed=allowed)
+    name = os.path.basename(path)  # by name inside the folder, as the labels are read everywhere
+    durable.refuse_rejected(os.path.dirname(os.path.realpath(path)),
+                            lambda _s, e: os.path.basename(e.get("path", "")) == name, name, who="scout_lightning",
+                            allowed=allowed)
 
 
 def label_saves(handle: ScoutHandle, trainer: Any) -> Callable[[], None]:
-    """Wrap this trainer's ``save_checkpoint`` (see the module's docstring); returns what puts Lightning's back."""
+    """Wrap this trainer's ``save_checkpoint`` (see the module's docstring); returns what puts Lightning's back.
+    SCOUT labels one folder, the first ``ModelCheckpoint``'s; the others' files are not labelled (a warning)."""
     save = trainer.save_checkpoint
-    folders = {os.path.realpath(f) for f in checkpoint_folders(trainer)}
-    labels = {f: handle.label_framework_checkpoints(f) for f in folders}
+    folders = checkpoint_folders(trainer)
+    if not folders:
+        return lambda: None
+    labelled = os.path.realpath(folders[0])
+    labels = handle.label_framework_checkpoints(folders[0])
+    if len(folders) > 1 and handle.rank == 0:
+        log.warning("scout_lightning: checkpoints in %s are not labelled (SCOUT labels %s); a restart after an SDC "
+                    "stop sets their last*.ckpt aside", ", ".join(folders[1:]), folders[0])
 
     @functools.wraps(save)
     def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
         with handle.checkpoint_io("write"):
             out = save(filepath, *args, **kwargs)
         path = os.fspath(filepath)
-        found = labels.get(os.path.realpath(os.path.dirname(path)))
-        if found is not None and not _LAST.match(os.path.basename(path)):
+        if labels is not None and os.path.realpath(os.path.dirname(path)) == labelled:
             step = int(trainer.global_step)
             try:
-                found.saved(step, path, handle.certifier)
+                if not _LAST.match(os.path.basename(path)):
+                    labels.saved(step, path, handle.certifier)
             except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
                 handle.guard.report(step, "checkpoint", exc, "labelling Lightning's checkpoint")
         return out
 
-    trainer.save_checkpoint = save_checkpoint
-
-    def restore() -> None:
-        if vars(trainer).get("save_checkpoint") is save_checkpoint:
-            del trainer.save_checkpoint
-
-    return restore
+    return InstanceAttribute(trainer, "save_checkpoint", save_checkpoint).remove
 
 
 def continue_after_load(handle: ScoutHandle, path: str, step: int) -> None:
