@@ -37,16 +37,22 @@ def _prepare() -> None:
 
 
 def _install_faults(layers: nn.ModuleList, injector: Injector, rank: int, step: Any) -> None:
-    """Faults inside the encoder layers' own ``forward`` (in training and in replay alike)."""
+    """Faults inside the encoder layers' computation, in training and in replay alike: ``layers.<i>.output`` corrupts
+    the feed-forward output the layer adds to its residual (``linear2``: under FSDP2 replay calls the layer's class
+    ``forward``, and its submodules as in training), ``layers.<i>.forward`` freezes the rank as the layer starts."""
     for i, layer in enumerate(layers):
         def forward(*args: Any, _inner: Any = layer.forward, i: int = i, **kwargs: Any) -> Any:
             injector.freeze(f"layers.{i}.forward", rank=rank, step=step())
+            return _inner(*args, **kwargs)
+
+        def feed_forward(*args: Any, _inner: Any = layer.linear2.forward, i: int = i, **kwargs: Any) -> Any:
             out = _inner(*args, **kwargs)
             with torch.no_grad():
                 injector.corrupt(f"layers.{i}.output", out, rank=rank, step=step())
             return out
 
         layer.forward = forward
+        layer.linear2.forward = feed_forward
 
 
 def _lightning_rank(ctx: RankContext) -> dict[str, Any]:
@@ -59,7 +65,7 @@ def _lightning_rank(ctx: RankContext) -> dict[str, Any]:
                       LOCAL_WORLD_SIZE=str(ctx.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ctx.master_port))
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // a['ranks_per_machine']}"
     init_gloo(ctx, timeout_s=120)
-    module = build_module()
+    module = build_module(fsdp=a["fsdp"])
     injector = Injector(a["faults"], seed=a["seed"])
     live: dict[str, Any] = {"step": 0, "handle": None, "loaded": []}
     _install_faults(blocks(module), injector, ctx.rank, lambda: live["step"])
@@ -89,20 +95,26 @@ def _lightning_rank(ctx: RankContext) -> dict[str, Any]:
             live["step"] = trainer.global_step + 1
 
     callbacks = [Watch()] if scout is None else [scout, Watch()]
-    run = trainer(Path(a["workdir"]), a["steps"], callbacks, save_every=a["save_every"], accumulation=a["gas"])
+    run = trainer(Path(a["workdir"]), a["steps"], callbacks, save_every=a["save_every"], accumulation=a["gas"],
+                  fsdp=a["fsdp"])
     run.fit(module, ckpt_path="last" if a["phase"] == "b" else None)
     handle = live["handle"]
     checks = [(r.step, sorted(r.recipes), r.skipped) for r in handle.replay.history] if handle is not None else []
     dist.barrier()
+    from torch.distributed.fsdp import FSDPModule
+
     return {"checks": checks, "steps": int(run.global_step), "final": _signature(module, run.optimizers),
-            "loaded": live.get("loaded", [])}
+            "loaded": live.get("loaded", []), "fsdp2": isinstance(module.model, FSDPModule)}
 
 
 def _signature(module: nn.Module, optimizers: Any) -> list[int]:
     """A bitwise signature of the training state: the parameters and the optimizers' state."""
-    state = [p.detach() for p in module.parameters()]
+    def whole(t: torch.Tensor) -> torch.Tensor:  # FSDP2's shards gathered (every rank calls this, in step)
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+
+    state = [whole(p) for p in module.parameters()]
     for opt in optimizers:
-        state += [v for p in module.parameters() for _k, v in sorted(opt.state.get(p, {}).items())
+        state += [whole(v) for p in module.parameters() for _k, v in sorted(opt.state.get(p, {}).items())
                   if isinstance(v, torch.Tensor)]
     return [s.signature for s in sign_many(state)]
 
@@ -115,11 +127,14 @@ def lightning_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     scout = [f"report.jsonl_path={os.path.join(workdir, 'incidents.jsonl')}", f"report.run_id={spec.name}",
              "report.log_level=ERROR", *(["actions.on_verdict=stop"] if recovery else []), *p.get("scout", [])]
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 60)), "scout": scout,
-            "gas": int(p.get("gas", 1)), "save_every": int(p.get("save_every", 0)),
+            "gas": int(p.get("gas", 1)), "save_every": int(p.get("save_every", 0)), "fsdp": bool(p.get("fsdp", False)),
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir, "phase": "a"}
     run = run_job(_lightning_rank, spec, world_size, workdir, args, hang=hang, stop=recovery)
     if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
         run.problems.append(f"trained {[v['steps'] for v in run.result.values()]} steps, expected {args['steps']}")
+    if run.result.ok and not hang and any(v["fsdp2"] != args["fsdp"] for v in run.result.values()):
+        run.problems.append(f"FSDP2 asked: {args['fsdp']}; the trained model was FSDP2 on "
+                            f"{[v['fsdp2'] for v in run.result.values()]}")
     if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
         run.problems += bitwise_problems(_lightning_rank, spec, world_size, args, run)
     if recovery and not run.problems:

@@ -158,16 +158,23 @@ def _ckpt_paths() -> tuple[str | None, Any]:
 
 
 def _unsupported(trainer: Any) -> str | None:
-    """A strategy or optimizer SCOUT cannot diagnose under Lightning (None: DDP). Strategies are allowed by name,
-    not by base class: DeepSpeedStrategy is a DDPStrategy whose optimizer state is partitioned (scout-deepspeed
-    handles DeepSpeed); ModelParallelStrategy (FSDP2) writes distributed checkpoints (folders), which the restart
-    does not steer yet."""
-    from lightning.pytorch.strategies import DDPStrategy
+    """A strategy or optimizer SCOUT cannot diagnose under Lightning (None: DDP, FSDP2). Strategies are allowed by
+    name, not by base class: DeepSpeedStrategy is a DDPStrategy whose optimizer state is partitioned (scout-deepspeed
+    handles DeepSpeed). ModelParallelStrategy (FSDP2, ``fully_shard`` in ``configure_model``) only data parallel and
+    saving whole checkpoints: its distributed checkpoints are folders, which the restart does not steer."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
     strategy = trainer.strategy
-    if type(strategy) is not DDPStrategy:
-        return (f"Lightning's {type(strategy).__name__} (DDPStrategy is supported; for DeepSpeed use "
-                "scout-deepspeed)")
+    if type(strategy) is ModelParallelStrategy:
+        mesh = strategy.device_mesh
+        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            return "tensor parallelism (ModelParallelStrategy's tensor_parallel_size above 1)"
+        if strategy._save_distributed_checkpoint:
+            return ("ModelParallelStrategy's distributed checkpoints (folders SCOUT's restart does not steer): give "
+                    "it save_distributed_checkpoint=False")
+    elif type(strategy) is not DDPStrategy:
+        return (f"Lightning's {type(strategy).__name__} (DDPStrategy and ModelParallelStrategy are supported; for "
+                "DeepSpeed use scout-deepspeed)")
     for opt in trainer.optimizers:
         if isinstance(opt, torch.optim.LBFGS) or not type(opt).__module__.startswith("torch.optim"):
             return (f"the optimizer {type(opt).__qualname__} ({type(opt).__module__}): the callback runs Lightning's "
