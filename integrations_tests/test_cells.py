@@ -822,6 +822,6 @@ def test_lightning_recovery_cell_fails_without_the_restart_plan(monkeypatch):
     loads last.ckpt as the stopped run left it: the state of step 40, which the SDC verdict rejected."""
     import scout_lightning.checkpoints as checkpoints
 
-    monkeypatch.setattr(checkpoints, "_plan", lambda folder, others, resolved: None)
+    monkeypatch.setattr(checkpoints, "_plan", lambda folder, others, exceptions, resolved: None)
     (report,) = run_cells([SPECS["lightning-ddp-recovery-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "loaded step [40]" in report.details, report.details

@@ -39,7 +39,7 @@ from scout_core.config import ConfigError, ScoutConfig, resolve
 from scout_core.plugin_support import InstanceAttribute
 from scout_core.report import Incident
 from scout_core.runtime import ScoutHandle
-from scout_hf.checkpoints import TrainerCheckpoints, plan_restart, refuse_rejected_load
+from scout_hf.checkpoints import TrainerCheckpoints, adopt_start, plan_restart, refuse_rejected_load
 from scout_hf.prepared import attach_prepared
 
 __all__ = ["ScoutCallback"]
@@ -87,6 +87,7 @@ class ScoutCallback(TrainerCallback):
         step = int(state.global_step)
         if resumed and step > 0:
             refuse_rejected_load(resumed, step, allowed=self.config.checkpoint.load_rejected)
+        adopt_start(args.output_dir, resumed, step)  # before the labels are read for this run
         if trainer is not None:
             kind = str(trainer.accelerator.distributed_type.value)
             model = trainer.model_wrapped

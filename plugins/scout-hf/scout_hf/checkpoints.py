@@ -30,7 +30,7 @@ from scout_core.checkpoint import durable
 from scout_core.checkpoint.durable import FrameworkCheckpoints
 from scout_core.runtime import ScoutHandle
 
-__all__ = ["TrainerCheckpoints", "checkpoint_folders", "plan_restart", "refuse_rejected_load"]
+__all__ = ["TrainerCheckpoints", "adopt_start", "checkpoint_folders", "plan_restart", "refuse_rejected_load"]
 
 log = logging.getLogger("scout_hf")
 
@@ -88,6 +88,36 @@ def plan_restart(output_dir: str) -> dict[str, Any] | None:
         return None
     return durable.agreed_restart_plan(output_dir, lambda: _plan(output_dir), who="scout_hf",
                                        what="the Trainer's checkpoint folder")
+
+
+def _adopt(output_dir: str, step: int | None) -> dict[str, Any] | None:
+    """Rank 0, at the start of a run the restart plan did not choose for (a folder the user named, or a fresh start)
+    in a folder whose labels say the last run stopped on a verdict: that run is abandoned, so its folders newer than
+    the one this run started from (every folder, on a fresh start) leave the Trainer's reach and the labels, and the
+    stop no longer stands (a later ``resume_from_checkpoint=True`` must not roll this run back for it)."""
+    labels = FrameworkCheckpoints(output_dir, writer=True)
+    if labels.stopped_for is None:
+        return None
+    folders = checkpoint_folders(output_dir)
+    after = step if step is not None else -1
+    aside = [durable.set_aside(output_dir, folders[s]) for s in sorted(folders, reverse=True) if s > after]
+    labels.restarted_from(step, set_aside=aside)
+    log.warning("scout_hf: this run starts from %s after a stop on a verdict; %d newer folder(s) of the stopped run "
+                "set aside in %s", f"checkpoint-{step}" if step is not None else "scratch", len(aside),
+                durable.SET_ASIDE)
+    return {"step": step, "set_aside": len(aside)}
+
+
+def adopt_start(output_dir: str, resumed: str | None, step: int) -> dict[str, Any] | None:
+    """At train begin (every rank): :func:`_adopt` for this run's start, ``resumed`` (None: a fresh start) at
+    ``step``."""
+    if not dist.is_initialized() or not output_dir:
+        return None
+    here = resumed is not None and os.path.realpath(os.path.dirname(os.path.normpath(resumed))) == os.path.realpath(
+        output_dir)
+    start = step if here and step > 0 else None
+    return durable.agreed_restart_plan(output_dir, lambda: _adopt(output_dir, start), who="scout_hf",
+                                       what="the start of this run")
 
 
 def refuse_rejected_load(resumed: str, step: int, *, allowed: bool) -> None:

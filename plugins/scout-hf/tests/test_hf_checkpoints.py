@@ -139,3 +139,16 @@ def test_the_blocks_embedding_and_head_of_common_model_classes_are_found_by_stru
     adapter = torch_adapter(model, torch.optim.AdamW(model.parameters()))
     assert len(adapter.layers) == 2 and adapter.layer_names[0].endswith(".0")
     assert adapter.embedding is model.get_input_embeddings() and adapter.output is model.get_output_embeddings()
+
+
+def test_a_run_that_starts_elsewhere_after_a_verdict_stop_abandons_the_stopped_run(tmp_path):
+    """resume_from_checkpoint="out/checkpoint-40" (or a fresh start) after an SDC stop: the stopped run's newer folders
+    leave, and the stop no longer stands, so a later resume_from_checkpoint=True does not roll this run back."""
+    folder = job(tmp_path, {20: "verified", 40: "verified", 60: "rejected"}, stopped_for="sdc")
+    assert checkpoints._adopt(folder, 40) == {"step": 40, "set_aside": 1}
+    labels = FrameworkCheckpoints(folder, writer=False)
+    assert sorted(labels.entries) == [20, 40] and labels.stopped_for is None
+    assert get_last_checkpoint(folder).endswith("checkpoint-40")
+    assert checkpoints._adopt(folder, None) is None  # nothing stands any more
+    fresh = job(tmp_path / "fresh", {20: "verified", 40: "rejected"}, stopped_for="sdc")
+    assert checkpoints._adopt(fresh, None) == {"step": None, "set_aside": 2} and get_last_checkpoint(fresh) is None

@@ -37,7 +37,13 @@ from scout_core.config import ConfigError, ScoutConfig, resolve
 from scout_core.plugin_support import InstanceAttribute
 from scout_core.report import Incident
 from scout_core.runtime import ScoutHandle, enable_with
-from scout_lightning.checkpoints import continue_after_load, label_saves, plan_restart, refuse_rejected_load
+from scout_lightning.checkpoints import (
+    adopt_start,
+    continue_after_load,
+    label_saves,
+    plan_restart,
+    refuse_rejected_load,
+)
 
 __all__ = ["ScoutCallback"]
 
@@ -76,12 +82,14 @@ class ScoutCallback(Callback):
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
             log.warning("scout_lightning: SCOUT is not attached: this job runs one process (SCOUT compares peers)")
             return
-        if trainer.ckpt_path:
-            refuse_rejected_load(os.fspath(trainer.ckpt_path), allowed=self.config.checkpoint.load_rejected)
+        loaded = os.fspath(trainer.ckpt_path) if trainer.ckpt_path else None
+        if loaded:
+            refuse_rejected_load(loaded, allowed=self.config.checkpoint.load_rejected)
         refused = _unsupported(trainer)
         if refused is not None:
             raise ConfigError(f"scout_lightning: SCOUT does not diagnose {refused} yet; remove the callback for this "
                               "job")
+        adopt_start(trainer, loaded, int(trainer.global_step))  # before the labels are read for this run
         optimizers = list(trainer.optimizers)
         self._undo = [_closure_first(opt) for opt in optimizers]
         adapter = _adapter(trainer, pl_module, optimizers)
@@ -92,8 +100,11 @@ class ScoutCallback(Callback):
             self._close()
             raise
         self._undo.append(label_saves(self.handle, trainer))
-        if trainer.ckpt_path:
-            continue_after_load(self.handle, os.fspath(trainer.ckpt_path), int(trainer.global_step))
+        plan = self.restart_plan or {}
+        if plan.get("step") is not None:  # the plan's copy was loaded: its labels are the labelled folder's
+            continue_after_load(self.handle, plan["folder"], int(trainer.global_step))
+        elif loaded:
+            continue_after_load(self.handle, os.path.dirname(os.path.realpath(loaded)), int(trainer.global_step))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._close()
