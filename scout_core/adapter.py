@@ -231,9 +231,13 @@ def find_inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """
     if optimizer is None:
         return []
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
-        return [optimizer]  # (Accelerate's AcceleratedOptimizer is an Optimizer around one: the inner one steps)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # Accelerate's AcceleratedOptimizer is an Optimizer around one (an attribute of the instance, never a
+        # property that may refuse: Megatron's ChainedOptimizer raises on .optimizer): the inner one steps.
+        inner = vars(optimizer).get("optimizer")
+        if not isinstance(inner, torch.optim.Optimizer):
+            return [optimizer]
+        return find_inner_optimizers(inner)
     if isinstance(optimizer, (list, tuple)):
         return [o for item in optimizer for o in find_inner_optimizers(item)]
     for attr in ("chained_optimizers", "optimizers", "optimizer"):
