@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from integrations_tests.training_jobs import bitwise_problems, cell_report, restart_problems, run_job
+from integrations_tests.training_jobs import cell_report, loop_problems, run_job
 from scout_core.adapter import find_inner_optimizers
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
@@ -203,15 +203,6 @@ def hf_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir, "phase": "a"}
     rank = _accelerate_rank if p.get("accelerate") else _trainer_rank
     run = run_job(rank, spec, world_size, workdir, args, hang=hang, stop=stop)
-    if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
-        run.problems.append(f"trained {[v['steps'] for v in run.result.values()]} steps, expected {args['steps']}")
-    if run.result.ok and not hang and any(v["fsdp2"] != args["fsdp"] for v in run.result.values()):
-        run.problems.append(f"FSDP2 asked: {args['fsdp']}; the trained model was FSDP2 on "
-                            f"{[v['fsdp2'] for v in run.result.values()]}")
-    if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
-        run.problems += bitwise_problems(rank, spec, world_size, args, run)
-    if recovery and not run.problems:
-        run.problems += restart_problems(rank, spec, world_size, workdir, args,
-                                         folder=os.path.join(workdir, "trainer"), unit="step",
-                                         prefix="checkpoint-", counted="steps")
+    loop_problems(rank, spec, world_size, workdir, args, run, hang=hang, recovery=recovery,
+                  folder=os.path.join(workdir, "trainer"), prefix="checkpoint-")
     return cell_report(spec, world_size, run, hang=hang)

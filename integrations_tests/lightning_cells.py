@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from integrations_tests.training_jobs import bitwise_problems, cell_report, restart_problems, run_job
+from integrations_tests.training_jobs import cell_report, loop_problems, run_job
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
 from scout_core.testing.cells import CellReport, CellSpec
@@ -130,15 +130,6 @@ def lightning_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "gas": int(p.get("gas", 1)), "save_every": int(p.get("save_every", 0)), "fsdp": bool(p.get("fsdp", False)),
             "ranks_per_machine": int(p.get("ranks_per_machine", 8)), "workdir": workdir, "phase": "a"}
     run = run_job(_lightning_rank, spec, world_size, workdir, args, hang=hang, stop=recovery)
-    if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in run.result.values()):
-        run.problems.append(f"trained {[v['steps'] for v in run.result.values()]} steps, expected {args['steps']}")
-    if run.result.ok and not hang and any(v["fsdp2"] != args["fsdp"] for v in run.result.values()):
-        run.problems.append(f"FSDP2 asked: {args['fsdp']}; the trained model was FSDP2 on "
-                            f"{[v['fsdp2'] for v in run.result.values()]}")
-    if p.get("bitwise_without_scout") and run.result.ok and not run.problems:
-        run.problems += bitwise_problems(_lightning_rank, spec, world_size, args, run)
-    if recovery and not run.problems:
-        run.problems += restart_problems(_lightning_rank, spec, world_size, workdir, args,
-                                         folder=os.path.join(workdir, "checkpoints"), unit="step",
-                                         prefix="epoch=0-step=", counted="steps")
+    loop_problems(_lightning_rank, spec, world_size, workdir, args, run, hang=hang, recovery=recovery,
+                  folder=os.path.join(workdir, "checkpoints"), prefix="epoch=0-step=")
     return cell_report(spec, world_size, run, hang=hang)

@@ -24,7 +24,7 @@ from scout_core.report import read_incidents
 from scout_core.testing.cells import CellReport, CellSpec, fault_dicts
 from scout_core.testing.launcher import LaunchResult, RankContext, launch
 
-__all__ = ["JobRun", "bitwise_problems", "cell_report", "restart_problems", "run_job"]
+__all__ = ["JobRun", "bitwise_problems", "cell_report", "loop_problems", "restart_problems", "run_job"]
 
 STOP_STATUS = 75
 """SCOUT's default exit status for ``actions.on_verdict: stop``."""
@@ -143,6 +143,26 @@ def restart_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_s
     if aside != sorted(p["set_aside"]):
         problems.append(f"set aside {body.get('set_aside')}, expected the {unit}s {p['set_aside']}")
     return problems
+
+
+def loop_problems(rank: Callable[[RankContext], Any], spec: CellSpec, world_size: int, workdir: str,
+                  args: dict[str, Any], run: JobRun, *, hang: bool, recovery: bool, folder: str,
+                  prefix: str) -> None:
+    """What a cell of a framework's own training loop (the HF Trainer, Accelerate, Lightning) checks after its run,
+    into ``run.problems``: every rank trained ``args["steps"]`` steps, the model was FSDP2 exactly where the cell
+    asked (each rank returns ``fsdp2``), then ``bitwise_without_scout`` and, for ``recovery``, the restart over the
+    framework's checkpoints in ``folder`` (:func:`restart_problems`, files named ``<prefix><step>``)."""
+    values = run.result.values()
+    if run.result.ok and not hang and any(v["steps"] != args["steps"] for v in values):
+        run.problems.append(f"trained {[v['steps'] for v in values]} steps, expected {args['steps']}")
+    if run.result.ok and not hang and any(v["fsdp2"] != args["fsdp"] for v in values):
+        run.problems.append(f"FSDP2 asked: {args['fsdp']}; the trained model was FSDP2 on "
+                            f"{[v['fsdp2'] for v in values]}")
+    if spec.params.get("bitwise_without_scout") and run.result.ok and not run.problems:
+        run.problems += bitwise_problems(rank, spec, world_size, args, run)
+    if recovery and not run.problems:
+        run.problems += restart_problems(rank, spec, world_size, workdir, args, folder=folder, unit="step",
+                                         prefix=prefix, counted="steps")
 
 
 def cell_report(spec: CellSpec, world_size: int, run: JobRun, *, hang: bool = False) -> CellReport:
