@@ -122,6 +122,43 @@ def install_block_faults(par: Parallel, injector: Any, rank: int, state: dict[st
         block.fc.register_full_backward_hook(grad_fault)
 
 
+def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, Any]) -> None:
+    """A defective optimizer kernel on this rank: torch's Adam/AdamW implementations (single-tensor, foreach and
+    fused, all in ``torch.optim.adam``) compute every parameter's update, and the fault then changes each
+    update as computed, before it lands in the parameter. It knows nothing of SCOUT: whatever calls the kernel
+    (training's step, or SCOUT's replay of a slice) gets the defect while it is armed.
+
+    ``optimizer.kernel``: every call of an armed step (a persistent defect: the replay errs as training did);
+    ``optimizer.kernel.once``: the first call of an armed step only (a transient upset of training's step)."""
+    import torch.optim.adam as adam_impl
+
+    calls: dict[int, int] = {}
+    kinds = ("bitflip", "scale", "set")
+
+    def defective(real: Any) -> Any:
+        def kernel(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            step = state["step"]
+            calls[step] = calls.get(step, 0) + 1
+            surfaces = ["optimizer.kernel"] + (["optimizer.kernel.once"] if calls[step] == 1 else [])
+            armed = [s for s in surfaces if any(injector.armed(s, k, rank=rank, step=step) for k in kinds)]
+            if not armed:
+                return real(params, *args, **kwargs)
+            before = [p.detach().clone() for p in params]
+            out = real(params, *args, **kwargs)
+            with torch.no_grad():
+                for p, old in zip(params, before, strict=True):
+                    update = p.detach() - old
+                    for surface in armed:
+                        injector.corrupt(surface, update, rank=rank, step=step)
+                    p.detach().copy_(old + update)
+            return out
+
+        return kernel
+
+    for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam"):
+        setattr(adam_impl, name, defective(getattr(adam_impl, name)))
+
+
 def batches(rank: int, steps: int, *, batch: int = 8, dim_in: int = 16, dim_out: int = 8, seed: int = 0):
     """Deterministic per-rank data: different ranks see different samples, as in data parallelism."""
     gen = torch.Generator().manual_seed(seed * 100_003 + rank)

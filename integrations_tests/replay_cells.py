@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import scout_core
 from integrations_tests.expect import record_problems
-from integrations_tests.models import batches, install_block_faults, start_rank
+from integrations_tests.models import batches, install_block_faults, install_optimizer_kernel_fault, start_rank
 from scout_core.config import ConsensusConfig, load
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
@@ -32,9 +32,9 @@ from scout_core.testing.inject import Injector
 from scout_core.testing.launcher import RankContext, launch
 
 
-def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, rank: int, state: dict) -> None:
-    """Faults live inside the blocks (on ``fc``), so they act in training and in replay alike,
-    whichever way replay calls the block (FSDP2 replay bypasses the block's own hooks)."""
+def _install_faults(par: Any, injector: Injector, rank: int, state: dict) -> None:
+    """Faults live inside the blocks (on ``fc``) and in torch's optimizer kernel, so they act in training and in
+    replay alike, whichever way replay calls the block (FSDP2 replay bypasses the block's own hooks)."""
     inner = par.inner
     fc = inner.layers[1].fc
     install_block_faults(par, injector, rank, state)
@@ -53,14 +53,7 @@ def _install_faults(par: Any, opt: torch.optim.Optimizer, injector: Injector, ra
         block.fc.register_forward_hook(slow)
         _slow_by_a_factor(block, injector, rank, state)
 
-    def update_fault(*_: Any) -> None:
-        # A fault in this rank's live optimizer update of the parameter the replayed slice samples.
-        pending = state["engine"].opt_slice.pending if state.get("engine") else None
-        if pending is not None:
-            with torch.no_grad():
-                injector.corrupt("optimizer.update", pending["param"], rank=rank, step=state["step"])
-
-    opt.register_step_post_hook(update_fault)  # before the engine's hook: replay sees the damage
+    install_optimizer_kernel_fault(injector, rank, state)
 
     def slowed(real: Any) -> Any:
         def slow_collective(*args: Any, **kwargs: Any) -> Any:  # a slow endpoint inside this rank's collectives
@@ -105,7 +98,7 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
     os.environ[HOSTNAME_ENV] = f"node{ctx.rank // 8}"
     a, injector, par, opt = start_rank(ctx)
     state: dict[str, Any] = {"step": 0}
-    _install_faults(par, opt, injector, ctx.rank, state)
+    _install_faults(par, injector, ctx.rank, state)
     if ctx.rank == a["other_env_rank"]:  # this rank runs another torch build than its peers
         from scout_core.replay import trust
 

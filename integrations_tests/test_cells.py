@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import integrations_tests.c3_cells as c3_cells
-from scout_core.consensus import C3Result, C3Status
+from scout_core.consensus import C3Status
 from scout_core.testing.cells import load_cells, run_cells
 from scout_core.topology import Localization
 
@@ -49,39 +48,45 @@ def _shift_blame(real):
     return wrapper
 
 
-def test_sdc_cell_fails_when_attribution_is_wrong(monkeypatch):
-    monkeypatch.setattr(c3_cells, "c3_exchange", _shift_blame(c3_cells.c3_exchange))
-    (report,) = run_cells([SPECS["c3-sdc-16"]], root=ROOT)
-    assert report.verdict == "FAIL" and "expected" in report.details
-
-
 def test_sdc_cell_fails_when_nothing_is_detected(monkeypatch):
-    def blind(local, **kwargs):
-        return [C3Result(C3Status.AGREE, (0,) * 16, (), tuple(range(16)), s) for s in kwargs["surfaces"]]
+    """The guard of ddp-sdc-two-ranks: a C3 that finds every surface in agreement turns it red."""
+    from scout_core.replay import protocol
 
-    monkeypatch.setattr(c3_cells, "c3_exchange", blind)
-    (report,) = run_cells([SPECS["c3-sdc-16"]], root=ROOT)
-    assert report.verdict == "FAIL"
+    real = protocol.c3_exchange
+
+    def blind(local, **kwargs):
+        return [dataclasses.replace(r, status=C3Status.AGREE) if r.status is C3Status.ATTRIBUTED else r
+                for r in real(local, **kwargs)]
+
+    monkeypatch.setattr(protocol, "c3_exchange", blind)
+    (report,) = run_cells([SPECS["ddp-sdc-two-ranks"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks []" in report.details
 
 
 def test_clean_cell_fails_on_a_false_positive(monkeypatch):
-    spec = dataclasses.replace(SPECS["c3-clean-16"], faults=())
-    real = c3_cells.c3_exchange
+    """The guard of ddp-clean: one rank's first replayed surface signed differently turns it red."""
+    from scout_core.replay import protocol
+
+    real = protocol.c3_exchange
 
     def noisy(local, **kwargs):
         import torch.distributed as dist
 
-        if dist.get_rank() == 5:
+        if dist.get_rank() == 5 and local and isinstance(local[0], tuple):  # a signature, not a time
             local = [(0, 0)] + list(local[1:])
         return real(local, **kwargs)
 
-    monkeypatch.setattr(c3_cells, "c3_exchange", noisy)
-    (report,) = run_cells([spec], root=ROOT)
-    assert report.verdict == "FAIL"
+    monkeypatch.setattr(protocol, "c3_exchange", noisy)
+    (report,) = run_cells([SPECS["ddp-clean"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [5]" in report.details
 
 
-def test_fig3_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
-    real = c3_cells.localize_slow_groups
+def test_comm_straggler_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
+    """The guard of hsdp-comm-straggler (paper Figure 3's intersection): a localization that names rank 5's
+    machine instead of the slow rank's turns it red."""
+    from scout_core.replay import timing
+
+    real = timing.localize_slow_groups
 
     def wrong(observations, host_of):
         loc = real(observations, host_of)
@@ -89,9 +94,19 @@ def test_fig3_cell_fails_when_the_wrong_machine_is_named(monkeypatch):
             return Localization("machine", (5,), (host_of[5],), loc.slow_groups, "wrong")
         return loc
 
-    monkeypatch.setattr(c3_cells, "localize_slow_groups", wrong)
-    (report,) = run_cells([SPECS["topology-fig3"]], root=ROOT)
+    monkeypatch.setattr(timing, "localize_slow_groups", wrong)
+    (report,) = run_cells([SPECS["hsdp-comm-straggler"]], root=ROOT)
     assert report.verdict == "FAIL"
+
+
+def test_hsdp_optimizer_cell_fails_when_shard_mates_are_blamed(monkeypatch):
+    """The guard of hsdp-sdc-optimizer: without setting aside what a mate's corrupted shard explains, the ranks
+    that gathered rank 9's shard (8, 10, 11) are named too."""
+    from scout_core.replay import verdicts
+
+    monkeypatch.setattr(verdicts, "explained_by_shard_mates", list)
+    (report,) = run_cells([SPECS["hsdp-sdc-optimizer"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [8, 9, 10, 11]" in report.details
 
 
 def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_observers):

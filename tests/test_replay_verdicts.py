@@ -76,3 +76,21 @@ def test_set_aside_ranks_and_a_confirmed_job_wide_straggler():
     assert mine.writer == 0
     unconfirmed = check_verdicts(ctx(), BoundaryResult(7, timing=times), timing=TimingFindings(rounds=2))
     assert unconfirmed == [Records([], None)]
+
+
+def test_a_shard_mates_corrupted_shard_names_its_owner_not_the_replicas_that_gathered_it():
+    """HSDP: rank 2 gathered position 1's shard from a mate whose shard is corrupted (its part 1 differs): every
+    surface of that layer differs on rank 2 for that reason alone. The owner is named by its own peer group."""
+    def on(surface: str, values: tuple) -> C3Result:
+        return exact(list(values), peer_ranks=PEERS, surface=surface)
+
+    gathered = [on("layers.1.gathered_shard.1", ("a", "a", "b", "a")),
+                on("layers.1.x1.output", ("o", "o", "p", "o")), on("layers.1.param_state", ("s", "s", "t", "s"))]
+    assert sdc_verdicts(ctx(), BoundaryResult(7, surfaces=gathered)) == []
+    # Its own shard, another layer's outputs (layers.10 is not layers.1) and another rank stay its own findings.
+    own_faults = gathered + [on("layers.1.local_shard", ("l", "l", "m", "l")),
+                             on("layers.10.x1.output", ("q", "q", "r", "q")),
+                             on("layers.1.x2.output", ("u", "v", "u", "u"))]
+    incidents = sdc_verdicts(ctx(), BoundaryResult(7, surfaces=own_faults))
+    assert {tuple(i.ranks): sorted(i.evidence["surfaces"]) for i in incidents} == {
+        (2,): ["layers.1.local_shard", "layers.10.x1.output"], (1,): ["layers.1.x2.output"]}

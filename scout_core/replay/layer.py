@@ -32,8 +32,8 @@ from scout_core.signature import sign_many
 
 _log = logging.getLogger("scout")
 
-__all__ = ["ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of", "gather_ranks",
-           "materialize", "receive_buffers", "release_of", "replay_layer"]
+__all__ = ["GATHERED_SHARD", "ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of",
+           "gather_ranks", "gathered_shard_surfaces", "materialize", "receive_buffers", "release_of", "replay_layer"]
 
 
 @dataclass
@@ -125,6 +125,26 @@ def _say_hooks_skipped(layer: torch.nn.Module) -> None:
         _log.warning("SCOUT replays %s (FSDP2) by calling its class's forward past the module's own hooks: %s "
                      "do not run in replay, so a fault they introduce is not seen there (hooks and forwards of its "
                      "submodules run)", type(layer).__name__, names)
+
+
+GATHERED_SHARD = ".gathered_shard."
+"""Surfaces ``<layer>.gathered_shard.<j>``: shard position ``j``'s part of an HSDP layer's gathered parameters."""
+
+
+def gathered_shard_surfaces(layer: torch.nn.Module, name: str, shard_group: Any,
+                            shard_dims: list[int]) -> list[tuple[str, Any]]:
+    """HSDP, after the unshard: the signature of every other shard position's part of the gathered parameters.
+    A replica whose part ``j`` differs holds what its shard-group mate at position ``j`` sent it: every surface
+    of this layer then differs on it too, through no fault of its own (``verdicts`` sets those aside; the owner
+    is named by its own peer group through its local shard). ``shard_dims``: each parameter's sharded dim."""
+    n, own = dist.get_world_size(shard_group), dist.get_rank(shard_group)
+    parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for p, dim in zip(layer.parameters(), shard_dims, strict=True):
+        for j, chunk in enumerate(p.detach().chunk(n, dim=dim)):  # FSDP2's Shard(dim) splits as torch.chunk
+            parts[j].append(chunk.reshape(-1))
+    kept = [(j, torch.cat(ps)) for j, ps in enumerate(parts) if j != own and ps]
+    signed = sign_many([t for _, t in kept])
+    return [(f"{name}{GATHERED_SHARD}{j}", (s.signature, s.nonfinite)) for (j, _), s in zip(kept, signed, strict=True)]
 
 
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,

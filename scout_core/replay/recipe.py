@@ -16,7 +16,15 @@ import torch.distributed as dist
 from scout_core.config import ReplayConfig
 from scout_core.replay.capture import LayerCapture
 from scout_core.replay.guard import DiagnosisGuard
-from scout_core.replay.layer import LayerReplay, ShippedCall, gather_ranks, materialize, release_of, replay_layer
+from scout_core.replay.layer import (
+    LayerReplay,
+    ShippedCall,
+    gather_ranks,
+    gathered_shard_surfaces,
+    materialize,
+    release_of,
+    replay_layer,
+)
 from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.rng import RngProvider
 from scout_core.replay.scratch import Scratch, fsdp_module, reserve, unshard_bytes
@@ -122,7 +130,8 @@ class RecipeRunner:
         """Materialize the layer (its collectives use memory reserved in ``scratch``), replay it, reshard."""
         layer, name = self.layers[idx], self.names[idx]
         run = RecipeRun([])
-        if mesh_groups(layer) is not None:
+        hsdp = mesh_groups(layer)
+        if hsdp is not None:
             # HSDP: replicas hold the same shard, so compare the local shards BEFORE unsharding (a
             # corrupted shard would otherwise reach its whole shard group through the all-gather).
             # Pure FSDP has no owner copy to compare a shard against.
@@ -131,6 +140,7 @@ class RecipeRunner:
                 run.surfaces.append((f"{name}.local_shard", (signed.signature, signed.nonfinite)))
 
             guard.run(f"local shard signature of {name}", local_shard)
+            shard_dims = [next(pl.dim for pl in p.placements if pl.is_shard()) for p in layer.parameters()]
             if timed and scratch.hsdp is not None:  # the hidden recipe's timings are compared across groups
                 run.hsdp_comm = time_hsdp_collectives(layer, scratch.hsdp)
         owner = self.owner(idx)
@@ -139,6 +149,9 @@ class RecipeRunner:
         materialized = guard.attempt(f"unshard of {name}",
                                      lambda: materialize(layer, owner, scratch, self.gather_layer))
         forward, run.gather_s, release = materialized or (None, None, release_of(layer, owner))
+        if hsdp is not None and materialized is not None:
+            guard.run(f"gathered shard signatures of {name}",
+                      lambda: run.surfaces.extend(gathered_shard_surfaces(layer, name, hsdp[0], shard_dims)))
         done: list[LayerReplay] = []
 
         def replay() -> None:

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scout_core.consensus import C3Result, C3Status, group_disagreements
+from scout_core.replay.layer import GATHERED_SHARD
 from scout_core.replay.result import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult
 from scout_core.report import Incident, IncidentKind, IncidentScope
 
-__all__ = ["UNTRUSTED_REASON", "Records", "TimingFindings", "VerdictContext", "check_verdicts", "incident",
+__all__ = ["UNTRUSTED_REASON", "Records", "TimingFindings", "VerdictContext", "check_verdicts",
+           "explained_by_shard_mates", "incident",
            "peer_writer", "replica_verdicts", "sdc_verdicts", "timing_verdicts", "vetting_verdicts", "world_writer"]
 
 UNTRUSTED_REASON = {
@@ -93,11 +95,29 @@ def _strict_majority(values: Sequence[Any]) -> Any:
     return None
 
 
+def explained_by_shard_mates(results: Sequence[C3Result]) -> list[C3Result]:
+    """``results`` without the disagreements a shard-group mate explains (HSDP): a replica whose gathered copy
+    of another position's shard differs (``<layer>.gathered_shard.<j>``) computes that layer from what the
+    shard's owner sent it, so every surface of that layer differs on it through no fault of its own. The owner,
+    in another peer group, is named there by its local shard. Its own local shard still counts against it."""
+    explained: dict[int, set[str]] = {}
+    for r in results:
+        if GATHERED_SHARD in r.surface and r.status is C3Status.ATTRIBUTED:
+            for rank in r.outlier_ranks:
+                explained.setdefault(rank, set()).add(r.surface.split(GATHERED_SHARD)[0] + ".")
+    if not explained:
+        return list(results)
+    return [r for r in results
+            if r.status is not C3Status.ATTRIBUTED or r.surface.endswith(".local_shard")
+            or not all(any(r.surface.startswith(layer) for layer in explained.get(o, ())) for o in r.outlier_ranks)]
+
+
 def sdc_verdicts(ctx: VerdictContext, result: BoundaryResult, resolved: Collection[str] = ()) -> list[Incident]:
     """One SDC record per set of culprit ranks (all its surfaces in the evidence), one group-scoped record for
-    surfaces without a majority, except those the replica group ``resolved`` (see :func:`replica_verdicts`)."""
+    surfaces without a majority, except those the replica group ``resolved`` (see :func:`replica_verdicts`) and
+    those a shard-group mate explains (:func:`explained_by_shard_mates`)."""
     incidents = []
-    by_ranks, inconclusive = group_disagreements(result.surfaces)
+    by_ranks, inconclusive = group_disagreements(explained_by_shard_mates(result.surfaces))
     for ranks, rs in by_ranks.items():
         incidents.append(incident(ctx, IncidentKind.SDC, IncidentScope.RANK, ranks, rs,
                                   f"{len(rs)} replayed surface(s) differ from the strict majority"))

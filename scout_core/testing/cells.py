@@ -3,13 +3,13 @@
 A cell is declared in ``configs/cells.yaml``::
 
     cells:
-      c3-sdc-16:
-        target: integrations_tests.c3_cells:sdc_cell
+      ddp-sdc-weight:
+        target: integrations_tests.replay_cells:replay_cell
         world_size: 16
-        timeout_s: 60
+        timeout_s: 120
         tags: [fast]
         faults:
-          - {surface: hidden.output, rank: 9, kind: bitflip, bit: 3, step: 0}
+          - {surface: layers.1.weight, rank: 9, kind: set, value: 0.5, index: 7, from_step: 3}
         params: {...}
 
 ``target`` is a function ``(spec: CellSpec, world_size: int, workdir: str) ->
@@ -60,9 +60,9 @@ class CellSpec:
     """Where the cell sits in the fault matrix (``nox -s matrix``): every 16-rank cell has a place."""
 
 
-MATRIX_LAYOUTS = ("ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed", "hf", "lightning", "protocol")
-"""Columns of the matrix: the four parallel layouts, the plugins' real frameworks, and the protocol cells (C3 and
-topology exercised without a training job)."""
+MATRIX_LAYOUTS = ("ddp", "fsdp2", "hsdp", "moe", "titan", "megatron", "deepspeed", "hf", "lightning")
+"""Columns of the matrix: the four parallel layouts and the plugins' real frameworks (every cell a training job
+through ``enable()`` or a plugin)."""
 MATRIX_FAULTS = ("clean", "sdc", "compute_straggler", "comm_straggler", "hang", "input_stall", "checkpoint_stall",
                  "recovery", "scout_failure")
 """Rows of the matrix: the fault classes (``scout_failure``: SCOUT's own failure, isolated and skipped)."""
