@@ -129,7 +129,8 @@ def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, An
     (training's step, or SCOUT's replay of a slice) gets the defect while it is armed.
 
     ``optimizer.kernel``: every call of an armed step (a persistent defect: the replay errs as training did);
-    ``optimizer.kernel.once``: the first call of an armed step only (a transient upset of training's step)."""
+    ``optimizer.kernel.once``: the first call of an armed step only (a transient upset of training's step: the
+    models here have one parameter group, so one call)."""
     import torch.optim.adam as adam_impl
 
     calls: dict[int, int] = {}
@@ -148,8 +149,9 @@ def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, An
             with torch.no_grad():
                 for p, old in zip(params, before, strict=True):
                     update = p.detach() - old
-                    for surface in armed:
-                        injector.corrupt(surface, update, rank=rank, step=step)
+                    local = update.to_local() if hasattr(update, "to_local") else update  # this rank's shard
+                    for surface in armed if local.numel() else ():  # a shard may hold nothing of a small one
+                        injector.corrupt(surface, local, rank=rank, step=step)
                     p.detach().copy_(old + update)
             return out
 

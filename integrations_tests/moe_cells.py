@@ -14,6 +14,8 @@ Faults (``faults`` in configs/cells.yaml), all on rank 9 unless a cell says othe
 * ``experts.row_tail``: a defect that only 15-row tail tiles of the tiled expert GEMM execute (every rank
   computes experts with :class:`~scout_core.moe.paths.ReferenceGroupedGemm`): only row counts of 15 mod 16
   show it;
+* ``experts.gemv``: with ``kernel: switching`` (:mod:`integrations_tests.moe_kernel`, a kernel SCOUT has no
+  model of), a defect of its matrix-vector path, which only experts given 4 rows or fewer run;
 * ``collective`` (``delay``): this rank's AllToAll and all-reduce calls wait first, as a slow endpoint would;
 * ``compute`` (``delay``): every dense part (attention, router) burns CPU first, as a slow device would;
   ``compute.attention``: only attention does (a unit only one kind of kernel exercises);
@@ -33,12 +35,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import integrations_tests.moe_kernel as moe_kernel
 import scout_core
 from integrations_tests.expect import record_problems
 from integrations_tests.hang_cells import _RecordsSettled
+from integrations_tests.moe_kernel import SwitchingExpertKernel
 from integrations_tests.moe_model import MoEConfig, build_model, sync_grads
 from scout_core.config import load
-from scout_core.moe.catalog import MoESpec, build_catalog
+from scout_core.moe.catalog import KernelOpProfiler, MoESpec, build_catalog
 from scout_core.moe.paths import ReferenceGroupedGemm
 from scout_core.moe.replay import MoEBinding
 from scout_core.report import read_incidents
@@ -50,9 +54,10 @@ from scout_core.testing.launcher import RankContext, init_gloo, launch
 __all__ = ["moe_cell"]
 
 MODEL = MoEConfig(capacity=8)  # per source rank: an expert receives 0..ep x 8 = 32 rows
+SWITCHING = "integrations_tests.moe_kernel:expert"
 
 
-def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -> None:
+def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any], kernel: str = "reference") -> None:
     moe0 = model.layers[0].moe
     expert0 = moe0.experts[0]
 
@@ -128,9 +133,15 @@ def _install(model: Any, injector: Injector, rank: int, state: dict[str, Any]) -
         for dense in (block.attn.proj, block.moe.router.proj):
             dense.register_forward_hook(slow_compute)
         block.attn.proj.register_forward_hook(slow_attention)
+    def gemv_fault(out: torch.Tensor) -> None:  # a defective matrix-vector kernel: only few-row shapes run it
+        with torch.no_grad():
+            injector.corrupt("experts.gemv", out, rank=rank, step=state["step"])
+
     for layer in model.layers:
+        first = layer is model.layers[0]
         for expert in layer.moe.experts:
-            expert.path_kernel = ReferenceGroupedGemm(fault=path_fault if layer is model.layers[0] else None)
+            expert.path_kernel = (SwitchingExpertKernel(fault=gemv_fault if first else None) if kernel == "switching"
+                                  else ReferenceGroupedGemm(fault=path_fault if first else None))
 
 
 def start_moe_rank(ctx: RankContext, cfg: MoEConfig) -> tuple[Any, Any, dict[str, Any], torch.optim.Optimizer]:
@@ -143,7 +154,7 @@ def start_moe_rank(ctx: RankContext, cfg: MoEConfig) -> tuple[Any, Any, dict[str
     injector = Injector(a["faults"], seed=a["seed"])
     model, _, dp_group = build_model(cfg, seed=a["seed"], dense=a.get("dense", "replicated"))
     state: dict[str, Any] = {"step": 0, "injector": injector}
-    _install(model, injector, ctx.rank, state)
+    _install(model, injector, ctx.rank, state, a.get("kernel", "reference"))
     return model, dp_group, state, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -197,9 +208,12 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     catalog = None
     if p.get("catalog", True):
         catalog = os.path.join(workdir, "catalog.json")
+        # The switching kernel's paths are learnt by profiling its code; the reference kernel's are SCOUT's model.
+        profiler = (KernelOpProfiler(moe_kernel.expert, kernel_name=SWITCHING)
+                    if p.get("kernel") == "switching" else None)
         built = build_catalog(MoESpec(layers=tuple(f"layers.{i}.moe" for i in range(MODEL.depth)),
                                       hidden=MODEL.hidden, ffn=MODEL.ffn, experts=MODEL.experts, ep_size=MODEL.ep,
-                                      capacity=MODEL.ep * MODEL.capacity))
+                                      capacity=MODEL.ep * MODEL.capacity), profiler)
         if "representatives" in p:  # a catalog that lost some representatives (the guard of the shape cell)
             for e in built.entries:
                 e["representatives"] = [r for r in e["representatives"] if r in p["representatives"]]
@@ -207,7 +221,8 @@ def moe_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     hang = bool(p.get("hang", False))
     args = {"faults": list(spec.faults), "seed": spec.seed, "steps": int(p.get("steps", 8)), "jsonl": jsonl,
             "run_id": spec.name, "catalog": catalog, "hang": hang, "dense": p.get("dense", "replicated"),
-            "defaults": bool(p.get("defaults", False)), "overrides": list(p.get("overrides", []))}
+            "defaults": bool(p.get("defaults", False)), "overrides": list(p.get("overrides", [])),
+            "kernel": p.get("kernel", "reference")}
     start = time.monotonic()
     # A hung job never returns: it stops once the observers' records have settled.
     stop = _RecordsSettled(jsonl, settle_s=1.5) if hang else None

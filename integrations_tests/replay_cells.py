@@ -55,6 +55,25 @@ def _install_faults(par: Any, injector: Injector, rank: int, state: dict) -> Non
 
     install_optimizer_kernel_fault(injector, rank, state)
 
+    real_gather = dist.all_gather_single
+
+    def gather_received(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # ``collective.received``: this rank's memory or link corrupts what it receives in an all-gather (FSDP2's
+        # unshard), in the part its mate at the next shard position sent; the sender's shard is intact.
+        work = real_gather(output, input, *args, **kwargs)
+        if any(injector.armed("collective.received", k, rank=rank, step=state["step"])
+               for k in ("bitflip", "scale", "set")):
+            if work is not None:
+                work.wait()
+            group = kwargs.get("group", args[0] if args else None)
+            n = dist.get_world_size(group)
+            part = output.numel() // n
+            received = output.view(-1).narrow(0, (dist.get_rank(group) + 1) % n * part, part)
+            injector.corrupt("collective.received", received, rank=rank, step=state["step"])
+        return work
+
+    dist.all_gather_single = gather_received
+
     def slowed(real: Any) -> Any:
         def slow_collective(*args: Any, **kwargs: Any) -> Any:  # a slow endpoint inside this rank's collectives
             injector.delay("collective", rank=rank, step=state["step"])

@@ -109,6 +109,16 @@ def test_hsdp_optimizer_cell_fails_when_shard_mates_are_blamed(monkeypatch):
     assert report.verdict == "FAIL" and "named ranks [8, 9, 10, 11]" in report.details
 
 
+def test_hsdp_received_cell_fails_when_a_bad_receipt_is_taken_for_the_owners_shard(monkeypatch):
+    """The guard of hsdp-sdc-received: without the shard group's comparison of what each mate received, rank 8's
+    corrupted copy of rank 9's shard is set aside as rank 9's, and nobody is named."""
+    from scout_core.replay import verdicts
+
+    monkeypatch.setattr(verdicts, "GATHERED_RECEIPT", ".no-such-surface")
+    (report,) = run_cells([SPECS["hsdp-sdc-received"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks []" in report.details
+
+
 def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_observers):
     from scout_core.progress import episode
     from scout_core.progress.classify import HangClass, HangVerdict
@@ -413,8 +423,8 @@ def test_moe_expert_cell_fails_without_the_expert_recipe(monkeypatch):
     assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
 
 
-def test_moe_shape_cell_fails_with_a_catalog_missing_the_row_tail_shape():
-    """Replaying only full-tile shapes (32 rows) never runs the defective row-tail path: red."""
+def test_moe_shape_cell_fails_with_a_catalog_missing_the_few_rows_shape():
+    """Replaying only the GEMM's shape (32 rows) never runs the defective matrix-vector path: red."""
     spec = SPECS["moe-sdc-shape-dependent"]
     blind = dataclasses.replace(spec, params={**spec.params, "representatives": [32]})
     (report,) = run_cells([blind], root=ROOT)
@@ -422,7 +432,7 @@ def test_moe_shape_cell_fails_with_a_catalog_missing_the_row_tail_shape():
 
 
 def test_moe_shape_cell_fails_without_the_catalog():
-    """Replaying the shapes training routed (tails of ~8 rows) never reaches the defective upper tail rows: red."""
+    """Replaying the shapes training routed (~24 rows) never runs the defective matrix-vector path: red."""
     spec = SPECS["moe-sdc-shape-dependent"]
     blind = dataclasses.replace(spec, params={**spec.params, "catalog": False})
     (report,) = run_cells([blind], root=ROOT)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 __all__ = ["main"]
 
@@ -310,19 +311,38 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
     return show
 
 
+def _import_kernel(spec: str | None) -> Any:
+    """``package.module:attr[.attr]`` (what ``--kernel`` names): the expert code the user asked to profile."""
+    if not spec or ":" not in spec:
+        raise ValueError(f"--profiler ops needs --kernel package.module:function, got {spec!r}")
+    module, _, attrs = spec.partition(":")
+    target: Any = importlib.import_module(module)
+    for name in attrs.split("."):
+        target = getattr(target, name)
+    if isinstance(target, type) or not callable(target):
+        raise ValueError(f"--kernel {spec}: {type(target).__name__} is not callable as kernel(x, up, down)")
+    return target
+
+
 def _cmd_catalog_build(args: argparse.Namespace) -> int:
     import torch
 
-    from scout_core.moe.catalog import CudaPathProfiler, MoESpec, ReferencePathProfiler, build_catalog
+    from scout_core.moe.catalog import CudaPathProfiler, KernelOpProfiler, MoESpec, ReferencePathProfiler, build_catalog
 
     try:
         spec = MoESpec(layers=tuple(args.layers), hidden=args.hidden, ffn=args.ffn, experts=args.experts,
                        ep_size=args.ep_size, capacity=args.capacity, experts_per_kernel=args.experts_per_kernel)
-        profiler = CudaPathProfiler() if args.profiler == "cuda" else ReferencePathProfiler()
-    except (ValueError, RuntimeError) as exc:
+        if args.profiler == "ops":
+            profiler = KernelOpProfiler(_import_kernel(args.kernel), kernel_name=args.kernel,
+                                        device=torch.device(args.device))
+        elif args.kernel:
+            raise ValueError("--kernel names the code that --profiler ops profiles")
+        else:
+            profiler = CudaPathProfiler() if args.profiler == "cuda" else ReferencePathProfiler()
+    except (ValueError, RuntimeError, ImportError, AttributeError) as exc:
         print(f"scout catalog build: {exc}", file=sys.stderr)
         return 2
-    device = torch.device("cuda") if args.profiler == "cuda" else torch.device("cpu")
+    device = torch.device("cuda") if args.profiler == "cuda" else torch.device(args.device)
     catalog = build_catalog(spec, profiler, device=device, progress=_progress_bar("profiling shapes"))
     catalog.save(args.out)
     print(f"{args.out}: {catalog.admitted} admitted shapes, {catalog.selected} representatives "
@@ -404,7 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--ep-size", type=int, default=4)
     build.add_argument("--capacity", type=int, default=128, help="most rows one expert receives")
     build.add_argument("--experts-per-kernel", type=int, default=1)
-    build.add_argument("--profiler", choices=["reference", "cuda"], default="reference")
+    build.add_argument("--profiler", choices=["reference", "cuda", "ops"], default="reference", help="ops: the "
+                       "operators your own expert code (--kernel package.module:function, as kernel(x, up, down)) runs")
+    build.add_argument("--kernel", help="with --profiler ops: your expert MLP (imported)")
+    build.add_argument("--device", default="cpu", help="with --profiler ops: where to run it")
     build.set_defaults(func=_cmd_catalog_build)
     return parser
 

@@ -13,6 +13,7 @@ from scout_core.moe.catalog import (
     Catalog,
     CatalogDrift,
     ExpertProblem,
+    KernelOpProfiler,
     MoESpec,
     ReferencePathProfiler,
     build_catalog,
@@ -167,3 +168,41 @@ def test_the_catalog_is_checked_against_the_live_model():
         catalog.check_runtime(["layers.0.moe"], cpu, position=5)
     with pytest.raises(ValueError, match="no entries for MoE layer"):
         catalog.check_runtime(["layers.1.moe"], cpu)
+
+
+_SWITCHING_KERNEL = '''
+import torch
+import torch.nn.functional as F
+
+
+def gemm(x, w):  # a matrix-vector path for few rows, as vendor libraries switch kernels by shape
+    if 0 < x.shape[0] <= 3:
+        return torch.stack([torch.mv(w.t(), row) for row in x])
+    return x @ w
+
+
+def expert(x, up, down):
+    return gemm(F.silu(gemm(x, up)), down)
+'''
+
+
+def test_the_op_profiler_finds_a_kernel_switch_it_has_no_model_of(tmp_path, monkeypatch, capsys):
+    """KernelOpProfiler learns the paths from the operators the user's own expert code runs: the matrix-vector
+    path (1-3 rows) is a fingerprint of its own, represented by 3 rows; the GEMM's by the capacity; 0 rows never."""
+    from scout_core.cli import main
+
+    (tmp_path / "user_kernel.py").write_text(_SWITCHING_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import user_kernel
+
+    spec = MoESpec(layers=("layers.0.moe",), hidden=16, ffn=16, experts=4, ep_size=2, capacity=12)
+    catalog = build_catalog(spec, KernelOpProfiler(user_kernel.expert, kernel_name="user_kernel:expert"))
+    assert catalog.representatives("layers.0.moe", 0) == [3, 12]
+    assert catalog.environment["profiler"] == "ops" and catalog.environment["tiles"]["kernel"] == "user_kernel:expert"
+    out = tmp_path / "ops.json"
+    assert main(["catalog", "build", "--out", str(out), "--profiler", "ops", "--kernel", "user_kernel:expert",
+                 "--hidden", "16", "--ffn", "16", "--experts", "4", "--ep-size", "2", "--capacity", "12"]) == 0
+    assert Catalog.load(out).representatives("layers.0.moe", 1) == [3, 12]
+    assert main(["catalog", "build", "--out", str(out), "--profiler", "ops", "--kernel", "user_kernel"]) == 2
+    assert main(["catalog", "build", "--out", str(out), "--kernel", "user_kernel:expert"]) == 2
+    assert "--kernel" in capsys.readouterr().err

@@ -94,3 +94,7 @@ def test_a_shard_mates_corrupted_shard_names_its_owner_not_the_replicas_that_gat
     incidents = sdc_verdicts(ctx(), BoundaryResult(7, surfaces=own_faults))
     assert {tuple(i.ranks): sorted(i.evidence["surfaces"]) for i in incidents} == {
         (2,): ["layers.1.local_shard", "layers.10.x1.output"], (1,): ["layers.1.x2.output"]}
+    # A part rank 2 received otherwise than its shard group did is its own fault: nothing is set aside.
+    receipt = gathered + [on("layers.1.gathered_receipt", ((), (), (1,), ()))]
+    (inc,) = sdc_verdicts(ctx(), BoundaryResult(7, surfaces=receipt))
+    assert inc.ranks == [2] and "layers.1.gathered_receipt" in inc.evidence["surfaces"]

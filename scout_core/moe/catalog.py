@@ -8,7 +8,8 @@ once and offline, which shapes to replay so that a rotation through them covers 
    (grouped execution: every expert of a kernel receives the same row count, see docs/moe.md);
 2. profile each: a :class:`PathProfiler` gives the kernel and scheduling fingerprint and how often each path
    runs (:class:`ReferencePathProfiler`, the tiled model of :mod:`scout_core.moe.paths`, on any device;
-   :class:`CudaPathProfiler`, kernel names and launch shapes from the CUDA profiler);
+   :class:`CudaPathProfiler`, kernel names and launch shapes from the CUDA profiler; :class:`KernelOpProfiler`,
+   the operators the model's own expert code runs, on any device);
 3. compress within each fingerprint by dominance (:func:`scout_core.moe.dominance.compress`).
 
 The result is bound to the environment it was profiled in: :meth:`Catalog.load` rejects it, naming what
@@ -29,8 +30,8 @@ from scout_core.moe.dominance import compress
 from scout_core.moe.paths import PATH_ROLES, TileConfig, path_counts, select_tile
 from scout_core.report import list_of
 
-__all__ = ["CATALOG_FORMAT", "Catalog", "CatalogDrift", "CudaPathProfiler", "ExpertProblem", "MoESpec",
-           "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment",
+__all__ = ["CATALOG_FORMAT", "Catalog", "CatalogDrift", "CudaPathProfiler", "ExpertProblem", "KernelOpProfiler",
+           "MoESpec", "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment",
            "runtime_environment"]
 
 CATALOG_FORMAT = "scout-moe-catalog"
@@ -165,6 +166,56 @@ class CudaPathProfiler:
         runs = [self._once(problem) for _ in range(3)]
         if any(r != runs[0] for r in runs[1:]):
             raise RuntimeError(f"unstable kernel fingerprint for {problem}: {runs}")
+        return runs[0]
+
+
+class KernelOpProfiler:
+    """Any device: the operators the model's OWN expert code runs for a shape, from ``torch.profiler``.
+
+    ``kernel(x, up, down)`` computes one expert MLP (``x`` [rows, hidden], ``up`` [hidden, ffn], ``down``
+    [ffn, hidden]) exactly as the model does. The fingerprint is the operator names (ATen operators, and on
+    CUDA the kernels launched) in first-call order; the counts are how often each ran, over the group's experts.
+    A kernel that switches code by shape (a matrix-vector path for few rows, a padded tail tile) shows as
+    another fingerprint or other counts, with no model of the kernel on SCOUT's side (unlike
+    :class:`ReferencePathProfiler`). Profiled three times; a shape whose record changes between runs raises.
+    ``name`` says which code was profiled (the catalog's environment keeps it)."""
+
+    name = "ops"
+
+    def __init__(self, kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any], *, kernel_name: str,
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
+        self.kernel, self.kernel_name = kernel, kernel_name
+        self.device, self.dtype = device or torch.device("cpu"), dtype
+
+    def tiles(self) -> dict[str, Any]:
+        return {"kernel": self.kernel_name, "dtype": str(self.dtype)}
+
+    def _once(self, problem: ExpertProblem) -> PathRecord:
+        from torch.profiler import ProfilerActivity, profile
+
+        gen = torch.Generator().manual_seed(0)
+        x, up, down = (torch.randn(*shape, generator=gen).to(self.device, self.dtype) for shape in
+                       ((problem.rows, problem.hidden), (problem.hidden, problem.ffn), (problem.ffn, problem.hidden)))
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch.no_grad(), profile(activities=activities) as prof:
+            for _ in range(problem.group):
+                self.kernel(x, up, down)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        counts: dict[str, int] = {}
+        for ev in prof.events():
+            name = ("cuda:" + ev.name) if ev.device_type.name == "CUDA" else ev.name
+            if name.startswith(("aten::", "cuda:")):
+                counts[name] = counts.get(name, 0) + 1
+        return PathRecord(f"ops/{self.kernel_name}/" + "|".join(counts), tuple(counts.values()))
+
+    def profile(self, problem: ExpertProblem) -> PathRecord:
+        if problem.rows == 0:  # an expert without rows computes nothing worth replaying (whatever ops it runs)
+            return PathRecord(f"ops/{self.kernel_name}/no rows", ())
+        runs = [self._once(problem) for _ in range(3)]
+        if any(r != runs[0] for r in runs[1:]):
+            raise RuntimeError(f"unstable operator record for {problem}: {runs}")
         return runs[0]
 
 

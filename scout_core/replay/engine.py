@@ -97,7 +97,8 @@ class ReplayEngine:
         self.recipes = RecipeRunner(
             self.layers, self.names, self.captures, config, n_hidden, boundary_owner, owners, dict(rng_providers or {}),
             compare_param_state=compare_param_state, compare_param_grads=compare_param_grads,
-            compare_extra_state=compare_extra_state, gather_layer=gather_layer, gather_bytes=gather_bytes)
+            compare_extra_state=compare_extra_state, gather_layer=gather_layer, gather_bytes=gather_bytes,
+            peer_ranks=tuple(self.peers))
         self.protocol = CheckProtocol(
             self.groups, self.recipes, self.rank, self.health, reporter, self.hosts, replay_context=replay_context,
             replay_pairs_across_groups=replay_pairs_across_groups, replicated_parameters=replicated_parameters)

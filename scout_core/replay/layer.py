@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from scout_core.consensus import C3Status, c3_exchange
 from scout_core.extra_state import capture_extra_states, extra_state_tensors, restore_extra_states
 from scout_core.replay.calls import rebuild, tensor_leaves
 from scout_core.replay.capture import Captured
@@ -32,8 +34,9 @@ from scout_core.signature import sign_many
 
 _log = logging.getLogger("scout")
 
-__all__ = ["GATHERED_SHARD", "ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call", "call_meta", "device_of",
-           "gather_ranks", "gathered_shard_surfaces", "materialize", "receive_buffers", "release_of", "replay_layer"]
+__all__ = ["GATHERED_RECEIPT", "GATHERED_SHARD", "ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call",
+           "call_meta", "device_of", "gather_ranks", "gathered_shard_surfaces", "materialize", "receive_buffers",
+           "release_of", "replay_layer"]
 
 
 @dataclass
@@ -129,22 +132,35 @@ def _say_hooks_skipped(layer: torch.nn.Module) -> None:
 
 GATHERED_SHARD = ".gathered_shard."
 """Surfaces ``<layer>.gathered_shard.<j>``: shard position ``j``'s part of an HSDP layer's gathered parameters."""
+GATHERED_RECEIPT = ".gathered_receipt"
+"""Surface ``<layer>.gathered_receipt``: the positions whose part this rank holds otherwise than its shard group."""
 
 
 def gathered_shard_surfaces(layer: torch.nn.Module, name: str, shard_group: Any,
-                            shard_dims: list[int]) -> list[tuple[str, Any]]:
-    """HSDP, after the unshard: the signature of every other shard position's part of the gathered parameters.
-    A replica whose part ``j`` differs holds what its shard-group mate at position ``j`` sent it: every surface
-    of this layer then differs on it too, through no fault of its own (``verdicts`` sets those aside; the owner
-    is named by its own peer group through its local shard). ``shard_dims``: each parameter's sharded dim."""
+                            shard_dims: Sequence[int]) -> list[tuple[str, Any]]:
+    """HSDP, after the unshard: the signature of every other shard position's part of the gathered parameters,
+    and the positions this rank received otherwise than its shard group did (one exchange over that group).
+
+    Every member of a shard group holds the same bits of every part: the owner's shard, sent to all. A part
+    that differs inside the group was corrupted on its way or on receipt (``gathered_receipt``), never by its
+    owner. A part that the whole group holds alike but a replica holds otherwise is the owner's shard, and the
+    replica's surfaces of this layer then differ because of it (``verdicts.explained_by_shard_mates``).
+    ``shard_dims``: each parameter's sharded dim, read before the unshard."""
     n, own = dist.get_world_size(shard_group), dist.get_rank(shard_group)
     parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for p, dim in zip(layer.parameters(), shard_dims, strict=True):
+        if isinstance(p, DTensor):  # a nested fully_shard's parameter: not gathered by this unshard
+            continue
         for j, chunk in enumerate(p.detach().chunk(n, dim=dim)):  # FSDP2's Shard(dim) splits as torch.chunk
-            parts[j].append(chunk.reshape(-1))
-    kept = [(j, torch.cat(ps)) for j, ps in enumerate(parts) if j != own and ps]
-    signed = sign_many([t for _, t in kept])
-    return [(f"{name}{GATHERED_SHARD}{j}", (s.signature, s.nonfinite)) for (j, _), s in zip(kept, signed, strict=True)]
+            parts[j].append(chunk)
+    # Per parameter, no concatenation: the gathered layer already took the scratch memory's headroom.
+    signed = [tuple((s.signature, s.nonfinite) for s in sign_many(ps)) for ps in parts]
+    names = [f"{name}{GATHERED_SHARD}{j}" for j in range(n)]
+    mine = dist.get_global_rank(shard_group, own)
+    received = c3_exchange(signed, group=shard_group, surfaces=names)
+    otherwise = tuple(j for j, r in enumerate(received) if r.status is C3Status.INCONCLUSIVE
+                      or (r.status is C3Status.ATTRIBUTED and mine in r.outlier_ranks))
+    return [(names[j], signed[j]) for j in range(n) if j != own] + [(f"{name}{GATHERED_RECEIPT}", otherwise)]
 
 
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,

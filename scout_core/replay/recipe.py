@@ -104,6 +104,9 @@ class RecipeRunner:
     gather_bytes: Callable[[torch.nn.Module], int] | None = None
     replaying: bool = False
     """True while replay runs the sampled layer (model hooks may use it to stay out of the way)."""
+    peer_ranks: tuple[int, ...] = ()
+    """This rank's peer group (empty: not known). HSDP's shard surfaces are compared only where the peers are
+    the replica group: the replicas of one shard position."""
 
     def owner(self, idx: int) -> torch.nn.Module | None:
         """The FSDP module that unshards layer ``idx`` when it is not one itself: the outer module of a
@@ -131,6 +134,9 @@ class RecipeRunner:
         layer, name = self.layers[idx], self.names[idx]
         run = RecipeRun([])
         hsdp = mesh_groups(layer)
+        if hsdp is not None and self.peer_ranks and \
+                sorted(dist.get_process_group_ranks(hsdp[1])) != sorted(self.peer_ranks):
+            hsdp = None  # peers at other shard positions hold other shards: nothing to compare
         if hsdp is not None:
             # HSDP: replicas hold the same shard, so compare the local shards BEFORE unsharding (a
             # corrupted shard would otherwise reach its whole shard group through the all-gather).

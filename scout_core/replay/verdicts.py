@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scout_core.consensus import C3Result, C3Status, group_disagreements
-from scout_core.replay.layer import GATHERED_SHARD
+from scout_core.replay.layer import GATHERED_RECEIPT, GATHERED_SHARD
 from scout_core.replay.result import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult
 from scout_core.report import Incident, IncidentKind, IncidentScope
 
@@ -96,15 +96,22 @@ def _strict_majority(values: Sequence[Any]) -> Any:
 
 
 def explained_by_shard_mates(results: Sequence[C3Result]) -> list[C3Result]:
-    """``results`` without the disagreements a shard-group mate explains (HSDP): a replica whose gathered copy
-    of another position's shard differs (``<layer>.gathered_shard.<j>``) computes that layer from what the
-    shard's owner sent it, so every surface of that layer differs on it through no fault of its own. The owner,
-    in another peer group, is named there by its local shard. Its own local shard still counts against it."""
+    """``results`` without the disagreements a shard-group mate explains (HSDP). A replica whose gathered copy
+    of another position's shard differs (``<layer>.gathered_shard.<j>``), while its whole shard group holds that
+    part alike (it is no outlier on ``<layer>.gathered_receipt``), computes that layer from the shard its owner
+    holds: every surface of that layer differs on it through no fault of its own. The owner, in another peer
+    group, is named there by its local shard. A part received otherwise than the shard group did is this
+    rank's own fault and explains nothing."""
+    received_otherwise = {(rank, r.surface[:-len(GATHERED_RECEIPT)] + ".") for r in results
+                          if r.surface.endswith(GATHERED_RECEIPT) and r.status is not C3Status.AGREE
+                          for rank in (r.outlier_ranks if r.status is C3Status.ATTRIBUTED else r.peer_ranks)}
     explained: dict[int, set[str]] = {}
     for r in results:
         if GATHERED_SHARD in r.surface and r.status is C3Status.ATTRIBUTED:
+            layer = r.surface.split(GATHERED_SHARD)[0] + "."
             for rank in r.outlier_ranks:
-                explained.setdefault(rank, set()).add(r.surface.split(GATHERED_SHARD)[0] + ".")
+                if (rank, layer) not in received_otherwise:
+                    explained.setdefault(rank, set()).add(layer)
     if not explained:
         return list(results)
     return [r for r in results
