@@ -24,6 +24,7 @@ import scout_core
 from integrations_tests.expect import record_problems
 from integrations_tests.models import batches, install_block_faults, install_optimizer_kernel_fault, start_rank
 from scout_core.config import ConsensusConfig, load
+from scout_core.config_schema import ReplayCadence
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
@@ -124,9 +125,12 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
         real = trust.environment_fingerprint
         trust.environment_fingerprint = lambda device: real(device).replace("torch=", "torch=0.0-other+")
     others = 1 if a["all_recipes"] else 0  # the defaults cells time the hidden recipe only (their cost is CPU)
-    cfg = load(None, [f"replay.cadence.embedding={others}", "replay.cadence.hidden=1",
-                      f"replay.cadence.output={others}", f"replay.cadence.optimizer={others}",
-                      "replay.optimizer_slice_elems=256", "observer.enabled=false",
+    # ``shipped``: every replay and consensus setting as shipped (cadence 20, one layer per check in rotation, the
+    # whole slice); the hang observer stays off (these cells test replay; hang cells run it).
+    cadences = [] if a["shipped"] else [
+        f"replay.cadence.embedding={others}", "replay.cadence.hidden=1", f"replay.cadence.output={others}",
+        f"replay.cadence.optimizer={others}", "replay.optimizer_slice_elems=256"]
+    cfg = load(None, [*cadences, "observer.enabled=false",
                       f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR",
                       *[f"consensus.{k}={v}" for k, v in a["rule"].items()]])
     handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)
@@ -160,6 +164,10 @@ def _replay_rank(ctx: RankContext) -> dict[str, Any]:
             "rng": sign_many([torch.get_rng_state()])[0].signature}
 
 
+SHIPPED_CADENCE = ReplayCadence().hidden
+"""The shipped replay cadence: a ``shipped`` cell checks once every 20 steps."""
+
+
 def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     p = spec.params
     jsonl = os.path.join(workdir, "incidents.jsonl")
@@ -167,7 +175,7 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
             "steps": int(p.get("steps", 9)), "rule": dict(p.get("rule", {})),
             "hidden": int(p.get("hidden", 32)), "batch": int(p.get("batch", 8)),
             "all_recipes": bool(p.get("all_recipes", True)), "replicas": int(p.get("replicas", 4)),
-            "other_env_rank": p.get("other_env_rank"),
+            "other_env_rank": p.get("other_env_rank"), "shipped": bool(p.get("shipped", False)),
             "jsonl": jsonl, "run_id": spec.name}
     start = time.monotonic()
     result = launch(_replay_rank, world_size, timeout_s=spec.timeout_s, args=args)
@@ -179,8 +187,14 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
     problems += record_problems(incidents, expect)
     if result.ok:
         checks = result.values()[0]["checks"]
-        if len(checks) != args["steps"]:
-            problems.append(f"{len(checks)} checks ran, expected {args['steps']}")
+        expected = args["steps"] // SHIPPED_CADENCE if args["shipped"] else args["steps"]
+        if len(checks) != expected:
+            problems.append(f"{len(checks)} checks ran, expected {expected}")
+        if "first_named" in expect:  # each named rank's first record, at the step given or before
+            first = {r: min(i.step for i in incidents if r in i.ranks) for r in {r for i in incidents for r in i.ranks}}
+            late = {r: first.get(int(r)) for r, at in expect["first_named"].items() if first.get(int(r), 1 << 30) > at}
+            if late:
+                problems.append(f"first named at {late}, expected by {expect['first_named']}; all: {first}")
         if "timing_peers" in expect:  # how many ranks each compute time was compared with
             watched = expect.get("ranks") or [0]
             sizes = sorted({len(t) for _, _, t in result.values()[watched[0]]["compute_s"]})

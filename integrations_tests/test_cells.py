@@ -119,6 +119,16 @@ def test_hsdp_received_cell_fails_when_a_bad_receipt_is_taken_for_the_owners_sha
     assert report.verdict == "FAIL" and "named ranks []" in report.details
 
 
+def test_surfaces_defaults_cell_fails_without_the_rotation(monkeypatch):
+    """The guard of ddp-sdc-surfaces-defaults: a hidden recipe that always samples block 0 never reaches the
+    defects of blocks 1 and 2 (ranks 5 and 9)."""
+    from scout_core.replay.schedule import Schedule
+
+    monkeypatch.setattr(Schedule, "layer_index", lambda self: 0)
+    (report,) = run_cells([SPECS["ddp-sdc-surfaces-defaults"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [3, 12]" in report.details
+
+
 def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_observers):
     from scout_core.progress import episode
     from scout_core.progress.classify import HangClass, HangVerdict
