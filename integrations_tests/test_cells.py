@@ -110,11 +110,16 @@ def test_hsdp_optimizer_cell_fails_when_shard_mates_are_blamed(monkeypatch):
 
 
 def test_hsdp_received_cell_fails_when_a_bad_receipt_is_taken_for_the_owners_shard(monkeypatch):
-    """The guard of hsdp-sdc-received: without the shard group's comparison of what each mate received, rank 8's
-    corrupted copy of rank 9's shard is set aside as rank 9's, and nobody is named."""
-    from scout_core.replay import verdicts
+    """The guard of hsdp-sdc-received: without the comparison of each mate's copy with its owner's (every receipt
+    empty), rank 8's corrupted copy of rank 9's shard is set aside as rank 9's, and nobody is named."""
+    from scout_core.replay import recipe
 
-    monkeypatch.setattr(verdicts, "GATHERED_RECEIPT", ".no-such-surface")
+    real = recipe.gathered_shard_surfaces
+
+    def no_receipt(*args, **kwargs):
+        return [(n, () if n.endswith(".gathered_receipt") else v) for n, v in real(*args, **kwargs)]
+
+    monkeypatch.setattr(recipe, "gathered_shard_surfaces", no_receipt)
     (report,) = run_cells([SPECS["hsdp-sdc-received"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks []" in report.details
 

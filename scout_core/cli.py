@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -311,43 +310,59 @@ def _progress_bar(label: str) -> Callable[[int, int], None]:
     return show
 
 
-def _import_kernel(spec: str | None) -> Any:
-    """``package.module:attr[.attr]`` (what ``--kernel`` names): the expert code the user asked to profile."""
-    if not spec or ":" not in spec:
-        raise ValueError(f"--profiler ops needs --kernel package.module:function, got {spec!r}")
-    module, _, attrs = spec.partition(":")
-    target: Any = importlib.import_module(module)
-    for name in attrs.split("."):
-        target = getattr(target, name)
-    if isinstance(target, type) or not callable(target):
-        raise ValueError(f"--kernel {spec}: {type(target).__name__} is not callable as kernel(x, up, down)")
-    return target
-
-
 def _cmd_catalog_build(args: argparse.Namespace) -> int:
     import torch
 
-    from scout_core.moe.catalog import CudaPathProfiler, KernelOpProfiler, MoESpec, ReferencePathProfiler, build_catalog
+    from scout_core.moe.catalog import (
+        CudaPathProfiler,
+        KernelOpProfiler,
+        MoESpec,
+        ReferencePathProfiler,
+        build_catalog,
+        import_kernel,
+    )
 
     try:
         spec = MoESpec(layers=tuple(args.layers), hidden=args.hidden, ffn=args.ffn, experts=args.experts,
                        ep_size=args.ep_size, capacity=args.capacity, experts_per_kernel=args.experts_per_kernel)
         if args.profiler == "ops":
-            profiler = KernelOpProfiler(_import_kernel(args.kernel), kernel_name=args.kernel,
-                                        device=torch.device(args.device))
+            device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            profiler = KernelOpProfiler(import_kernel(args.kernel), kernel_name=args.kernel, device=device,
+                                        dtype=args.dtype)
         elif args.kernel:
             raise ValueError("--kernel names the code that --profiler ops profiles")
         else:
             profiler = CudaPathProfiler() if args.profiler == "cuda" else ReferencePathProfiler()
-    except (ValueError, RuntimeError, ImportError, AttributeError) as exc:
+    except (ValueError, RuntimeError, ImportError, AttributeError) as exc:  # AttributeError: --kernel's name
         print(f"scout catalog build: {exc}", file=sys.stderr)
         return 2
-    device = torch.device("cuda") if args.profiler == "cuda" else torch.device(args.device)
+    device = torch.device("cuda") if args.profiler == "cuda" else getattr(profiler, "device", torch.device("cpu"))
     catalog = build_catalog(spec, profiler, device=device, progress=_progress_bar("profiling shapes"))
     catalog.save(args.out)
     print(f"{args.out}: {catalog.admitted} admitted shapes, {catalog.selected} representatives "
           f"({len(catalog.entries)} kernel groups)")
     return 0
+
+
+def _add_catalog_parser(sub: Any) -> None:
+    """``scout catalog build``."""
+    cat = sub.add_parser("catalog", help="the offline MoE shape catalog")
+    cat_sub = cat.add_subparsers(dest="catalog_command", required=True)
+    build = cat_sub.add_parser("build", help="enumerate, profile and compress the experts' input shapes")
+    build.add_argument("--out", required=True, help="catalog file to write (JSON, versioned)")
+    build.add_argument("--layers", nargs="+", default=["layers.0.moe"], help="MoE layer module names")
+    build.add_argument("--hidden", type=int, default=128)
+    build.add_argument("--ffn", type=int, default=128)
+    build.add_argument("--experts", type=int, default=8, help="experts per layer over all EP positions")
+    build.add_argument("--ep-size", type=int, default=4)
+    build.add_argument("--capacity", type=int, default=128, help="most rows one expert receives")
+    build.add_argument("--experts-per-kernel", type=int, default=1)
+    build.add_argument("--profiler", choices=["reference", "cuda", "ops"], default="reference")  # ops: --kernel
+    build.add_argument("--kernel", help="with --profiler ops: package.module:function, your expert MLP as "
+                                        "kernel(x, up, down) (imported): the operators it runs are profiled")
+    build.add_argument("--device", help="with --profiler ops: where to run it (cuda where there is one)")
+    build.add_argument("--dtype", default="bfloat16", help="with --profiler ops: float32, bfloat16 or float16")
+    build.set_defaults(func=_cmd_catalog_build)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -413,22 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("--show-output", action="store_true",
                      help="let the ranks print to the terminal (default: to each cell's output.log)")
     mat.set_defaults(func=_cmd_cells_matrix)
-    cat = sub.add_parser("catalog", help="the offline MoE shape catalog")
-    cat_sub = cat.add_subparsers(dest="catalog_command", required=True)
-    build = cat_sub.add_parser("build", help="enumerate, profile and compress the experts' input shapes")
-    build.add_argument("--out", required=True, help="catalog file to write (JSON, versioned)")
-    build.add_argument("--layers", nargs="+", default=["layers.0.moe"], help="MoE layer module names")
-    build.add_argument("--hidden", type=int, default=128)
-    build.add_argument("--ffn", type=int, default=128)
-    build.add_argument("--experts", type=int, default=8, help="experts per layer over all EP positions")
-    build.add_argument("--ep-size", type=int, default=4)
-    build.add_argument("--capacity", type=int, default=128, help="most rows one expert receives")
-    build.add_argument("--experts-per-kernel", type=int, default=1)
-    build.add_argument("--profiler", choices=["reference", "cuda", "ops"], default="reference", help="ops: the "
-                       "operators your own expert code (--kernel package.module:function, as kernel(x, up, down)) runs")
-    build.add_argument("--kernel", help="with --profiler ops: your expert MLP (imported)")
-    build.add_argument("--device", default="cpu", help="with --profiler ops: where to run it")
-    build.set_defaults(func=_cmd_catalog_build)
+    _add_catalog_parser(sub)
     return parser
 
 

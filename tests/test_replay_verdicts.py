@@ -84,7 +84,7 @@ def test_a_shard_mates_corrupted_shard_names_its_owner_not_the_replicas_that_gat
     def on(surface: str, values: tuple) -> C3Result:
         return exact(list(values), peer_ranks=PEERS, surface=surface)
 
-    gathered = [on("layers.1.gathered_shard.1", ("a", "a", "b", "a")),
+    gathered = [on("layers.1.gathered_shard.1", ("a", "a", "b", "a")), on("layers.1.gathered_receipt", ((),) * 4),
                 on("layers.1.x1.output", ("o", "o", "p", "o")), on("layers.1.param_state", ("s", "s", "t", "s"))]
     assert sdc_verdicts(ctx(), BoundaryResult(7, surfaces=gathered)) == []
     # Its own shard, another layer's outputs (layers.10 is not layers.1) and another rank stay its own findings.
@@ -95,6 +95,9 @@ def test_a_shard_mates_corrupted_shard_names_its_owner_not_the_replicas_that_gat
     assert {tuple(i.ranks): sorted(i.evidence["surfaces"]) for i in incidents} == {
         (2,): ["layers.1.local_shard", "layers.10.x1.output"], (1,): ["layers.1.x2.output"]}
     # A part rank 2 received otherwise than its shard group did is its own fault: nothing is set aside.
-    receipt = gathered + [on("layers.1.gathered_receipt", ((), (), (1,), ()))]
+    receipt = [r for r in gathered if "receipt" not in r.surface] + [on("layers.1.gathered_receipt",
+                                                                          ((), (), (1,), ()))]
     (inc,) = sdc_verdicts(ctx(), BoundaryResult(7, surfaces=receipt))
     assert inc.ranks == [2] and "layers.1.gathered_receipt" in inc.evidence["surfaces"]
+    # Without a receipt (none exchanged) nothing is explained either.
+    assert {i.ranks[0] for i in sdc_verdicts(ctx(), BoundaryResult(7, surfaces=gathered[:1] + gathered[2:]))} == {2}

@@ -18,8 +18,10 @@ changed, when the device, torch, the model configuration, the tile configuration
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
@@ -32,7 +34,7 @@ from scout_core.report import list_of
 
 __all__ = ["CATALOG_FORMAT", "Catalog", "CatalogDrift", "CudaPathProfiler", "ExpertProblem", "KernelOpProfiler",
            "MoESpec", "PathProfiler", "PathRecord", "ReferencePathProfiler", "build_catalog", "catalog_environment",
-           "runtime_environment"]
+           "import_kernel", "runtime_environment"]
 
 CATALOG_FORMAT = "scout-moe-catalog"
 CATALOG_VERSION = 1
@@ -173,17 +175,22 @@ class KernelOpProfiler:
     """Any device: the operators the model's OWN expert code runs for a shape, from ``torch.profiler``.
 
     ``kernel(x, up, down)`` computes one expert MLP (``x`` [rows, hidden], ``up`` [hidden, ffn], ``down``
-    [ffn, hidden]) exactly as the model does. The fingerprint is the operator names (ATen operators, and on
-    CUDA the kernels launched) in first-call order; the counts are how often each ran, over the group's experts.
-    A kernel that switches code by shape (a matrix-vector path for few rows, a padded tail tile) shows as
+    [ffn, hidden]) exactly as the model does; it is profiled as training runs it, forward and backward, in
+    ``dtype``. The fingerprint is the set of operator names (ATen operators, and on CUDA the kernels launched),
+    the counts how often each ran, over the group's experts. A kernel that switches code by shape through other
+    operators or another number of calls (a matrix-vector path for few rows, tiles launched one by one) shows as
     another fingerprint or other counts, with no model of the kernel on SCOUT's side (unlike
-    :class:`ReferencePathProfiler`). Profiled three times; a shape whose record changes between runs raises.
-    ``name`` says which code was profiled (the catalog's environment keeps it)."""
+    :class:`ReferencePathProfiler`); a switch inside one operator or one CUDA kernel does not show. Profiled three
+    times; a shape whose record changes between runs raises. ``kernel_name`` says which code was profiled."""
 
     name = "ops"
 
     def __init__(self, kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any], *, kernel_name: str,
-                 device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype | str = torch.float32) -> None:
+        if isinstance(dtype, str):  # a name, as the command line gives it
+            if dtype not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+            dtype = getattr(torch, dtype)
         self.kernel, self.kernel_name = kernel, kernel_name
         self.device, self.dtype = device or torch.device("cpu"), dtype
 
@@ -194,13 +201,14 @@ class KernelOpProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         gen = torch.Generator().manual_seed(0)
-        x, up, down = (torch.randn(*shape, generator=gen).to(self.device, self.dtype) for shape in
+        x, up, down = (torch.randn(*shape, generator=gen).to(self.device, self.dtype).requires_grad_() for shape in
                        ((problem.rows, problem.hidden), (problem.hidden, problem.ffn), (problem.ffn, problem.hidden)))
         cuda = self.device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with torch.no_grad(), profile(activities=activities) as prof:
+        with profile(activities=activities) as prof:
             for _ in range(problem.group):
-                self.kernel(x, up, down)
+                out = self.kernel(x, up, down)
+                out.backward(torch.ones_like(out))
             if cuda:
                 torch.cuda.synchronize(self.device)
         counts: dict[str, int] = {}
@@ -208,7 +216,8 @@ class KernelOpProfiler:
             name = ("cuda:" + ev.name) if ev.device_type.name == "CUDA" else ev.name
             if name.startswith(("aten::", "cuda:")):
                 counts[name] = counts.get(name, 0) + 1
-        return PathRecord(f"ops/{self.kernel_name}/" + "|".join(counts), tuple(counts.values()))
+        ops = sorted(counts)  # by name: on CUDA the events' order depends on when the device ran them
+        return PathRecord(f"ops/{self.kernel_name}/" + "|".join(ops), tuple(counts[o] for o in ops))
 
     def profile(self, problem: ExpertProblem) -> PathRecord:
         if problem.rows == 0:  # an expert without rows computes nothing worth replaying (whatever ops it runs)
@@ -217,6 +226,22 @@ class KernelOpProfiler:
         if any(r != runs[0] for r in runs[1:]):
             raise RuntimeError(f"unstable operator record for {problem}: {runs}")
         return runs[0]
+
+
+def import_kernel(spec: str | None) -> Callable[..., Any]:
+    """``package.module:function`` (``scout catalog build --kernel``): the expert code the user asked to profile,
+    imported from the current directory or the installed packages, as ``python -m`` finds modules."""
+    if not spec or ":" not in spec:
+        raise ValueError(f"--profiler ops needs --kernel package.module:function, got {spec!r}")
+    module, _, attrs = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    target: Any = importlib.import_module(module)
+    for name in attrs.split("."):
+        target = getattr(target, name)
+    if isinstance(target, type) or not callable(target):
+        raise ValueError(f"--kernel {spec}: {type(target).__name__} is not callable as kernel(x, up, down)")
+    return target
 
 
 def _product(xs: Any) -> int:
@@ -274,9 +299,9 @@ class Catalog:
         """Raise unless this catalog serves a job replaying ``layers`` on ``device`` at EP ``position``:
         every layer has an entry for the position; the live model's expert width, local experts per position
         and EP size (where known) are the catalog's (another capacity cannot be seen from the model: it is
-        the builder's to keep); and a catalog profiled on a device (CUDA) was profiled on this device with
-        this torch and CUDA. The reference path model depends on the tile configuration alone, so its
-        catalogs serve any device."""
+        the builder's to keep); and a catalog profiled on a device (CUDA, or the ops profiler anywhere) was
+        profiled on this device with this torch and CUDA. The reference path model depends on the tile
+        configuration alone, so its catalogs serve any device."""
         missing = sorted({name for name in layers} - {e["layer"] for e in self.entries})
         if missing:
             raise ValueError(f"the shape catalog has no entries for MoE layer(s) {missing}; it lists "
@@ -365,6 +390,7 @@ def build_catalog(spec: MoESpec, profiler: PathProfiler | None = None, *, device
     """Enumerate, profile and compress. Identical problems are profiled once (experts of one layer share their
     dimensions); ``progress(done, total)`` is called as shapes are profiled."""
     profiler = profiler or ReferencePathProfiler()
+    device = device or getattr(profiler, "device", None)  # where a device profiler ran is what the catalog binds
     problems = list(admitted_problems(spec))
     seen: dict[ExpertProblem, PathRecord] = {}
     by_entry: dict[tuple[str, int, int], dict[str, dict[int, tuple[int, ...]]]] = {}

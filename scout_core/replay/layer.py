@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from scout_core.consensus import C3Status, c3_exchange
+from scout_core.consensus import c3_exchange
 from scout_core.extra_state import capture_extra_states, extra_state_tensors, restore_extra_states
 from scout_core.replay.calls import rebuild, tensor_leaves
 from scout_core.replay.capture import Captured
@@ -136,31 +136,44 @@ GATHERED_RECEIPT = ".gathered_receipt"
 """Surface ``<layer>.gathered_receipt``: the positions whose part this rank holds otherwise than its shard group."""
 
 
-def gathered_shard_surfaces(layer: torch.nn.Module, name: str, shard_group: Any,
-                            shard_dims: Sequence[int]) -> list[tuple[str, Any]]:
+def gathered_shard_surfaces(layer: torch.nn.Module, name: str, shard_group: Any, shard_dims: Sequence[int], *,
+                            gathered: bool = True) -> list[tuple[str, Any]]:
     """HSDP, after the unshard: the signature of every other shard position's part of the gathered parameters,
-    and the positions this rank received otherwise than its shard group did (one exchange over that group).
+    and the positions this rank received otherwise than their owner holds them (one exchange over the group).
 
-    Every member of a shard group holds the same bits of every part: the owner's shard, sent to all. A part
-    that differs inside the group was corrupted on its way or on receipt (``gathered_receipt``), never by its
-    owner. A part that the whole group holds alike but a replica holds otherwise is the owner's shard, and the
-    replica's surfaces of this layer then differ because of it (``verdicts.explained_by_shard_mates``).
+    The owner's copy of its own part is the reference (its replicas vouch for it through ``local_shard``): a
+    mate whose copy differs received it corrupted, on its way or on arrival (``gathered_receipt``), whatever
+    the other mates hold. A part that a replica holds otherwise while it matches its owner's is the owner's
+    shard, and the replica's surfaces of this layer then differ because of it (``verdicts.
+    explained_by_shard_mates``). Every mate joins the exchange, also one whose unshard (``gathered`` False) or
+    signing failed: it sends "unavailable" and raises afterwards, so no mate is left waiting in the group.
     ``shard_dims``: each parameter's sharded dim, read before the unshard."""
     n, own = dist.get_world_size(shard_group), dist.get_rank(shard_group)
-    parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for p, dim in zip(layer.parameters(), shard_dims, strict=True):
-        if isinstance(p, DTensor):  # a nested fully_shard's parameter: not gathered by this unshard
-            continue
-        for j, chunk in enumerate(p.detach().chunk(n, dim=dim)):  # FSDP2's Shard(dim) splits as torch.chunk
-            parts[j].append(chunk)
-    # Per parameter, no concatenation: the gathered layer already took the scratch memory's headroom.
-    signed = [tuple((s.signature, s.nonfinite) for s in sign_many(ps)) for ps in parts]
     names = [f"{name}{GATHERED_SHARD}{j}" for j in range(n)]
-    mine = dist.get_global_rank(shard_group, own)
+    failure: Exception | None = None
+    try:
+        if not gathered:
+            raise RuntimeError(f"{name} was not gathered")
+        parts: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for p, dim in zip(layer.parameters(), shard_dims, strict=True):
+            if isinstance(p, DTensor):  # a nested fully_shard's parameter: not gathered by this unshard
+                continue
+            for j, chunk in enumerate(p.detach().chunk(n, dim=dim)):  # FSDP2's Shard(dim) splits as torch.chunk
+                parts[j].append(chunk)
+        # Per parameter, no concatenation: the gathered layer already took the scratch memory's headroom.
+        signed: list[Any] = [tuple((s.signature, s.nonfinite) for s in sign_many(ps)) for ps in parts]
+    except Exception as exc:  # noqa: BLE001 - raised after the exchange every mate joins
+        failure, signed = exc, [("unavailable", own)] * n
     received = c3_exchange(signed, group=shard_group, surfaces=names)
-    otherwise = tuple(j for j, r in enumerate(received) if r.status is C3Status.INCONCLUSIVE
-                      or (r.status is C3Status.ATTRIBUTED and mine in r.outlier_ranks))
-    return [(names[j], signed[j]) for j in range(n) if j != own] + [(f"{name}{GATHERED_RECEIPT}", otherwise)]
+    if failure is not None:
+        raise failure
+    mine = dist.get_global_rank(shard_group, own)
+    otherwise = []
+    for j, res in enumerate(received):
+        held = dict(zip(res.peer_ranks, res.evidence, strict=True))
+        if j != own and held[mine] != held[dist.get_global_rank(shard_group, j)]:
+            otherwise.append(j)
+    return [(names[j], signed[j]) for j in range(n) if j != own] + [(f"{name}{GATHERED_RECEIPT}", tuple(otherwise))]
 
 
 def materialize(layer: torch.nn.Module, owner: torch.nn.Module | None = None,

@@ -134,9 +134,10 @@ class RecipeRunner:
         layer, name = self.layers[idx], self.names[idx]
         run = RecipeRun([])
         hsdp = mesh_groups(layer)
-        if hsdp is not None and self.peer_ranks and \
-                sorted(dist.get_process_group_ranks(hsdp[1])) != sorted(self.peer_ranks):
-            hsdp = None  # peers at other shard positions hold other shards: nothing to compare
+        # The shards are compared where the peers are the replica group (the replicas of one shard position);
+        # peers at other positions hold other shards. The same on every rank: the mesh and the groups are.
+        shards = hsdp is not None and (not self.peer_ranks or
+                                       sorted(dist.get_process_group_ranks(hsdp[1])) == sorted(self.peer_ranks))
         if hsdp is not None:
             # HSDP: replicas hold the same shard, so compare the local shards BEFORE unsharding (a
             # corrupted shard would otherwise reach its whole shard group through the all-gather).
@@ -145,7 +146,8 @@ class RecipeRunner:
                 signed = sign_many([torch.cat([p.to_local().reshape(-1) for p in layer.parameters()])])[0]
                 run.surfaces.append((f"{name}.local_shard", (signed.signature, signed.nonfinite)))
 
-            guard.run(f"local shard signature of {name}", local_shard)
+            if shards:
+                guard.run(f"local shard signature of {name}", local_shard)
             shard_dims = [next(pl.dim for pl in p.placements if pl.is_shard()) for p in layer.parameters()]
             if timed and scratch.hsdp is not None:  # the hidden recipe's timings are compared across groups
                 run.hsdp_comm = time_hsdp_collectives(layer, scratch.hsdp)
@@ -155,9 +157,10 @@ class RecipeRunner:
         materialized = guard.attempt(f"unshard of {name}",
                                      lambda: materialize(layer, owner, scratch, self.gather_layer))
         forward, run.gather_s, release = materialized or (None, None, release_of(layer, owner))
-        if hsdp is not None and materialized is not None:
-            guard.run(f"gathered shard signatures of {name}",
-                      lambda: run.surfaces.extend(gathered_shard_surfaces(layer, name, hsdp[0], shard_dims)))
+        if shards:  # an exchange over the shard group every mate joins, whatever failed before on this rank
+            surfaces = guard.attempt(f"gathered shard signatures of {name}", lambda: gathered_shard_surfaces(
+                layer, name, hsdp[0], shard_dims, gathered=materialized is not None))
+            run.surfaces.extend(surfaces or [])
         done: list[LayerReplay] = []
 
         def replay() -> None:

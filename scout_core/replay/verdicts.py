@@ -97,21 +97,25 @@ def _strict_majority(values: Sequence[Any]) -> Any:
 
 def explained_by_shard_mates(results: Sequence[C3Result]) -> list[C3Result]:
     """``results`` without the disagreements a shard-group mate explains (HSDP). A replica whose gathered copy
-    of another position's shard differs (``<layer>.gathered_shard.<j>``), while its whole shard group holds that
-    part alike (it is no outlier on ``<layer>.gathered_receipt``), computes that layer from the shard its owner
-    holds: every surface of that layer differs on it through no fault of its own. The owner, in another peer
-    group, is named there by its local shard. A part received otherwise than the shard group did is this
-    rank's own fault and explains nothing."""
-    received_otherwise = {(rank, r.surface[:-len(GATHERED_RECEIPT)] + ".") for r in results
-                          if r.surface.endswith(GATHERED_RECEIPT) and r.status is not C3Status.AGREE
-                          for rank in (r.outlier_ranks if r.status is C3Status.ATTRIBUTED else r.peer_ranks)}
+    of another position's shard differs (``<layer>.gathered_shard.<j>``), while that copy is what the shard's
+    owner holds (``j`` is not in its ``<layer>.gathered_receipt``), computes that layer from the owner's shard:
+    every surface of that layer differs on it through no fault of its own. The owner, in another peer group, is
+    named there by its local shard. A part received otherwise than its owner holds it is this rank's own fault
+    and explains nothing; nor does a receipt this rank could not give."""
+    receipts: dict[tuple[int, str], set[int] | None] = {}  # None: no receipt from that rank
+    for r in results:
+        if r.surface.endswith(GATHERED_RECEIPT):
+            layer = r.surface[:-len(GATHERED_RECEIPT)]
+            for rank, parts in zip(r.peer_ranks, r.evidence, strict=True):
+                receipts[rank, layer] = set(parts) if isinstance(parts, (tuple, list)) else None
     explained: dict[int, set[str]] = {}
     for r in results:
         if GATHERED_SHARD in r.surface and r.status is C3Status.ATTRIBUTED:
-            layer = r.surface.split(GATHERED_SHARD)[0] + "."
+            layer, _, part = r.surface.partition(GATHERED_SHARD)
             for rank in r.outlier_ranks:
-                if (rank, layer) not in received_otherwise:
-                    explained.setdefault(rank, set()).add(layer)
+                otherwise = receipts.get((rank, layer))
+                if otherwise is not None and int(part) not in otherwise:
+                    explained.setdefault(rank, set()).add(layer + ".")
     if not explained:
         return list(results)
     return [r for r in results
