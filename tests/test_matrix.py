@@ -3,6 +3,7 @@ place in it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,9 @@ def test_the_summary_counts_passes_per_layout_and_fault_class_and_names_false_po
     md = matrix_summary(SPECS, REPORTS)
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| ")}
     assert rows["fault class"].split("|")[2:7] == [" ddp ", " fsdp2 ", " hsdp ", " moe ", " passed / run "]
-    assert "| 1/1 | - | 0/1 **FAIL** | - | 1/2 | straggler/peer_group | - | 1 |" in rows["clean"]
-    assert "| 1/1 | 0/1 **FAIL** | - | - | 1/2 | sdc/rank | - | 1 |" in rows["sdc"]
-    assert "| - | - | - | 1/1 | 1/1 | hang/rank | - | 0 |" in rows["hang"]
+    assert "| 1/1 | - | 0/1 **FAIL** | - | 1/2 | straggler/peer_group | - | - | 1 |" in rows["clean"]
+    assert "| 1/1 | 0/1 **FAIL** | - | - | 1/2 | sdc/rank | - | - | 1 |" in rows["sdc"]
+    assert "| - | - | - | 1/1 | 1/1 | hang/rank | - | - | 0 |" in rows["hang"]
     assert "3 of 5 cells passed" in md
     assert "- `fsdp2-sdc`: named ranks [4], expected [3]" in md and "more" not in md
     assert "- `hsdp-clean`: straggler/peer_group r0-15" in md and "- `fsdp2-sdc`: sdc/rank r4" in md
@@ -218,7 +219,9 @@ def test_steps_to_verdict_counts_from_the_fault_onset_to_the_first_verdict_at_or
     assert steps_to_verdict(CellReport(name="c", verdict="PASS", world_size=16, injected=onset, reported=[])) is None
     assert steps_to_verdict(CellReport(name="c", verdict="PASS", world_size=16, injected=[], reported=named)) is None
     summary = matrix_summary({"c": _spec("c", "ddp", "sdc")}, [report])
-    assert "| sdc | 1/1 | 1/1 | sdc/rank | 2 | 2 |" in summary  # steps 2; the early and the wrong are false positives
+    assert "| sdc | 1/1 | 1/1 | sdc/rank | 2 | - | 2 |" in summary  # steps 2; the early and the wrong are false ones
+    shipped = dataclasses.replace(_spec("c", "ddp", "sdc"), tags=("shipped",))  # run at every shipped setting
+    assert "| sdc | 1/1 | 1/1 | sdc/rank | 2 | 2 | 2 |" in matrix_summary({"c": shipped}, [report])
 
 
 def test_a_handler_a_framework_keeps_on_stdout_still_writes_in_the_next_cell(tmp_path):
