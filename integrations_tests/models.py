@@ -134,14 +134,13 @@ def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, An
     import torch.optim.adam as adam_impl
 
     calls: dict[int, int] = {}
-    kinds = ("bitflip", "scale", "set")
 
     def defective(real: Any) -> Any:
         def kernel(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             step = state["step"]
             calls[step] = calls.get(step, 0) + 1
             surfaces = ["optimizer.kernel"] + (["optimizer.kernel.once"] if calls[step] == 1 else [])
-            armed = [s for s in surfaces if any(injector.armed(s, k, rank=rank, step=step) for k in kinds)]
+            armed = [s for s in surfaces if injector.corrupts(s, rank=rank, step=step)]
             if not armed:
                 return real(params, *args, **kwargs)
             before = [p.detach().clone() for p in params]

@@ -62,8 +62,7 @@ def _install_faults(par: Any, injector: Injector, rank: int, state: dict) -> Non
         # ``collective.received``: this rank's memory or link corrupts what it receives in an all-gather (FSDP2's
         # unshard), in the part its mate at the next shard position sent; the sender's shard is intact.
         work = real_gather(output, input, *args, **kwargs)
-        if any(injector.armed("collective.received", k, rank=rank, step=state["step"])
-               for k in ("bitflip", "scale", "set")):
+        if injector.corrupts("collective.received", rank=rank, step=state["step"]):
             if work is not None:
                 work.wait()
             group = kwargs.get("group", args[0] if args else None)

@@ -59,6 +59,10 @@ class InjectedFault(RuntimeError):
     """Raised by :meth:`Injector.fail` where a ``raise`` fault is scheduled."""
 
 
+_CORRUPTING = (FaultKind.BITFLIP, FaultKind.SCALE, FaultKind.SET, FaultKind.DRIFT)
+"""The kinds :meth:`Injector.corrupt` applies to a tensor."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
     """Active on steps in ``[start, stop)``; ``stop=None`` means forever."""
@@ -195,10 +199,13 @@ class Injector:
         rng = random.Random(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little"))
         return rng.randrange(numel)
 
+    def corrupts(self, surface: str, *, rank: int, step: int) -> bool:
+        """Whether :meth:`corrupt` would change a tensor of ``surface`` now (to prepare one only then)."""
+        return bool(self._matching(surface, rank, step, _CORRUPTING))
+
     def corrupt(self, surface: str, tensor: torch.Tensor, *, rank: int, step: int) -> bool:
         """Apply matching bitflip/scale/set faults to ``tensor`` in place."""
-        faults = self._matching(surface, rank, step, (FaultKind.BITFLIP, FaultKind.SCALE, FaultKind.SET,
-                                                      FaultKind.DRIFT))
+        faults = self._matching(surface, rank, step, _CORRUPTING)
         if faults and tensor.numel() == 0:
             raise ValueError(f"cannot inject into empty tensor on surface {surface!r}")
         for fault in faults:
