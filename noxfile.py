@@ -79,8 +79,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def campaign(session: nox.Session) -> None:
-    """>= 300 SDC injections across DDP, FSDP2 and HSDP, then 100 defects stopped and restarted at the shipped
-    defaults; results in benchmarks/{campaign,recovery_campaign}.json and the README."""
+    """300 defects across DDP, FSDP2 and HSDP (6 and 8 ranks), localized at the shipped defaults, then 100 defects
+    stopped and restarted at the shipped defaults; results in benchmarks/{campaign,recovery_campaign}.json and the
+    README."""
     _install(session)
     session.run("python", "-m", "integrations_tests.campaign", "--out", "benchmarks/campaign.json",
                 "--readme", "README.md", *session.posargs, env={"OMP_NUM_THREADS": "1"})

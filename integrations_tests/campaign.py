@@ -1,35 +1,34 @@
-"""SDC campaign: what replay covers, and how sensitive it is, over hundreds of faults (``nox -s campaign``).
+"""SDC campaign at the shipped defaults: what replay localizes, how soon, and whom it never blames.
 
-Each job is a 16-rank training run (DDP, FSDP2 or HSDP 4x4) with SCOUT switched on by ``scout_core.enable``
-alone: replay checks of the hidden, embedding and output recipes every step (interval I = 1), the shipped
-consensus defaults, the engine choosing which block it samples (it rotates over L = 3 blocks by itself).
+``nox -s campaign``. Each job is a training run (DDP, FSDP2, or HSDP with shard groups of 2; 6 or 8 ranks, drawn
+per job) with SCOUT switched on by ``scout_core.enable`` at every replay and consensus setting as shipped: a check
+every 20 steps, one of the 3 blocks per check in rotation (a rotation is 3 x 20 = 60 steps), the embedding, the
+head and the optimizer slice at every check. Only the hang observer is off (the hang cells test it).
 
-Faults live in the model, as a defective unit would: hooks on a module of one rank corrupt what that module
-computes whenever that rank computes it (training, and a replay of it if the engine happens to sample that
-module while the fault is active). Nothing aims a fault at the block a check samples. A job runs a sequence
-of fault windows of ``L x I`` steps, each followed by one clean step; in each window ONE fault, drawn from the
-job's seed, is active on one rank. At the end of a window every rank rolls its weights and optimizer state back
-to the window's start, detected or not: each window starts from a healthy model, as the next job of a sweep
-would. Without it one fault that wrecks training (an exponent bit) saturates the model and later faults vanish
-into zero gradients. A fault that fires while the engine happens to replay its module also fires inside the
-replay: it is a defect of the unit, not of one call.
+A job runs a sequence of defects, each drawn from the job's seed:
 
-* module: the embedding, any of the 3 blocks, or the head; forward output or backward (gradient);
-* one bit (of 0..31 of an fp32 value) or several bits (2-4) of one element;
-* persistent (every step of its window) or intermittent (every other step).
+* a rank;
+* a unit and what of it errs: the embedding, a block or the head computing a wrong output, a wrong input gradient
+  (not the embedding: its input is token data), or reading a stuck weight element; or the optimizer kernel
+  computing a wrong update;
+* 1 to 4 flipped bits of one element (a stuck weight reads a drawn value);
+* an onset 1 to 60 clean steps after the previous defect, so it falls at any phase of the rotation.
 
-Classified from the incident records of the window:
+The defect lives where a defective unit would put it (hooks on the model's modules, a wrapper of torch's AdamW
+kernel) and errs on every call from its onset, in training and in whatever replay happens to run it. Nothing aims
+it at what a check samples. Its window ends two rotations (120 steps) after the onset, or earlier at the first
+check after which some rank holds an SDC verdict (any rank named: the harness only saves steps, it never
+classifies). Then every rank rolls its weights and optimizer state back to the window's start, so each defect
+starts from a healthy model, as on a fresh job.
 
-* localized: the first record is an ``sdc`` of scope rank naming exactly the faulty rank, on a surface of the
-  faulty module; time to verdict = its step minus the window's first step;
-* missed: no record in the window;
-* mislocalized: anything else (another rank, no majority, the wrong module).
+Classified from the incident records alone (``classify``):
 
-Two numbers per layout: **replay coverage**, persistent faults localized within their window (one full
-rotation, L x I steps) out of all persistent faults; and **detection sensitivity**, faults localized out of
-those that fired inside a replayed computation (the only ones replay can see: an SDC in training alone is
-averaged into every replica's weights alike). Clean steps and the steps before the first fault must produce no
-record (false positives).
+* localized: the window's first ``sdc`` record names exactly the defective rank, scope rank; "on its unit" when
+  one of its surfaces belongs to the defective unit; time to verdict = its step minus the onset;
+* missed: no ``sdc`` record in the window;
+* mislocalized: the first ``sdc`` record names another rank, or several;
+* false positive: a record naming a rank in a clean gap, or naming another rank than the defective one in a
+  window. Clean checks are the checks that ran in the clean gaps.
 
     python -m integrations_tests.campaign --out benchmarks/campaign.json [--readme README.md]
 """
@@ -41,7 +40,7 @@ import copy
 import json
 import os
 import random
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,86 +55,99 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import scout_core  # noqa: E402
-from integrations_tests.models import batches, start_rank  # noqa: E402
+from integrations_tests.campaign_report import classify, markdown, summarize, write_block  # noqa: E402
+from integrations_tests.models import batches, install_optimizer_kernel_fault, start_rank  # noqa: E402
 from scout_core.config import load  # noqa: E402
+from scout_core.config_schema import ReplayCadence  # noqa: E402
 from scout_core.report import read_incidents  # noqa: E402
 from scout_core.testing.inject import Fault, Schedule  # noqa: E402
 from scout_core.testing.launcher import RankContext, launch, prepare_parent  # noqa: E402
 
 DEPTH = 3
-INTERVAL = 1
-WINDOW = DEPTH * INTERVAL  # one full rotation of the sampled block
+INTERVAL = ReplayCadence().hidden
+ROTATION = DEPTH * INTERVAL
+"""Steps for the sampled block to come back to the same block: every block is checked once per rotation."""
+MAX_WINDOW = 2 * ROTATION
 MODULES = ["embed", "layers.0", "layers.1", "layers.2", "head"]
-SURFACE_OF = {"embed": "embedding.", "head": "output.", "layers.0": "layers.0.", "layers.1": "layers.1.",
-              "layers.2": "layers.2."}
-"""How the replay names each module's surfaces (the embedding and output recipes, the sampled blocks)."""
+WHATS = ["output", "grad", "weight", "update"]
+STUCK_VALUES = [0.0, 1.0, -2.0, 100.0]
 
 
-def plan(layout: str, job: int, faults: int, world: int) -> list[dict[str, Any]]:
-    """The job's fault windows: ``faults`` windows of WINDOW steps, each followed by a clean step, after a
-    clean warm-up step."""
-    rng = random.Random(f"{layout}-{job}")
+def plan(job: int, defects: int, layouts: list[str], worlds: list[int]) -> dict[str, Any]:
+    """A job's layout, world size and defects (each with its clean gap before the onset)."""
+    rng = random.Random(f"campaign-{job}")
+    layout = layouts[job % len(layouts)]
+    world = rng.choice(worlds)
     out = []
-    step = 2
-    for _ in range(faults):
-        bits = rng.sample(range(32), rng.choice([1, 1, 2, 3, 4]))
-        module = rng.choice(MODULES)
-        # The embedding's input (token data) takes no gradient: its backward has nothing to corrupt.
-        where = "output" if module == "embed" else rng.choice(["output", "grad"])
-        out.append({"start": step, "stop": step + WINDOW, "rank": rng.randrange(world), "module": module,
-                    "where": where, "bits": bits, "persistent": rng.random() < 0.5})
-        step += WINDOW + 1
-    return out
+    for _ in range(defects):
+        what = rng.choice(WHATS)
+        module = "optimizer" if what == "update" else rng.choice(MODULES[1:] if what == "grad" else MODULES)
+        d = {"gap": rng.randint(1, ROTATION), "rank": rng.randrange(world), "module": module, "what": what}
+        if what == "weight":
+            d |= {"value": rng.choice(STUCK_VALUES), "index": rng.randrange(256)}  # every weight has >= 256
+        else:
+            d["bits"] = sorted(rng.sample(range(32), rng.choice([1, 1, 2, 3, 4])))
+        out.append(d)
+    return {"layout": layout, "world": world, "replicas": world // 2, "defects": out}
 
 
-def job_steps(windows: list[dict[str, Any]]) -> int:
-    return windows[-1]["stop"] if windows else 1
-
-
-def _faults(windows: list[dict[str, Any]]) -> list[Fault]:
-    out = []
-    for w in windows:
-        steps = range(w["start"], w["stop"]) if w["persistent"] else range(w["start"], w["stop"], 2)
-        for step in steps:
-            for bit in w["bits"]:  # several faults on one surface and step hit the same element
-                out.append(Fault(surface=f"{w['module']}.{w['where']}", rank=w["rank"], kind="bitflip", bit=bit,
-                                 schedule=Schedule.once(step)))
-    return out
+def faults_of(defect: dict[str, Any], onset: int) -> list[Fault]:
+    """The defect as faults active from ``onset`` on: several bits of one surface at one step hit one element."""
+    schedule = Schedule.from_step(onset)
+    if defect["what"] == "update":
+        surface = "optimizer.kernel"
+    else:
+        surface = f"{defect['module']}.{defect['what']}"
+    if defect["what"] == "weight":
+        return [Fault(surface=surface, rank=defect["rank"], kind="set", value=defect["value"], index=defect["index"],
+                      schedule=schedule)]
+    return [Fault(surface=surface, rank=defect["rank"], kind="bitflip", bit=b, schedule=schedule)
+            for b in defect["bits"]]
 
 
 def _install(par: Any, injector: Any, rank: int, state: dict[str, Any]) -> None:
-    """Forward-output and backward faults on the embedding, each block's linear layer and the head; each
-    firing is logged with whether it happened inside a replay."""
+    """Output, input-gradient and weight-read defects on the embedding, each block's linear layer and the head;
+    the optimizer kernel's defect in torch's AdamW."""
     inner = par.inner
     targets = {"embed": inner.embed, "head": inner.head,
                **{f"layers.{i}": block.fc for i, block in enumerate(inner.layers)}}
     for name, module in targets.items():
+        def weight_fault(mod: Any, _a: Any, name: str = name) -> None:
+            # A stuck element of this rank's weight as its compute reads it: the replica under DDP, the unsharded
+            # buffer after every all-gather under FSDP2 / HSDP.
+            with torch.no_grad():
+                injector.corrupt(f"{name}.weight", mod.weight, rank=rank, step=state["step"])
+
         def out_fault(_m: Any, _a: Any, out: torch.Tensor, name: str = name) -> None:
             with torch.no_grad():
-                if injector.corrupt(f"{name}.output", out, rank=rank, step=state["step"]):
-                    state["fired"].append((state["step"], _replaying(state)))
+                injector.corrupt(f"{name}.output", out, rank=rank, step=state["step"])
 
         def grad_fault(_m: Any, grad_input: Any, _g: Any, name: str = name) -> Any:
             if grad_input[0] is None:
                 return None
             g = grad_input[0].clone()
-            if injector.corrupt(f"{name}.grad", g, rank=rank, step=state["step"]):
-                state["fired"].append((state["step"], _replaying(state)))
+            injector.corrupt(f"{name}.grad", g, rank=rank, step=state["step"])
             return (g,)
 
+        module.register_forward_pre_hook(weight_fault)
         module.register_forward_hook(out_fault)
         if name != "embed":  # its input (token data) takes no gradient: nothing to corrupt in its backward
             module.register_full_backward_hook(grad_fault)
+    install_optimizer_kernel_fault(injector, rank, state)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _save(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """This rank's weights (local shards) and optimizer state before a fault window."""
+    """This rank's weights (local shards) and optimizer state before a defect's window."""
     return ([_local(p).detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))
 
 
 def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: tuple[list[torch.Tensor], Any]) -> None:
-    """Back to the state before the window (detected or not): a fault that wrecks training (an exponent bit of
-    the loss) would otherwise saturate the model and mask every later window's fault."""
+    """Back to the state before the window, localized or not: a defect that wrecks training (an exponent bit)
+    would otherwise leave the next defect a saturated model."""
     weights, opt_state = saved
     with torch.no_grad():
         for p, w in zip(model.parameters(), weights, strict=True):
@@ -143,158 +155,94 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, saved: tuple[li
     opt.load_state_dict(copy.deepcopy(opt_state))
 
 
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if hasattr(p, "to_local") else p
+def _sdc_held(engine: Any, step: int) -> bool:
+    """Whether any rank holds an SDC verdict from a check at ``step`` (one world all-reduce, on check steps
+    only: every rank runs the same checks, so every rank joins)."""
+    last = engine.history[-1] if engine.history else None
+    if last is None or last.step != step:
+        return False
+    mine = any(i.kind.value == "sdc" for i in [*last.incidents, *last.incidents_global])
+    flag = torch.tensor([1.0 if mine else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
-def _replaying(state: dict[str, Any]) -> bool:
-    engine = state.get("engine")
-    return bool(engine is not None and engine.replaying)
-
-
-def _job(ctx: RankContext) -> list[tuple[int, bool]]:
-    a, injector, par, opt = start_rank(ctx, timeout_s=600)
-    state: dict[str, Any] = {"step": 0, "fired": []}
+def _job(ctx: RankContext) -> dict[str, Any]:
+    a, injector, par, opt = start_rank(ctx, timeout_s=900)
+    state: dict[str, Any] = {"step": 0}
     _install(par, injector, ctx.rank, state)
-    cfg = load(None, [f"replay.cadence.hidden={INTERVAL}", f"replay.cadence.embedding={INTERVAL}",
-                      f"replay.cadence.output={INTERVAL}", "replay.cadence.optimizer=0", "observer.enabled=false",
-                      f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}", "report.log_level=ERROR",
-                      "report.fsync=false"])
+    cfg = load(None, ["observer.enabled=false", f"report.jsonl_path={a['jsonl']}", f"report.run_id={a['run_id']}",
+                      "report.log_level=ERROR"])
     handle = scout_core.enable(par.model, opt, config=cfg, mesh=par.mesh)
-    state["engine"] = handle.replay
-    data_rank = ctx.rank // (ctx.world_size // 4) if a["layout"] == "hsdp" else ctx.rank
-    starts = {w["start"] for w in a["windows"]}
-    ends = {w["stop"] - 1 for w in a["windows"]}
-    saved = None
-    for step, (x, y) in enumerate(batches(data_rank, a["steps"], seed=a["seed"]), start=1):
-        state["step"] = step
-        if step in starts:
-            saved = _save(par.model, opt)
-        torch.nn.functional.mse_loss(par.model(x), y).backward()
+    engine = handle.replay
+    # Replicas see different data; under HSDP the shard ranks of one replica see the same batch.
+    data_rank = ctx.rank // (ctx.world_size // a["replicas"]) if a["layout"] == "hsdp" else ctx.rank
+    data = batches(data_rank, 1 << 30, seed=a["seed"])
+    loss_fn = torch.nn.MSELoss()
+
+    def train_step() -> int:
+        state["step"] += 1
+        x, y = next(data)
+        loss_fn(par.model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        if step in ends and saved is not None:
-            _restore(par.model, opt, saved)
+        return state["step"]
+
+    windows = []
+    for defect in a["defects"]:
+        for _ in range(defect["gap"]):
+            train_step()
+        onset = state["step"] + 1
+        saved = _save(par.model, opt)
+        injector.faults[:] = faults_of(defect, onset)
+        while True:
+            step = train_step()
+            if _sdc_held(engine, step) or step - onset + 1 >= MAX_WINDOW:
+                break
+        injector.clear()
+        _restore(par.model, opt, saved)
+        windows.append((onset, step))
+    for _ in range(a["tail"]):
+        train_step()
     dist.barrier()
+    checks = [r.step for r in engine.history if r.recipes and not r.skipped]
+    skipped = [(r.step, r.skipped) for r in engine.history if r.skipped]
     handle.close()
-    return state["fired"]
+    return {"windows": windows, "checks": checks, "skipped": skipped, "steps": state["step"]}
 
 
-def classify(windows: list[dict[str, Any]], incidents: list[Any], fired: list[tuple[int, int, bool]],
-             steps: int) -> dict[str, Any]:
-    """``fired``: (rank, step, inside a replay) of every firing of a fault."""
-    rows: dict[str, Any] = {"faults": len(windows), "persistent": 0, "covered": 0, "fired_in_replay": 0,
-                            "sensitive": 0, "localized": 0, "missed": 0, "mislocalized": 0, "false_positive": 0,
-                            "clean_steps": 0, "verdict_steps": [], "details": []}
-    claimed: set[int] = set()
-    for w in windows:
-        got = sorted((i for i in incidents if w["start"] <= i.step < w["stop"]), key=lambda i: i.step)
-        claimed.update(id(i) for i in got)
-        first = got[0] if got else None
-        in_replay = any(r == w["rank"] and w["start"] <= s < w["stop"] and rep for r, s, rep in fired)
-        prefix = SURFACE_OF[w["module"]]
-
-        def right_record(i: Any, w: dict[str, Any] = w, prefix: str = prefix) -> bool:
-            return (i.kind.value == "sdc" and i.scope.value == "rank" and i.ranks == [w["rank"]]
-                    and any(s.startswith(prefix) for s in i.surface.split(";")))
-
-        right = first is not None and right_record(first)
-        verdict = "localized" if right else ("missed" if first is None else "mislocalized")
-        rows[verdict] += 1
-        # Every later record of the window is held to the same bar: another rank, kind or module named
-        # after the right first record is a false positive, not hidden behind it.
-        wrong_later = [i for i in got[1:] if not right_record(i)]
-        rows["false_positive"] += len(wrong_later)
-        if wrong_later:
-            rows["details"].append({"false_positives": [(i.step, i.kind.value, i.ranks, i.surface)
-                                                        for i in wrong_later], "window": w})
-        if w["persistent"]:
-            rows["persistent"] += 1
-            rows["covered"] += verdict == "localized"
-        if in_replay:
-            rows["fired_in_replay"] += 1
-            rows["sensitive"] += verdict == "localized"
-        if verdict == "localized":
-            rows["verdict_steps"].append(first.step - w["start"])
-        if verdict != "localized" and (w["persistent"] or in_replay):
-            rows["details"].append({**w, "verdict": verdict, "fired_in_replay": in_replay,
-                                    "reported": [(i.step, i.kind.value, i.ranks, i.scope.value, i.surface)
-                                                 for i in got]})
-    faulty_steps = {s for w in windows for s in range(w["start"], w["stop"])}
-    rows["clean_steps"] = sum(1 for s in range(1, steps + 1) if s not in faulty_steps)
-    stray = [i for i in incidents if id(i) not in claimed]
-    rows["false_positive"] += len(stray)
-    if stray:
-        rows["details"].append({"false_positives": [(i.step, i.kind.value, i.ranks, i.surface) for i in stray]})
-    return rows
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
-_COUNTS = ("faults", "persistent", "covered", "fired_in_replay", "sensitive", "localized", "missed",
-           "mislocalized", "false_positive", "clean_steps")
-
-
-def run(layouts: list[str], jobs: int, faults: int, world: int) -> dict[str, Any]:
+def run(jobs: int, defects: int, layouts: list[str], worlds: list[int], tail: int) -> dict[str, Any]:
     prepare_parent()
-    summary: dict[str, Any] = {"world_size": world, "window_steps": WINDOW, "interval": INTERVAL,
-                               "faults_per_job": faults, "layouts": {}}
-    for layout in layouts:
-        total: dict[str, Any] = {k: 0 for k in _COUNTS} | {"verdict_steps": [], "details": [], "wall_s": 0.0}
-        for job in range(jobs):
-            windows = plan(layout, job, faults, world)
-            steps = job_steps(windows)
-            with tempfile.TemporaryDirectory() as tmp:
-                jsonl = os.path.join(tmp, "incidents.jsonl")
-                start = time.monotonic()
-                result = launch(_job, world, timeout_s=900, args={
-                    "faults": _faults(windows), "windows": windows, "seed": job, "layout": layout, "steps": steps,
-                    "jsonl": jsonl, "run_id": f"campaign-{layout}-{job}"})
-                total["wall_s"] += time.monotonic() - start
-                if not result.ok:
-                    raise RuntimeError(f"{layout} job {job} failed:\n{result.failures()}")
-                incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
-            fired = [(rank, s, rep) for rank, v in enumerate(result.values()) for s, rep in v]
-            rows = classify(windows, incidents, fired, steps)
-            for k in _COUNTS:
-                total[k] += rows[k]
-            total["verdict_steps"] += rows["verdict_steps"]
-            total["details"] += rows["details"]
-            print(f"{layout} job {job}: {rows['covered']}/{rows['persistent']} persistent covered, "
-                  f"{rows['sensitive']}/{rows['fired_in_replay']} fired in replay localized, "
-                  f"{rows['mislocalized']} mislocalized, {rows['false_positive']} false positives", flush=True)
-        total["wall_s"] = round(total["wall_s"], 1)
-        summary["layouts"][layout] = total
-    summary["total"] = {k: sum(v[k] for v in summary["layouts"].values()) for k in _COUNTS}
-    summary["total"]["verdict_steps"] = [s for v in summary["layouts"].values() for s in v["verdict_steps"]]
-    return summary
-
-
-def _ratio(a: int, b: int) -> str:
-    return f"{a}/{b} ({100.0 * a / b:.0f} %)" if b else "-"
-
-
-def _steps(xs: list[int]) -> str:
-    return f"{statistics.median(xs):.0f} / {max(xs)}" if xs else "-"
-
-
-def markdown(summary: dict[str, Any]) -> str:
-    lines = ["| layout | faults | replay coverage: persistent faults localized within L x I steps | detection "
-             "sensitivity: localized of those fired inside a replay | time to verdict, steps: median / max "
-             "| mislocalized | false positives (clean steps) |",
-             "|---|---|---|---|---|---|---|"]
-    for layout, v in list(summary["layouts"].items()) + [("**total**", summary["total"])]:
-        lines.append(f"| {layout} | {v['faults']} | {_ratio(v['covered'], v['persistent'])} "
-                     f"| {_ratio(v['sensitive'], v['fired_in_replay'])} | {_steps(v['verdict_steps'])} "
-                     f"| {v['mislocalized']} | {v['false_positive']} ({v['clean_steps']}) |")
-    return "\n".join(lines)
-
-
-def write_block(readme: str, name: str, table: str) -> None:
-    """Replace what stands between ``<!-- name:start -->`` and ``<!-- name:end -->`` in ``readme`` by ``table``."""
-    text = Path(readme).read_text()
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    head, rest = text.split(start, 1)
-    _, tail = rest.split(end, 1)
-    Path(readme).write_text(f"{head}{start}\n{table}\n{end}{tail}")
+    summary: dict[str, Any] = {"commit": _commit(), "interval": INTERVAL, "rotation_steps": ROTATION,
+                               "max_window_steps": MAX_WINDOW, "defects_per_job": defects, "jobs": []}
+    for job in range(jobs):
+        p = plan(job, defects, layouts, worlds)
+        with tempfile.TemporaryDirectory() as tmp:
+            jsonl = os.path.join(tmp, "incidents.jsonl")
+            start = time.monotonic()
+            result = launch(_job, p["world"], timeout_s=3600, args={
+                "faults": [], "defects": p["defects"], "seed": job, "layout": p["layout"], "replicas": p["replicas"],
+                "tail": tail, "jsonl": jsonl, "run_id": f"campaign-{job}"})
+            wall = time.monotonic() - start
+            if not result.ok:
+                raise RuntimeError(f"job {job} ({p['layout']}, {p['world']} ranks) failed:\n{result.failures()}")
+            incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
+        ran = result.values()[0]
+        rows = classify(p["defects"], ran["windows"], incidents, ran["checks"], ran["steps"])
+        summary["jobs"].append({"job": job, "layout": p["layout"], "world": p["world"], "wall_s": round(wall, 1),
+                                "steps": ran["steps"], "skipped_checks": ran["skipped"], **rows})
+        print(f"job {job} {p['layout']}x{p['world']}: {rows['localized']}/{rows['defects']} localized, "
+              f"{rows['mislocalized']} mislocalized, {rows['false_positive']} false positives over "
+              f"{rows['clean_checks']} clean checks, {ran['steps']} steps in {wall:.0f} s", flush=True)
+    return summarize(summary)
 
 
 def main() -> int:
@@ -302,11 +250,13 @@ def main() -> int:
     parser.add_argument("--out", default="benchmarks/campaign.json")
     parser.add_argument("--readme", help="rewrite the campaign block of this README")
     parser.add_argument("--layouts", default="ddp,fsdp2,hsdp")
-    parser.add_argument("--jobs", type=int, default=10)
-    parser.add_argument("--faults", type=int, default=10, help="fault windows per job")
-    parser.add_argument("--world", type=int, default=16)
+    parser.add_argument("--worlds", default="6,8", help="world sizes drawn per job")
+    parser.add_argument("--jobs", type=int, default=12)
+    parser.add_argument("--defects", type=int, default=25, help="defects per job")
+    parser.add_argument("--tail", type=int, default=ROTATION, help="clean steps after the last defect")
     args = parser.parse_args()
-    summary = run(args.layouts.split(","), args.jobs, args.faults, args.world)
+    summary = run(args.jobs, args.defects, args.layouts.split(","), [int(w) for w in args.worlds.split(",")],
+                  args.tail)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(summary, fh, indent=2)

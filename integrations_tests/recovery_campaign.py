@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from integrations_tests.campaign import write_block  # noqa: E402
+from integrations_tests.campaign_report import write_block  # noqa: E402
 from integrations_tests.recovery_defaults_cells import judge_restore, stop_and_restart  # noqa: E402
 from scout_core.testing.inject import Fault  # noqa: E402
 from scout_core.testing.launcher import prepare_parent  # noqa: E402
