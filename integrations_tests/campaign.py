@@ -219,11 +219,13 @@ def _commit() -> str:
         return "unknown"
 
 
-def run(jobs: int, defects: int, layouts: list[str], worlds: list[int], tail: int) -> dict[str, Any]:
+def run(jobs: int, defects: int, layouts: list[str], worlds: list[int], tail: int,
+        only: list[int] | None = None) -> dict[str, Any]:
+    """``jobs`` jobs (or the listed ones of them) of ``defects`` defects each."""
     prepare_parent()
     summary: dict[str, Any] = {"commit": _commit(), "interval": INTERVAL, "rotation_steps": ROTATION,
                                "max_window_steps": MAX_WINDOW, "defects_per_job": defects, "jobs": []}
-    for job in range(jobs):
+    for job in only if only is not None else range(jobs):
         p = plan(job, defects, layouts, worlds)
         with tempfile.TemporaryDirectory() as tmp:
             jsonl = os.path.join(tmp, "incidents.jsonl")
@@ -242,6 +244,8 @@ def run(jobs: int, defects: int, layouts: list[str], worlds: list[int], tail: in
         print(f"job {job} {p['layout']}x{p['world']}: {rows['localized']}/{rows['defects']} localized, "
               f"{rows['mislocalized']} mislocalized, {rows['false_positive']} false positives over "
               f"{rows['clean_checks']} clean checks, {ran['steps']} steps in {wall:.0f} s", flush=True)
+        for detail in rows["details"]:
+            print(f"  {json.dumps(detail)}", flush=True)
     return summarize(summary)
 
 
@@ -253,10 +257,12 @@ def main() -> int:
     parser.add_argument("--worlds", default="6,8", help="world sizes drawn per job")
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--defects", type=int, default=25, help="defects per job")
-    parser.add_argument("--tail", type=int, default=ROTATION, help="clean steps after the last defect")
+    parser.add_argument("--only", help="run only these jobs (comma-separated numbers)")
+    parser.add_argument("--tail", type=int, default=MAX_WINDOW, help="clean steps after the last defect")
     args = parser.parse_args()
+    only = [int(j) for j in args.only.split(",")] if args.only else None
     summary = run(args.jobs, args.defects, args.layouts.split(","), [int(w) for w in args.worlds.split(",")],
-                  args.tail)
+                  args.tail, only)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(summary, fh, indent=2)

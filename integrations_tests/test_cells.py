@@ -124,6 +124,16 @@ def test_hsdp_received_cell_fails_when_a_bad_receipt_is_taken_for_the_owners_sha
     assert report.verdict == "FAIL" and "named ranks []" in report.details
 
 
+def test_fsdp2_kernel_cell_fails_without_the_source_slice_replay(monkeypatch):
+    """The guard of fsdp2-sdc-optimizer-kernel: without every peer replaying the source's slice, rank 9's
+    defective kernel agrees with itself in its self-check, and nobody is named."""
+    from scout_core.replay import recipe
+
+    monkeypatch.setattr(recipe, "source_slice_surface", lambda *args, **kwargs: [])
+    (report,) = run_cells([SPECS["fsdp2-sdc-optimizer-kernel"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks []" in report.details
+
+
 def test_surfaces_defaults_cell_fails_without_the_rotation(monkeypatch):
     """The guard of ddp-sdc-surfaces-defaults: a hidden recipe that always samples block 0 never reaches the
     defects of blocks 1 and 2 (ranks 5 and 9)."""

@@ -200,7 +200,8 @@ class ReplayEngine:
             replayed.evidence += trust.vetting_surfaces(vet=vet, reproducible=replayed.reproducible,
                                                         device=device_of(self.layers[0]))
         if due.optimizer and self.opt is not None:
-            replayed.evidence += self.opt.replay(protocol.guard)
+            replayed.evidence += self.opt.replay(protocol.guard, rank=self.rank, src=src,
+                                                 host_group=self.groups.peer_control)
         # Exchange signatures and times; compare by strict majority (exact C3) and statistically.
         exchanged = protocol.exchange(result, replayed, timed=due.timed, rule=self.rule)
         if exchanged is None:

@@ -109,7 +109,7 @@ class OptimizerSlice:
                 state[k] = v
         self.pending = {
             "param": p, "slice": sl, "value": flat[sl].clone(), "grad": local_tensor(p.grad).reshape(-1)[sl].clone(),
-            "state": state, "hyper": {k: v for k, v in group.items() if k != "params"},
+            "state": state, "hyper": {k: v for k, v in group.items() if k != "params"}, "group": gi,
         }
 
     @torch.no_grad()
@@ -119,24 +119,7 @@ class OptimizerSlice:
         if pending is None:
             return []
         live = local_tensor(pending["param"]).reshape(-1)[pending["slice"]].clone()
-        clone = torch.nn.Parameter(pending["value"].clone())
-        clone.grad = pending["grad"].clone()
-        # Build with what the constructor accepts, then copy the group verbatim: optimizers keep
-        # derived keys (AdamW's decoupled_weight_decay) that their constructor does not take.
-        accepted = inspect.signature(type(self.optimizer).__init__).parameters
-        kwargs = {k: v for k, v in pending["hyper"].items() if k in accepted}
-        # Some optimizers keep a constructor argument on the object, not in the group (DeepSpeed's FusedAdam:
-        # adam_w_mode): a plain value of that name is passed on, or the replay would run another update rule.
-        kwargs.update({k: getattr(self.optimizer, k) for k in accepted if k not in kwargs and k != "self"
-                       and isinstance(getattr(self.optimizer, k, None), (bool, int, float, str))})
-        replay_opt = type(self.optimizer)([clone], **kwargs)
-        replay_opt.param_groups[0].update(pending["hyper"])
-        if pending["state"]:
-            replay_opt.state[clone] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                       for k, v in pending["state"].items()}
-        with torch.enable_grad():
-            replay_opt.step()
-        replayed = clone.detach()
+        replayed = self.replay_update(pending["value"], pending["grad"], pending["state"], pending["hyper"])
         s_replayed, s_live = sign_many([replayed, live])
         same = s_replayed.signature == s_live.signature  # bitwise, NaN payloads included
         if id(pending["param"]) in self.local_only:
@@ -146,3 +129,26 @@ class OptimizerSlice:
             ("optimizer.live", (s_live.signature, s_live.nonfinite)),
             ("optimizer.self_check", same),
         ]
+
+    @torch.no_grad()
+    def replay_update(self, value: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                      hyper: dict[str, Any]) -> torch.Tensor:
+        """One step of this rank's optimizer class, with ``hyper``, on a clone of ``value``: the updated clone."""
+        clone = torch.nn.Parameter(value.clone())
+        clone.grad = grad.clone()
+        # Build with what the constructor accepts, then copy the group verbatim: optimizers keep
+        # derived keys (AdamW's decoupled_weight_decay) that their constructor does not take.
+        accepted = inspect.signature(type(self.optimizer).__init__).parameters
+        kwargs = {k: v for k, v in hyper.items() if k in accepted}
+        # Some optimizers keep a constructor argument on the object, not in the group (DeepSpeed's FusedAdam:
+        # adam_w_mode): a plain value of that name is passed on, or the replay would run another update rule.
+        kwargs.update({k: getattr(self.optimizer, k) for k in accepted if k not in kwargs and k != "self"
+                       and isinstance(getattr(self.optimizer, k, None), (bool, int, float, str))})
+        replay_opt = type(self.optimizer)([clone], **kwargs)
+        replay_opt.param_groups[0].update(hyper)
+        if state:
+            replay_opt.state[clone] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                       for k, v in state.items()}
+        with torch.enable_grad():
+            replay_opt.step()
+        return clone.detach()

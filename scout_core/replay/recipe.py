@@ -26,6 +26,7 @@ from scout_core.replay.layer import (
     replay_layer,
 )
 from scout_core.replay.optimizer import OptimizerSlice
+from scout_core.replay.optimizer_source import source_slice_surface
 from scout_core.replay.rng import RngProvider
 from scout_core.replay.scratch import Scratch, fsdp_module, reserve, unshard_bytes
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
@@ -250,10 +251,16 @@ class OptimizerRecipe:
         error, self.error = self.error, None
         return error
 
-    def replay(self, guard: DiagnosisGuard) -> list[tuple[str, Any]]:
-        """Replay the update on the cloned slice: its surfaces for the exchange."""
+    def replay(self, guard: DiagnosisGuard, *, rank: int, src: int, host_group: Any) -> list[tuple[str, Any]]:
+        """Replay the update on the cloned slice: its surfaces for the exchange. Where peers hold different shards,
+        every peer also replays the source's slice (``optimizer_source``): the self-check alone cannot see a
+        kernel that errs on every call."""
+        pending = self.slice.pending
         replayed = guard.run("optimizer replay", self.slice.after_step) or []
-        return [(n, v) for n, v in replayed if self.compare_slices or n == SELF_CHECK_SURFACE]
+        out = [(n, v) for n, v in replayed if self.compare_slices or n == SELF_CHECK_SURFACE]
+        if not self.compare_slices:
+            out += source_slice_surface(self.slice, pending, guard, rank=rank, src=src, host_group=host_group)
+        return out
 
 
 def peers_hold_equal_shards(optimizer: torch.optim.Optimizer | None, peers: Sequence[int], rank: int) -> bool:
