@@ -258,14 +258,20 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--defects", type=int, default=25, help="defects per job")
     parser.add_argument("--only", help="run only these jobs (comma-separated numbers)")
+    parser.add_argument("--table", metavar="JSON", help="run nothing: print (and with --readme write) the tables of "
+                                                        "this earlier run's JSON")
     parser.add_argument("--tail", type=int, default=MAX_WINDOW, help="clean steps after the last defect")
     args = parser.parse_args()
     only = [int(j) for j in args.only.split(",")] if args.only else None
-    summary = run(args.jobs, args.defects, args.layouts.split(","), [int(w) for w in args.worlds.split(",")],
-                  args.tail, only)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(summary, fh, indent=2)
+    if args.table:
+        with open(args.table) as fh:
+            summary = summarize(json.load(fh))
+    else:
+        summary = run(args.jobs, args.defects, args.layouts.split(","), [int(w) for w in args.worlds.split(",")],
+                      args.tail, only)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(summary, fh, indent=2)
     table = markdown(summary)
     print(table)
     if args.readme:

@@ -20,19 +20,21 @@ _COUNTS = ("defects", "localized", "on_unit", "missed", "mislocalized", "false_p
            "clean_checks")
 
 
-def _window_rows(defect: dict[str, Any], onset: int, end: int, got: list[Any]) -> tuple[str, int | None, list]:
-    """(verdict, steps to verdict, wrong records) for one defect from the records of its window."""
+def _window_rows(defect: dict[str, Any], onset: int, got: list[Any]) -> tuple[str, int | None, list]:
+    """(verdict, steps to verdict, wrong records) for one defect from the records of its window. Localized: every
+    ``sdc`` record of the first step that has any names exactly the defective rank (records of one step come from
+    several writers in no set order: one naming another rank makes the window mislocalized, whatever the order)."""
     rank = defect["rank"]
     sdc = [i for i in got if i.kind.value == "sdc"]
-    first = sdc[0] if sdc else None
-    if first is None:
+    first = [i for i in sdc if i.step == sdc[0].step] if sdc else []
+    if not first:
         verdict = "missed"
-    elif first.scope.value == "rank" and first.ranks == [rank]:
+    elif all(i.scope.value == "rank" and i.ranks == [rank] for i in first):
         verdict = "localized"
     else:
         verdict = "mislocalized"
     wrong = [i for i in got if set(i.ranks) - {rank}]  # anyone else named, by any record of the window
-    return verdict, (first.step - onset if verdict == "localized" else None), wrong
+    return verdict, (first[0].step - onset if verdict == "localized" else None), wrong
 
 
 def classify(defects: list[dict[str, Any]], windows: list[tuple[int, int]], incidents: list[Any],
@@ -42,9 +44,9 @@ def classify(defects: list[dict[str, Any]], windows: list[tuple[int, int]], inci
     rows: dict[str, Any] = {k: 0 for k in _COUNTS} | {"verdict_steps": [], "by_unit": {}, "details": []}
     claimed: set[int] = set()
     for defect, (onset, end) in zip(defects, windows, strict=True):
-        got = sorted((i for i in incidents if onset <= i.step <= end), key=lambda i: i.step)
+        got = sorted((i for i in incidents if i.step is not None and onset <= i.step <= end), key=lambda i: i.step)
         claimed.update(id(i) for i in got)
-        verdict, steps_to, wrong = _window_rows(defect, onset, end, got)
+        verdict, steps_to, wrong = _window_rows(defect, onset, got)
         rows["defects"] += 1
         rows[verdict] += 1
         unit = rows["by_unit"].setdefault(defect["what"], {"defects": 0, "localized": 0})
@@ -53,7 +55,7 @@ def classify(defects: list[dict[str, Any]], windows: list[tuple[int, int]], inci
         if verdict == "localized":
             rows["verdict_steps"].append(steps_to)
             first = next(i for i in got if i.kind.value == "sdc")
-            rows["on_unit"] += any(s.startswith(SURFACE_OF[defect["module"]]) for s in first.surface.split(";"))
+            rows["on_unit"] += any(s.startswith(SURFACE_OF[defect["module"]]) for s in (first.surface or "").split(";"))
         rows["false_positive"] += len(wrong)
         rows["unattributed"] += sum(1 for i in got if not i.ranks)
         if verdict != "localized" or wrong:
@@ -80,6 +82,7 @@ def _add(total: dict[str, Any], rows: dict[str, Any]) -> None:
         unit["defects"] += v["defects"]
         unit["localized"] += v["localized"]
     total["wall_s"] = round(total.get("wall_s", 0.0) + rows.get("wall_s", 0.0), 1)
+    total["skipped"] = total.get("skipped", 0) + len(rows.get("skipped_checks", []))
     total["worlds"] = sorted(set(total.get("worlds", [])) | ({rows["world"]} if "world" in rows else set()))
 
 
@@ -114,13 +117,13 @@ def markdown(summary: dict[str, Any]) -> str:
     rotation, window = summary["rotation_steps"], summary["max_window_steps"]
     lines = [f"| layout (ranks) | defects | localized within two rotations ({window} steps) | of them on the "
              "defective unit's surface | onset to verdict, steps: median / p95 | missed | mislocalized (bar 0) "
-             "| false positives (bar 0) / clean checks |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| false positives (bar 0) / clean checks | records naming no rank | checks skipped |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for layout, v in list(summary["layouts"].items()) + [("**total**", summary["total"])]:
         worlds = ",".join(str(w) for w in v["worlds"])
         lines.append(f"| {layout} ({worlds}) | {v['defects']} | {_ratio(v['localized'], v['defects'])} "
                      f"| {v['on_unit']} | {_steps(v['verdict_steps'])} | {v['missed']} | {v['mislocalized']} "
-                     f"| {v['false_positive']} / {v['clean_checks']} |")
+                     f"| {v['false_positive']} / {v['clean_checks']} | {v['unattributed']} | {v['skipped']} |")
     by_unit = summary["total"]["by_unit"]
     lines += ["", "| defect | localized within two rotations |", "|---|---|"]
     lines += [f"| {UNIT_WORDS[w]} | {_ratio(v['localized'], v['defects'])} |" for w, v in sorted(by_unit.items())]

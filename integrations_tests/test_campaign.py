@@ -4,7 +4,7 @@ short job must run end to end at the shipped settings."""
 from __future__ import annotations
 
 from integrations_tests.campaign import MAX_WINDOW, ROTATION, faults_of, plan, run
-from integrations_tests.campaign_report import classify, p95
+from integrations_tests.campaign_report import classify, markdown, p95, summarize
 from scout_core.report import Incident
 
 
@@ -62,3 +62,21 @@ def test_one_short_job_localizes_at_the_shipped_settings():
     assert job["world"] == 6 and job["defects"] == 2
     assert (job["localized"], job["mislocalized"]) == (2, 0), job["details"]
     assert all(0 <= s < MAX_WINDOW for s in job["verdict_steps"])
+
+
+def test_records_of_one_step_are_judged_together_whatever_their_order():
+    defects = [{"rank": 3, "module": "layers.1", "what": "output"}]
+    right, wrong = _inc(20, [3], "layers.1.x1.output"), _inc(20, [5], "layers.1.x1.output")
+    for incidents in ([right, wrong], [wrong, right]):
+        rows = classify(defects, [(10, 20)], incidents, [20], steps=20)
+        assert (rows["localized"], rows["mislocalized"], rows["false_positive"]) == (0, 1, 1)
+
+
+def test_the_table_shows_what_the_rows_hold():
+    defects = [{"rank": 3, "module": "layers.1", "what": "output"}]
+    rows = classify(defects, [(10, 20)], [_inc(20, [3], "layers.1.x1.output")], [20, 40], steps=40)
+    job = {"job": 0, "layout": "ddp", "world": 6, "skipped_checks": [(40, "diagnosis_error")], **rows}
+    summary = summarize({"interval": 20, "rotation_steps": 60, "max_window_steps": 120, "jobs": [job]})
+    table = markdown(summary)
+    assert "| ddp (6) | 1 | 1/1 (100 %) | 1 | 10 / 10 | 0 | 0 | 0 / 1 | 0 | 1 |" in table
+    assert "| wrong output | 1/1 (100 %) |" in table

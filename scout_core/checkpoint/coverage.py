@@ -100,7 +100,8 @@ def required_units(replay: Any, experts: Any) -> dict[str, frozenset[int]]:
 
     ``replay`` is the :class:`~scout_core.replay.engine.ReplayEngine` (or None), ``experts`` the expert replay (or
     None). The optimizer's units are the parameters its slice rotates over, from its first slice on, while its
-    evidence is compared (not once pure FSDP's only surface, the self-check, was set aside as misconfigured)."""
+    evidence is compared (not once pure FSDP's surfaces of the rank's own slice, the self-check, were set aside as
+    misconfigured)."""
     out: dict[str, frozenset[int]] = {}
     if replay is not None:
         cadence = replay.cfg.cadence

@@ -35,6 +35,7 @@ from scout_core.replay.sweep import EmergencySweep
 from scout_core.replay.timing import CommTiming
 from scout_core.replay.trust import Trust
 from scout_core.replay.verdicts import VerdictContext, check_verdicts
+from scout_core.replay.vetting import SOURCE_SURFACE
 from scout_core.report import Incident, Reporter
 
 # BoundaryResult and the replica surfaces' names are re-exported: they lived here before replay.result.
@@ -217,10 +218,11 @@ class ReplayEngine:
         if timing is not None:
             self.judge.judge(result, *timing, replayed, self.peers)
         result.incidents = self._verdicts(result)
-        # Certification's units: what this check replayed to the end. The optimizer slice counts only where an
-        # optimizer surface was compared (not a slice skipped with its step, not a self-check set aside).
+        # Certification's units: what this check replayed to the end. The optimizer slice counts only where a
+        # surface of this rank's own slice was compared (not a slice skipped with its step, not a self-check set
+        # aside; the peers' replay of the source's slice is the source's evidence, not this rank's).
         chosen = self.opt_slice.chosen if due.optimizer and self.opt_slice is not None else None
-        compared = any(r.surface.startswith("optimizer.") for r in result.surfaces)
+        compared = any(r.surface.startswith("optimizer.") and r.surface != SOURCE_SURFACE for r in result.surfaces)
         result.units = tuple((r, 0 if r != "hidden" else i) for r, i in due.layers) + (
             (("optimizer", chosen),) if chosen is not None and compared else ())
 

@@ -11,8 +11,10 @@ the same inputs and is the minority, source or not.
 
 Only plain data crosses (:mod:`scout_core.wire`): tensors of at most :data:`MAX_ELEMS` elements, their dtypes,
 numbers, and the hyperparameters that are plain values (a peer takes the rest from its own parameter group).
-Every peer joins the one broadcast whatever happened on it before; what a peer received and could not replay is a
-diagnosis failure, which skips the check on every peer together.
+Every peer joins the one broadcast whatever happened on it before. A slice the source cannot send as such data
+(a state tensor that is not per-element and larger than :data:`MAX_ELEMS`, as 8-bit optimizers keep) is not sent:
+every peer then has no evidence on this surface, and the optimizer recipe goes on with its other surfaces. A
+replay that fails is a diagnosis failure, which skips the check on every peer together.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import torch
 
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.optimizer import OptimizerSlice
+from scout_core.replay.vetting import SOURCE_SURFACE
 from scout_core.signature import sign_many
 from scout_core.wire import WireError, broadcast_data
 
 __all__ = ["MAX_ELEMS", "SOURCE_SURFACE", "source_inputs", "source_slice_surface"]
 
-SOURCE_SURFACE = "optimizer.source_replayed"
 MAX_ELEMS = 1 << 14
 """The most elements of the source's slice the peers replay (its first 16K): enough for a kernel that errs wherever
 it computes, and the broadcast stays small. A defect confined to the slice's other elements is not seen on this
@@ -52,7 +54,10 @@ def source_inputs(pending: dict[str, Any] | None) -> dict[str, Any] | None:
     def host(t: torch.Tensor) -> torch.Tensor:
         return (t.reshape(-1)[:n] if t.numel() == full else t).detach().cpu().contiguous()
 
-    state = {k: host(v) for k, v in pending["state"].items() if isinstance(v, torch.Tensor)}
+    tensors = {k: v for k, v in pending["state"].items() if isinstance(v, torch.Tensor)}
+    if any(v.numel() != full and v.numel() > MAX_ELEMS for v in tensors.values()):
+        return None  # whole-parameter state too large to send (an 8-bit optimizer's block scales): no evidence
+    state = {k: host(v) for k, v in tensors.items()}
     scalars = {k: v for k, v in pending["state"].items() if not isinstance(v, torch.Tensor) and _plain(v)}
     hyper = {k: v for k, v in pending["hyper"].items() if _plain(v)}
     return {"value": host(pending["value"]), "grad": host(pending["grad"]), "state": state, "scalars": scalars,
@@ -60,7 +65,8 @@ def source_inputs(pending: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _checked(got: Any) -> dict[str, Any]:
-    """The received inputs, or ValueError: the same on every peer, since every peer decoded the same bytes."""
+    """The received inputs, or ValueError: the same on every peer, since every peer decoded the same bytes (only
+    a source that is not SCOUT's code sends what fails here)."""
     if not isinstance(got, dict) or not {"value", "grad", "state", "scalars", "hyper", "group"} <= set(got):
         raise ValueError("the source's optimizer slice is not the expected mapping")
     tensors = [got["value"], got["grad"], *got["state"].values()] if isinstance(got["state"], dict) else []

@@ -17,6 +17,7 @@ from scout_core.replay.vetting import (
     ENVIRONMENT_SURFACE,
     REPRODUCIBLE_SURFACE,
     SELF_CHECK_SURFACE,
+    SOURCE_SURFACE,
     environment_fingerprint,
     optimizer_misconfigured,
     set_aside,
@@ -91,13 +92,14 @@ class Trust:
 
     def self_check(self, result: BoundaryResult) -> None:
         """An optimizer self-check a strict majority of peers fails is a misconfiguration, not agreement, and not
-        SDC on the minority that passed: from then on it is dropped from every check's results."""
+        SDC on the minority that passed: from then on it is dropped from every check's results, with the peers'
+        replay of the source's slice (the same replay, which then does not model the live update either)."""
         misconfigured = optimizer_misconfigured(result.surfaces)
         if misconfigured is not None:
             self.self_check_off = True
             result.misconfigured = misconfigured
         if self.self_check_off:
-            result.surfaces = [r for r in result.surfaces if r.surface != SELF_CHECK_SURFACE]
+            result.surfaces = [r for r in result.surfaces if r.surface not in (SELF_CHECK_SURFACE, SOURCE_SURFACE)]
 
     def unreported(self, result: BoundaryResult) -> tuple[list[tuple[str, tuple[int, ...]]], C3Result | None]:
         """What this check found that no record said yet: set-aside ranks per reason, and the misconfiguration

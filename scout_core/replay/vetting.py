@@ -28,12 +28,14 @@ import torch
 
 from scout_core.consensus import C3Result, C3Status
 
-__all__ = ["ENVIRONMENT_SURFACE", "REPRODUCIBLE_SURFACE", "SELF_CHECK_SURFACE", "environment_fingerprint",
-           "optimizer_misconfigured", "rotation", "set_aside", "split_vetting", "vet_due"]
+__all__ = ["ENVIRONMENT_SURFACE", "REPRODUCIBLE_SURFACE", "SELF_CHECK_SURFACE", "SOURCE_SURFACE",
+           "environment_fingerprint", "optimizer_misconfigured", "rotation", "set_aside", "split_vetting", "vet_due"]
 
 REPRODUCIBLE_SURFACE = "replay.reproducible"
 ENVIRONMENT_SURFACE = "replay.environment"
 SELF_CHECK_SURFACE = "optimizer.self_check"
+SOURCE_SURFACE = "optimizer.source_replayed"
+"""Every peer's replay of the check source's optimizer slice (``scout_core.replay.optimizer_source``)."""
 
 
 def rotation(check: int, layers: int, peers: int) -> tuple[int, int]:
