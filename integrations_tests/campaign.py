@@ -10,7 +10,7 @@ A job runs a sequence of defects, each drawn from the job's seed:
 * a rank;
 * a unit and what of it errs: the embedding, a block or the head computing a wrong output, a wrong input gradient
   (not the embedding: its input is token data), or reading a stuck weight element; or the optimizer kernel
-  computing a wrong update;
+  writing a wrong weight;
 * 1 to 4 flipped bits of one element (a stuck weight reads a drawn value);
 * an onset 1 to 60 clean steps after the previous defect, so it falls at any phase of the rotation.
 
@@ -95,7 +95,7 @@ def faults_of(defect: dict[str, Any], onset: int) -> list[Fault]:
     """The defect as faults active from ``onset`` on: several bits of one surface at one step hit one element."""
     schedule = Schedule.from_step(onset)
     if defect["what"] == "update":
-        surface = "optimizer.kernel"
+        surface = "optimizer.kernel.output"  # the weight the kernel writes: a flip of the update can round away
     else:
         surface = f"{defect['module']}.{defect['what']}"
     if defect["what"] == "weight":

@@ -110,7 +110,7 @@ def _steps(xs: list[int]) -> str:
 
 
 UNIT_WORDS = {"output": "wrong output", "grad": "wrong input gradient", "weight": "stuck weight read",
-              "update": "wrong optimizer update"}
+              "update": "optimizer kernel writing a wrong weight"}
 
 
 def markdown(summary: dict[str, Any]) -> str:

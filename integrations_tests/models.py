@@ -130,7 +130,9 @@ def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, An
 
     ``optimizer.kernel``: every call of an armed step (a persistent defect: the replay errs as training did);
     ``optimizer.kernel.once``: the first call of an armed step only (a transient upset of training's step: the
-    models here have one parameter group, so one call)."""
+    models here have one parameter group, so one call); ``optimizer.kernel.output``: like ``optimizer.kernel``,
+    but the defect is in what the kernel writes (the new weight), not in the update before it is added (a flip of
+    a low bit of an update is most often rounded away when it is added to a much larger weight: no defect at all)."""
     import torch.optim.adam as adam_impl
 
     calls: dict[int, int] = {}
@@ -139,7 +141,8 @@ def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, An
         def kernel(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             step = state["step"]
             calls[step] = calls.get(step, 0) + 1
-            surfaces = ["optimizer.kernel"] + (["optimizer.kernel.once"] if calls[step] == 1 else [])
+            surfaces = ["optimizer.kernel", "optimizer.kernel.output"] + (
+                ["optimizer.kernel.once"] if calls[step] == 1 else [])
             armed = [s for s in surfaces if injector.corrupts(s, rank=rank, step=step)]
             if not armed:
                 return real(params, *args, **kwargs)
@@ -149,9 +152,14 @@ def install_optimizer_kernel_fault(injector: Any, rank: int, state: dict[str, An
                 for p, old in zip(params, before, strict=True):
                     update = p.detach() - old
                     local = update.to_local() if hasattr(update, "to_local") else update  # this rank's shard
-                    for surface in armed if local.numel() else ():  # a shard may hold nothing of a small one
+                    updates = [s for s in armed if s != "optimizer.kernel.output"]
+                    for surface in updates if local.numel() else ():  # a shard may hold nothing of a small one
                         injector.corrupt(surface, local, rank=rank, step=step)
                     p.detach().copy_(old + update)
+                    written = p.detach()
+                    written = written.to_local() if hasattr(written, "to_local") else written
+                    if "optimizer.kernel.output" in armed and written.numel():
+                        injector.corrupt("optimizer.kernel.output", written, rank=rank, step=step)
             return out
 
         return kernel

@@ -28,7 +28,7 @@ def test_a_defect_errs_on_every_step_from_its_onset():
     assert [(f.surface, f.rank, f.bit) for f in faults] == [("layers.1.output", 3, 2), ("layers.1.output", 3, 30)]
     assert not faults[0].schedule.active(40) and all(faults[0].schedule.active(s) for s in (41, 100, 500))
     stuck = faults_of({"rank": 1, "module": "optimizer", "what": "update", "bits": [7]}, onset=5)
-    assert stuck[0].surface == "optimizer.kernel"
+    assert stuck[0].surface == "optimizer.kernel.output"
 
 
 def test_classification():
