@@ -11,13 +11,20 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from scout_core.checkpoint.finite import NONFINITE_SURFACE
+
 SURFACE_OF = {"embed": "embedding.", "head": "output.", "layers.0": "layers.0.", "layers.1": "layers.1.",
               "layers.2": "layers.2.", "optimizer": "optimizer."}
 """How the replay names each unit's surfaces (the embedding and output recipes, the sampled block, the optimizer
 slice)."""
 
-_COUNTS = ("defects", "localized", "on_unit", "missed", "mislocalized", "false_positive", "unattributed",
-           "clean_checks")
+_COUNTS = ("defects", "localized", "on_unit", "missed", "missed_nonfinite", "mislocalized", "false_positive",
+           "unattributed", "clean_checks")
+
+
+def _blames(incident: Any) -> bool:
+    """Whether a record names culprits: a job-scoped record (the state went non-finite on these ranks) does not."""
+    return bool(incident.ranks) and incident.scope.value != "job"
 
 
 def _window_rows(defect: dict[str, Any], onset: int, got: list[Any]) -> tuple[str, int | None, list]:
@@ -33,7 +40,7 @@ def _window_rows(defect: dict[str, Any], onset: int, got: list[Any]) -> tuple[st
         verdict = "localized"
     else:
         verdict = "mislocalized"
-    wrong = [i for i in got if set(i.ranks) - {rank}]  # anyone else named, by any record of the window
+    wrong = [i for i in got if _blames(i) and set(i.ranks) - {rank}]  # anyone else blamed, by any record
     return verdict, (first[0].step - onset if verdict == "localized" else None), wrong
 
 
@@ -57,7 +64,8 @@ def classify(defects: list[dict[str, Any]], windows: list[tuple[int, int]], inci
             first = next(i for i in got if i.kind.value == "sdc")
             rows["on_unit"] += any(s.startswith(SURFACE_OF[defect["module"]]) for s in (first.surface or "").split(";"))
         rows["false_positive"] += len(wrong)
-        rows["unattributed"] += sum(1 for i in got if not i.ranks)
+        rows["unattributed"] += sum(1 for i in got if not _blames(i))
+        rows["missed_nonfinite"] += verdict == "missed" and any(i.surface == NONFINITE_SURFACE for i in got)
         if verdict != "localized" or wrong:
             rows["details"].append({**defect, "onset": onset, "end": end, "verdict": verdict,
                                     "reported": [(i.step, i.kind.value, i.ranks, i.scope.value, i.surface[:160])
@@ -65,8 +73,8 @@ def classify(defects: list[dict[str, Any]], windows: list[tuple[int, int]], inci
     inside = [(onset, end) for onset, end in windows]
     rows["clean_checks"] = sum(1 for s in checks if not any(a <= s <= b for a, b in inside))
     stray = [i for i in incidents if id(i) not in claimed]
-    rows["false_positive"] += sum(1 for i in stray if i.ranks)
-    rows["unattributed"] += sum(1 for i in stray if not i.ranks)
+    rows["false_positive"] += sum(1 for i in stray if _blames(i))
+    rows["unattributed"] += sum(1 for i in stray if not _blames(i))
     if stray:
         rows["details"].append({"clean_gap_records": [(i.step, i.kind.value, i.ranks, i.surface[:160])
                                                       for i in stray]})
@@ -75,7 +83,7 @@ def classify(defects: list[dict[str, Any]], windows: list[tuple[int, int]], inci
 
 def _add(total: dict[str, Any], rows: dict[str, Any]) -> None:
     for k in _COUNTS:
-        total[k] = total.get(k, 0) + rows[k]
+        total[k] = total.get(k, 0) + rows.get(k, 0)
     total.setdefault("verdict_steps", []).extend(rows["verdict_steps"])
     for what, v in rows["by_unit"].items():
         unit = total.setdefault("by_unit", {}).setdefault(what, {"defects": 0, "localized": 0})
@@ -116,13 +124,15 @@ UNIT_WORDS = {"output": "wrong output", "grad": "wrong input gradient", "weight"
 def markdown(summary: dict[str, Any]) -> str:
     rotation, window = summary["rotation_steps"], summary["max_window_steps"]
     lines = [f"| layout (ranks) | defects | localized within two rotations ({window} steps) | of them on the "
-             "defective unit's surface | onset to verdict, steps: median / p95 | missed | mislocalized (bar 0) "
-             "| false positives (bar 0) / clean checks | records naming no rank | checks skipped |",
+             "defective unit's surface | onset to verdict, steps: median / p95 | missed (of them: state found not "
+             "finite, cause not named) | mislocalized (bar 0) "
+             "| false positives (bar 0) / clean checks | records naming no culprit | checks skipped |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for layout, v in list(summary["layouts"].items()) + [("**total**", summary["total"])]:
         worlds = ",".join(str(w) for w in v["worlds"])
         lines.append(f"| {layout} ({worlds}) | {v['defects']} | {_ratio(v['localized'], v['defects'])} "
-                     f"| {v['on_unit']} | {_steps(v['verdict_steps'])} | {v['missed']} | {v['mislocalized']} "
+                     f"| {v['on_unit']} | {_steps(v['verdict_steps'])} "
+                     f"| {v['missed']} ({v.get('missed_nonfinite', 0)}) | {v['mislocalized']} "
                      f"| {v['false_positive']} / {v['clean_checks']} | {v['unattributed']} | {v['skipped']} |")
     by_unit = summary["total"]["by_unit"]
     lines += ["", "| defect | localized within two rotations |", "|---|---|"]

@@ -64,6 +64,16 @@ def test_one_short_job_localizes_at_the_shipped_settings():
     assert all(0 <= s < MAX_WINDOW for s in job["verdict_steps"])
 
 
+def test_a_state_gone_non_finite_blames_nobody():
+    """Every replica NaN before a check reached the unit: the job-scoped record names every rank, and is not a
+    verdict on them."""
+    from scout_core.checkpoint.finite import nonfinite_incident
+
+    defects = [{"rank": 1, "module": "layers.0", "what": "output"}]
+    rows = classify(defects, [(10, 129)], [nonfinite_incident(20, [0, 1, 2, 3], certifying=False)], [20], steps=129)
+    assert (rows["missed"], rows["missed_nonfinite"], rows["false_positive"], rows["unattributed"]) == (1, 1, 0, 1)
+
+
 def test_records_of_one_step_are_judged_together_whatever_their_order():
     defects = [{"rank": 3, "module": "layers.1", "what": "output"}]
     right, wrong = _inc(20, [3], "layers.1.x1.output"), _inc(20, [5], "layers.1.x1.output")
@@ -78,5 +88,5 @@ def test_the_table_shows_what_the_rows_hold():
     job = {"job": 0, "layout": "ddp", "world": 6, "skipped_checks": [(40, "diagnosis_error")], **rows}
     summary = summarize({"interval": 20, "rotation_steps": 60, "max_window_steps": 120, "jobs": [job]})
     table = markdown(summary)
-    assert "| ddp (6) | 1 | 1/1 (100 %) | 1 | 10 / 10 | 0 | 0 | 0 / 1 | 0 | 1 |" in table
+    assert "| ddp (6) | 1 | 1/1 (100 %) | 1 | 10 / 10 | 0 (0) | 0 | 0 / 1 | 0 | 1 |" in table
     assert "| wrong output | 1/1 (100 %) |" in table

@@ -95,7 +95,9 @@ class StepBoundary:
             return result
         verdicts = actionable(result.incidents + result.incidents_global)
         cert = p.certifier
-        finite = self._finite(result.step) if cert is not None else True
+        # Every check's boundary, certifying or not: a state gone NaN on every replica is invisible to replay, and a
+        # job without SCOUT's checkpoints must hear of it too.
+        finite = self._finite(result.step)
         nonfinite = finite is False
         local = BoundaryEvidence(sdc=result.sdc or bool(expert and expert.sdc),
                                  inconclusive=result.inconclusive or bool(expert and expert.inconclusive),
@@ -140,7 +142,8 @@ class StepBoundary:
     def _nonfinite(self, step: int, mine: bool) -> Incident:
         """The record of a state that is not finite somewhere (rank 0 writes it), naming the ranks."""
         p = self.parts
-        incident = nonfinite_incident(step, nonfinite_ranks(mine, p.groups.world_control))
+        incident = nonfinite_incident(step, nonfinite_ranks(mine, p.groups.world_control),
+                                      certifying=p.certifier is not None)
         if p.rank == 0 and p.reporter is not None:
             p.reporter.emit(incident)
         return incident

@@ -3,10 +3,11 @@
 Replay compares replicas: a corruption that reaches every replica alike is invisible to it. The commonest such
 case is a defect whose output is an inf or NaN on one rank: the loss, then the averaged gradients, then every
 replica's weights become NaN within a step, and from then on every replay agrees (on NaN). Certification would
-then verify a NaN state. So at each certification boundary each rank checks that its parameters, buffers and
-optimizer state are finite (one pass over them, one host sync per device); a state that is not finite anywhere
-is evidence like an inconclusive check: the candidate is rejected, nothing is captured, and an ``inconclusive``
-record of scope ``job`` names the ranks whose state is not finite (every one, usually: it cannot name the cause).
+then verify a NaN state, and a job without SCOUT's checkpoints would hear nothing. So at each check's boundary
+(certifying or not) each rank checks that its parameters, buffers and optimizer state are finite (one pass over
+them, one host sync per device); a state that is not finite anywhere is evidence like an inconclusive check: the
+candidate is rejected, nothing is captured, and an ``inconclusive`` record of scope ``job`` names the ranks whose
+state is not finite (every one, usually: it cannot name the cause).
 """
 
 from __future__ import annotations
@@ -88,11 +89,14 @@ def nonfinite_ranks(mine: bool, group: object) -> list[int]:
     return [r for r, f in enumerate(flags) if int(f.item())]
 
 
-def nonfinite_incident(step: int, ranks: list[int]) -> Incident:
+def nonfinite_incident(step: int, ranks: list[int], *, certifying: bool = True) -> Incident:
+    """The record of a state that is not finite; ``certifying``: SCOUT's certification runs (what is restored)."""
+    after = ("no snapshot after the verified generation is trusted" if certifying else
+             "SCOUT's checkpoints are off (checkpoint.enabled), so nothing verified is kept to restore")
     return Incident(
         kind=IncidentKind.INCONCLUSIVE, scope=IncidentScope.JOB, ranks=ranks, hosts=[], step=step,
         surface=NONFINITE_SURFACE,
         reason=(f"the model's state (parameters, buffers or optimizer state) is not finite (NaN or inf) on ranks "
                 f"{ranks}: training diverged, or a corruption reached every replica through the averaged gradients "
-                "before any replay could compare it; no snapshot after the verified generation is trusted"),
+                f"before any replay could compare it, and replay cannot name its cause; {after}"),
         evidence={"reason": "nonfinite_state"})
