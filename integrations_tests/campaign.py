@@ -239,7 +239,8 @@ def run(jobs: int, defects: int, layouts: list[str], worlds: list[int], tail: in
             incidents = list(read_incidents(jsonl)) if os.path.exists(jsonl) else []
         ran = result.values()[0]
         rows = classify(p["defects"], ran["windows"], incidents, ran["checks"], ran["steps"])
-        summary["jobs"].append({"job": job, "layout": p["layout"], "world": p["world"], "wall_s": round(wall, 1),
+        summary["jobs"].append({"job": job, "commit": summary["commit"], "layout": p["layout"], "world": p["world"],
+                                "wall_s": round(wall, 1),
                                 "steps": ran["steps"], "skipped_checks": ran["skipped"], **rows})
         print(f"job {job} {p['layout']}x{p['world']}: {rows['localized']}/{rows['defects']} localized, "
               f"{rows['mislocalized']} mislocalized, {rows['false_positive']} false positives over "

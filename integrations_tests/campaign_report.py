@@ -137,8 +137,12 @@ def markdown(summary: dict[str, Any]) -> str:
     by_unit = summary["total"]["by_unit"]
     lines += ["", "| defect | localized within two rotations |", "|---|---|"]
     lines += [f"| {UNIT_WORDS[w]} | {_ratio(v['localized'], v['defects'])} |" for w, v in sorted(by_unit.items())]
+    by_commit: dict[str, list[int]] = {}
+    for job in summary["jobs"]:
+        by_commit.setdefault(job.get("commit", summary.get("commit", "unknown")), []).append(job["job"])
+    ran = "; ".join(f"jobs {', '.join(map(str, jobs))} at {commit}" for commit, jobs in by_commit.items())
     lines += ["", f"Shipped settings: a check every {summary['interval']} steps, one block of 3 per check "
-                  f"(a rotation is {rotation} steps)."]
+                  f"(a rotation is {rotation} steps). Commits: {ran}."]
     return "\n".join(lines)
 
 
