@@ -58,6 +58,8 @@ class StepBoundary:
         self._settle_extra = False  # a capture waits for the caller's end-of-step state
         self.caller_check = CallerStateCheck()  # can a restart load the caller's state? (first capture per keys)
         self._finite_skips_said = False  # tensors the finite-state check cannot test were named (once)
+        self._finite_error_said = False  # the finite-state check failed and said so (once: it fails the same way)
+        self._nonfinite_episode = False  # the job's state was not finite at the last check (recorded once)
 
     def set_stop_on_verdict(self, _key: str, value: Any) -> None:
         """``scout ctl set actions.on_verdict=...``: what the next verdict does."""
@@ -105,16 +107,19 @@ class StepBoundary:
                                  straggler=any(i.kind is IncidentKind.STRAGGLER for i in verdicts),
                                  nonfinite=nonfinite)
         job, action = self._certify(cert, result, expert, local)
-        if job.nonfinite:  # the same on every rank: one record, and the verdict's actions
+        # The same on every rank. A state that is not finite stays so until a restart: one record and one round of
+        # the verdict's actions per episode, not one at every check (certification still rejects every boundary).
+        newly_nonfinite = job.nonfinite and not self._nonfinite_episode
+        self._nonfinite_episode = job.nonfinite
+        if newly_nonfinite:
             verdicts.append(self._nonfinite(result.step, nonfinite))
-        verdict = job.sdc or job.inconclusive or job.straggler or job.nonfinite
         numerical = job.sdc or job.inconclusive or job.nonfinite
-        failure = (FailureKind.SDC if numerical else FailureKind.STRAGGLER) if verdict else None
+        failure = (FailureKind.SDC if numerical else FailureKind.STRAGGLER) if numerical or job.straggler else None
         if cert is not None and p.labels is not None:
             p.labels.on_boundary(result.step, action, cert, failure=failure, stopping=self.stop_on_verdict,
                                  on_error=lambda exc: p.guard.report(result.step, "checkpoint", exc,
                                                                      "framework checkpoint labels"))
-        if verdict:
+        if job.sdc or job.inconclusive or job.straggler or newly_nonfinite:
             self._act(result, verdicts, job, expert=actionable(expert.incidents) if expert else [])
         return result
 
@@ -126,7 +131,9 @@ class StepBoundary:
         try:
             finite = state_is_finite(p.adapter.chunks, p.adapter.optimizers, skipped=skipped)
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
-            p.guard.report(step, "checkpoint", exc, "the finite-state check")
+            if not self._finite_error_said:
+                self._finite_error_said = True
+                p.guard.report(step, "checkpoint", exc, "the finite-state check")
             return None
         if skipped and not self._finite_skips_said:  # once: the same tensors are left out at every boundary
             self._finite_skips_said = True
@@ -194,8 +201,8 @@ class StepBoundary:
                 self.last_decision = p.checkpoint.decide(failure, incident=summaries[0] if summaries else None,
                                                          binding=self.stop_on_verdict)
             path = exclude_hosts_path(p.config)
-            if p.rank == 0 and path is not None:
-                record_exclusions(path, summaries)
+            if p.rank == 0 and path is not None and any(v["scope"] != "job" for v in summaries):
+                record_exclusions(path, summaries)  # a job-scoped record (a state not finite) excludes no host
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
             p.guard.report(result.step, "actions", exc, "verdict actions")
         if self.stop_on_verdict:
