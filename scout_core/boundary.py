@@ -129,7 +129,11 @@ class StepBoundary:
         p = self.parts
         skipped: list[str] = []
         try:
-            finite = state_is_finite(p.adapter.chunks, p.adapter.optimizers, skipped=skipped)
+            # Without certification, the parameters and buffers only: a NaN loss reaches every weight within the
+            # step, and optimizer state (three times the weights, maybe offloaded to the host) is not read at
+            # every check of every job for it.
+            optimizers = p.adapter.optimizers if p.certifier is not None else ()
+            finite = state_is_finite(p.adapter.chunks, optimizers, skipped=skipped)
         except Exception as exc:  # noqa: BLE001 - diagnosis never breaks training
             if not self._finite_error_said:
                 self._finite_error_said = True
