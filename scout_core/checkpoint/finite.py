@@ -4,10 +4,10 @@ Replay compares replicas: a corruption that reaches every replica alike is invis
 case is a defect whose output is an inf or NaN on one rank: the loss, then the averaged gradients, then every
 replica's weights become NaN within a step, and from then on every replay agrees (on NaN). Certification would
 then verify a NaN state, and a job without SCOUT's checkpoints would hear nothing. So at each check's boundary
-(certifying or not) each rank checks that its parameters, buffers and optimizer state are finite (one pass over
-them, one host sync per device); a state that is not finite anywhere is evidence like an inconclusive check: the
-candidate is rejected, nothing is captured, and an ``inconclusive`` record of scope ``job`` names the ranks whose
-state is not finite (every one, usually: it cannot name the cause).
+(certifying or not) each rank checks that its parameters, buffers and, where SCOUT certifies, optimizer state
+are finite (one pass over them, one host sync per device); a state that is not finite anywhere is evidence like
+an inconclusive check: the candidate is rejected, nothing is captured, and an ``inconclusive`` record of scope
+``job`` names the ranks whose state is not finite (every one, usually: it cannot name the cause).
 """
 
 from __future__ import annotations
