@@ -16,7 +16,7 @@ from scout_core.progress import control
 from scout_core.progress.control import CLOSED_KEY, choose_control_plane, daemon_key, start_store_daemon
 from scout_core.progress.sealed import seal_entry
 from scout_core.progress.store_client import PlainStore, StoreUnreachable
-from scout_core.testing.launcher import free_port
+from scout_core.testing.launcher import free_port_block
 
 
 def _daemon_pids(port: int) -> list[int]:
@@ -44,7 +44,7 @@ def test_only_the_jobs_secret_stops_the_daemon() -> None:
     secret or with a guessed one): it cannot make it exit. Only closers' entries sealed with the job's secret
     count, each rank once. The secret is in no argv."""
     secret = "5e" * 16
-    port = start_store_daemon(2, free_port(), idle_exit_s=20.0, secret=secret)  # a port of its own: found in ps
+    port = start_store_daemon(2, free_port_block(1), idle_exit_s=20.0, secret=secret)  # a port of its own: found in ps
     deadline = time.monotonic() + 10
     while not _daemon_pids(port) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -86,7 +86,7 @@ def _listening(port: int) -> list[str]:
 def test_the_daemon_listens_on_one_address_only() -> None:
     """The daemon listens on the job's one address, so nobody off this machine reaches a one-machine job's
     control plane."""
-    port = start_store_daemon(1, free_port(), idle_exit_s=8.0, secret="ab" * 16, bind="127.0.0.1")
+    port = start_store_daemon(1, free_port_block(1), idle_exit_s=8.0, secret="ab" * 16, bind="127.0.0.1")
     try:
         assert _listening(port) == ["0100007F"], _listening(port)  # 127.0.0.1, and no 0.0.0.0 beside it
         store = PlainStore("127.0.0.1", port, timeout_s=10, secret="ab" * 16)
@@ -181,7 +181,7 @@ def test_the_daemon_outlives_a_reconnect_and_exits_once_its_observers_are_gone()
     connects again. A daemon with none connected for longer than that exits: its job is gone (a restarted job
     wants the port back before the two-minute idle time)."""
     secret = "d4" * 16
-    port = start_store_daemon(1, free_port(), idle_exit_s=60.0, secret=secret, clientless_s=3.0)
+    port = start_store_daemon(1, free_port_block(1), idle_exit_s=60.0, secret=secret, clientless_s=3.0)
     deadline = time.monotonic() + 10
     while not _daemon_pids(port) and time.monotonic() < deadline:
         time.sleep(0.1)

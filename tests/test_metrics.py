@@ -15,7 +15,7 @@ import scout_core
 from integrations_tests.models import batches, install_block_faults, start_rank
 from scout_core.config import load
 from scout_core.testing.inject import Fault, FaultKind, Schedule
-from scout_core.testing.launcher import RankContext, free_port, launch
+from scout_core.testing.launcher import RankContext, free_port_block, launch
 
 pytest.importorskip("prometheus_client")
 
@@ -72,8 +72,8 @@ def _metrics_rank(ctx: RankContext) -> dict[str, Any]:
 def test_every_rank_exports_its_checks_incidents_and_state(tmp_path):
     faults = [Fault(surface="layers.1.output", rank=SDC_RANK, kind=FaultKind.BITFLIP, bit=12,
                     schedule=Schedule(start=SDC_STEP))]
-    result = launch(_metrics_rank, WORLD, timeout_s=120,
-                    args={"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path), "port": free_port()})
+    args = {"faults": faults, "seed": 0, "layout": "ddp", "dir": str(tmp_path), "port": free_port_block(WORLD)}
+    result = launch(_metrics_rank, WORLD, timeout_s=120, args=args)
     assert result.ok, result.failures()
     out = result.values()
     checks = out[0]["checks"]
@@ -122,7 +122,7 @@ def _taken_rank(ctx: RankContext) -> str:
 
 
 def test_a_port_taken_fails_every_rank_at_enable_naming_it():
-    port = free_port()
+    port = free_port_block(1)
     result = launch(_taken_rank, 2, timeout_s=60, args={"port": port})
     assert result.ok, result.failures()
     assert all(f"127.0.0.1:{port}" in v and "cannot serve metrics" in v for v in result.values())

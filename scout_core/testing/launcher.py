@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import signal
 import socket
 import time
@@ -26,7 +27,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, Pipe, wait
 from typing import Any
 
-__all__ = ["RankContext", "RankOutcome", "LaunchResult", "launch", "prepare_parent", "free_port"]
+__all__ = ["RankContext", "RankOutcome", "LaunchResult", "launch", "prepare_parent", "free_port", "free_port_block"]
 
 _PREPARED = False
 
@@ -56,6 +57,39 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports, all free, below the kernel's ephemeral range.
+
+    A test that serves on ``base + local rank`` needs ports nobody else is handed meanwhile: a block from
+    ``free_port()`` lies in the ephemeral range, where the launcher's own store port or any client socket can take
+    ``base + k`` before rank k binds it (CI once saw exactly that).
+    """
+    low = _ephemeral_low()
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        base = rng.randrange(10000, low - count)
+        if all(_bindable(base + k) for k in range(count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA dynamic range starts here
+        return 49152
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass(frozen=True)
