@@ -55,6 +55,23 @@ def test_copied_parameters_that_differ_void_the_comparison():
     assert verdicts(engine(0), [result(OUT, BAD_ON_1), state]) == (set(), [])
 
 
+def test_the_groups_record_says_why_the_replica_group_named_nobody():
+    """Rank 1's peer group {1, 3} has no majority and its copies differ from the other pair's: the group's record
+    carries the replica surfaces' statuses, so a reader sees the comparison was void, not missing."""
+    from scout_core.replay.verdicts import sdc_verdicts
+
+    fake = engine(1)
+    state = result(f"layers.1{REPLICATED_STATE}", ("p", "q", "p", "q"))
+    res = BoundaryResult(step=3, surfaces=[result(OUT, ("a", "b"), ranks=(1, 3))],
+                         replica_surfaces=[result(OUT, BAD_ON_1), state])
+    resolved, _ = replica_verdicts(fake.ctx, res, fake.untrusted)
+    (group,) = sdc_verdicts(fake.ctx, res, resolved)
+    assert (group.scope.value, group.ranks) == ("peer_group", [1, 3])
+    assert group.evidence["replica_surfaces"][f"layers.1{REPLICATED_STATE}"]["status"] == "inconclusive"
+    assert group.evidence["replica_surfaces"][OUT] == {"status": "attributed", "peer_ranks": [0, 1, 2, 3],
+                                                      "bitmap": [0, 1, 0, 0]}
+
+
 def test_a_rank_another_member_found_nondeterministic_is_never_named():
     untrusted = result(REPLICA_UNTRUSTED, ((), (1,), (), ()))  # rank 1's own group found it, rank 0's did not
     assert verdicts(engine(0), [result(OUT, BAD_ON_1), untrusted]) == (set(), [])

@@ -134,8 +134,13 @@ def sdc_verdicts(ctx: VerdictContext, result: BoundaryResult, resolved: Collecti
                                   f"{len(rs)} replayed surface(s) differ from the strict majority"))
     inconclusive = [r for r in inconclusive if r.surface not in resolved]
     if inconclusive:
-        incidents.append(incident(ctx, IncidentKind.SDC, IncidentScope.PEER_GROUP, ctx.peers, inconclusive,
-                                  "replayed surfaces disagree without a strict majority"))
+        group = incident(ctx, IncidentKind.SDC, IncidentScope.PEER_GROUP, ctx.peers, inconclusive,
+                         "replayed surfaces disagree without a strict majority")
+        if result.replica_surfaces:  # why the replica group did not name a rank instead (replica_verdicts)
+            group.evidence["replica_surfaces"] = {
+                r.surface: {"status": r.status.value, "peer_ranks": list(r.peer_ranks), "bitmap": list(r.bitmap)}
+                for r in result.replica_surfaces}
+        incidents.append(group)
     return incidents
 
 
