@@ -24,7 +24,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "adapter": ("adapter", "extra_state"),
     "config": ("config", "config_schema"),
     "topology, groups": ("topology", "groups"),
-    "C3 consensus": ("consensus", "consensus_rules", "confirmation"),
+    "C3 consensus": ("consensus", "consensus_rules", "confirmation", "persistence"),
     "signatures": ("signature",),
     "wire, private folders, crash-safe files": ("wire", "private_dir", "durable_files"),
     "hang path (progress/)": ("progress",),

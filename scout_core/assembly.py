@@ -27,7 +27,7 @@ from scout_core.checkpoint.restart import Restart
 from scout_core.checkpoint.snapshot import SnapshotEngine
 from scout_core.checkpoint.store import DurableStore
 from scout_core.config import ConfigError
-from scout_core.consensus import StatisticalRule
+from scout_core.consensus import Persistence, StatisticalRule
 from scout_core.handle import ScoutHandle
 from scout_core.live_control import LiveControl
 from scout_core.metrics import job_name
@@ -111,7 +111,8 @@ def build_replay(parts: ScoutParts) -> ReplayEngine:
         layers, a.optimizers[0] if a.optimizers else None, config=cfg.replay, groups=parts.groups,
         rule=StatisticalRule.from_config(cfg.consensus), comm_rule=StatisticalRule.for_communication(cfg.consensus),
         confirm_rounds=cfg.consensus.confirm_rounds, noise_window=cfg.consensus.noise_window_rounds,
-        reporter=parts.reporter, hosts=parts.hosts, rng_providers=a.rng_providers, layer_names=names,
+        persistence=Persistence.from_config(cfg.consensus), reporter=parts.reporter, hosts=parts.hosts,
+        rng_providers=a.rng_providers, layer_names=names,
         embedding=a.embedding, output=a.output, boundary_owner=a.boundary_owner, hook_optimizer=False,
         layer_owners=fsdp_owners(layers, a.chunks),
         # Experts differ between EP positions: their optimizer slices are self-checked on each rank only.

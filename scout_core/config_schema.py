@@ -39,6 +39,16 @@ class ConsensusConfig:
     """Floor of the robust scale as a fraction of the median (guards MAD = 0)."""
     confirm_rounds: int = _range(2, ge=1)
     """Consecutive flagged timing rounds before a straggler is reported."""
+    persist_rounds: int = _range(0, ge=0, le=64)
+    """A rank slower than the same round's other peers beyond their own spread in that round (1 + one robust
+    sigma of theirs, and at least ``min_ratio``) in this many consecutive timing rounds of one kind of work is
+    named a straggler even below the noise floor, when on average it was ``persist_ratio`` x their median (3
+    names the paper's 1.3x straggler at its third slowed round). 0, the default: off, because on a shared host
+    a healthy rank can also be slow for several rounds in a row (docs/consensus.md, "Persistently slower
+    ranks")."""
+    persist_ratio: float = _range(1.22, ge=1.0)
+    """The least average (geometric mean, each round capped at 1.35x) ratio to the peers' median over
+    ``persist_rounds`` rounds that names a persistently slower rank."""
     noise_window_rounds: int = _range(64, ge=0, le=1024)
     """Compute timing rounds that set the noise floor: a flagged rank must also be slower, relative to the
     median, than 1 + 3 x the 99th-percentile excess of how far unflagged ranks strayed from their own usual

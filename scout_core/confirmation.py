@@ -85,6 +85,10 @@ class Confirmation:
         """The rank's current streak on ``surface`` over all rounds, or over the rounds of ``kind``."""
         return self._streaks.get((surface, rank), {}).get(kind, 0)
 
+    def naming(self, surface: str, rank: int) -> bool:
+        """Whether ``rank`` is in an episode this confirmed on ``surface``."""
+        return (surface, rank) in self._confirmed
+
     def reset(self, ranks: Iterable[int] | None = None) -> None:
         if ranks is None:
             self._streaks.clear()

@@ -5,8 +5,8 @@ C3 maps one piece of evidence per peer to a result ``(status, bitmap, evidence)`
 (:func:`exact`, :func:`statistical`) are pure functions (:mod:`scout_core.consensus_rules`) so that every peer,
 given the same gathered evidence, derives the same verdict without a coordinator. The transport
 (:func:`c3_exchange`) all-gathers local evidence over a process group and applies the rule locally on every
-member. Confirmation across rounds and the noise floor of timings are in :mod:`scout_core.confirmation`. Every
-name of the three modules is importable from here.
+member. Confirmation across rounds and the noise floor of timings are in :mod:`scout_core.confirmation`, the
+persistently slower rank in :mod:`scout_core.persistence`. Every name of the four modules is importable from here.
 
 Neither rule ever names a rank without a strict healthy majority.
 """
@@ -29,6 +29,7 @@ from scout_core.consensus_rules import (
     group_disagreements,
     statistical,
 )
+from scout_core.persistence import Persistence
 from scout_core.wire import all_gather_data
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "statistical",
     "c3_exchange",
     "Confirmation",
+    "Persistence",
     "group_disagreements",
     "MAD_NORMAL_CONSISTENCY",
     "NoiseFloor",

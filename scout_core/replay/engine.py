@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core.config import ReplayConfig
-from scout_core.consensus import StatisticalRule
+from scout_core.consensus import Persistence, StatisticalRule
 from scout_core.groups import ScoutGroups, local_groups
 from scout_core.replay.capture import LayerCapture
 from scout_core.replay.health import RecipeHealth
@@ -49,6 +49,7 @@ class ReplayEngine:
         self, layers: Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer | None, *, config: ReplayConfig,
         group: Any = None, groups: ScoutGroups | None = None, rule: StatisticalRule | None = None,
         comm_rule: StatisticalRule | None = None, confirm_rounds: int = 2, noise_window: int = 64,
+        persistence: Persistence | None = None,
         reporter: Reporter | None = None, hosts: Mapping[int, str] | None = None, compare_param_state: bool = True,
         compare_optimizer_slices: bool | None = None, rng_providers: Mapping[str, RngProvider] | None = None,
         layer_names: Sequence[str] | None = None, embedding: torch.nn.Module | None = None,
@@ -82,7 +83,8 @@ class ReplayEngine:
         # Communication is judged with its own ratio floor (a shared fabric is noisier than a device's compute).
         self.timing = CommTiming(comm_rule or self.rule, confirm_rounds, world_control=self.groups.world_control,
                                  hosts=self.hosts, compute_rule=self.rule, window=noise_window)
-        self.judge = TimingJudge(self.timing, confirm_rounds=confirm_rounds, noise_window=noise_window)
+        self.judge = TimingJudge(self.timing, confirm_rounds=confirm_rounds, noise_window=noise_window,
+                                 persistence=persistence)
         recipe_of_layer = {name: ("hidden" if i < n_hidden else next(r for r, j in self.extra.items() if j == i))
                            for i, name in enumerate(self.names)}
         self.health = RecipeHealth(rank=self.rank, world_control=self.groups.world_control,

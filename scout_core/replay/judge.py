@@ -1,7 +1,9 @@
 """The timing judge: one round's replay times through noise floors and confirmation into straggler findings.
 
 Compute times are compared across peers (job-wide under HSDP) beyond each kind of work's noise floor and
-confirmed over consecutive rounds; communication is judged by :class:`~scout_core.replay.timing.CommTiming`.
+confirmed over consecutive rounds, or found persistently slower than the same rounds' peers
+(:class:`~scout_core.persistence.Persistence`, for a straggler too mild for the floor); communication is judged by
+:class:`~scout_core.replay.timing.CommTiming`.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from scout_core.consensus import C3Result, Confirmation, NoiseFloor
+from scout_core.consensus import C3Result, Confirmation, NoiseFloor, Persistence
 from scout_core.replay.recipe import Replayed
 from scout_core.replay.result import BoundaryResult
 from scout_core.replay.timing import CommTiming
@@ -21,9 +23,13 @@ __all__ = ["TimingJudge"]
 class TimingJudge:
     """Noise floors and straggler confirmation of one rank's replay engine (identical on every peer)."""
 
-    def __init__(self, comm: CommTiming, *, confirm_rounds: int, noise_window: int) -> None:
+    def __init__(self, comm: CommTiming, *, confirm_rounds: int, noise_window: int,
+                 persistence: Persistence | None = None) -> None:
         self.comm = comm
         self.confirm = Confirmation(rounds=confirm_rounds)
+        self.persist = persistence if persistence is not None else Persistence(rounds=0)
+        self.newly: tuple[int, ...] = ()
+        """Ranks the last round named that no episode of either path named before it (one record each)."""
         # A compute straggler must also stray further than healthy ranks lately did (a host clock's heavy
         # tail would otherwise confirm healthy ranks now and then): one noise floor per kind of work.
         self.noise_window = noise_window
@@ -43,12 +49,21 @@ class TimingJudge:
             result.timing_world = True
         # One floor per layer class and parameter shapes: the rotation's layers of one class are one
         # work, and input shapes may change every step (ratios to the median cancel their size).
-        floor = self.noise.setdefault(work[1:3] if work else None, NoiseFloor(self.noise_window))
+        kind = work[1:3] if work else None
+        floor = self.noise.setdefault(kind, NoiseFloor(self.noise_window))
+        named_before = self._named(times)
+        # A rank slower than the same round's peers in every round, too mildly for the floor (judged on the
+        # rule's evidence before the floor clears anything).
+        persistent = self.persist.update(times, kind=kind)
         times, result.noise_floor = floor.apply(times)
         result.timing, result.comm_timing = times, comm
         # Counted per kind of work too: checks that alternate kinds (an MoE block's attention and router)
         # must not reset the streak of a rank slow in only one of them.
-        result.stragglers = self.confirm.update(times, kind=work[1:3] if work else None)
+        confirmed = self.confirm.update(times, kind=kind)
+        result.stragglers = tuple(sorted({*confirmed, *persistent}))
+        result.persistent = dict(self.persist.means)
+        fresh = {r for r in times.outlier_ranks if r in self.confirm.newly} | set(self.persist.newly)
+        self.newly = tuple(sorted(fresh - named_before))
         # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
         # timed unshard spans the shard group, not the peers (a replica group): its slowness is the
         # cross-group intersection's to place, never this group's.
@@ -60,6 +75,12 @@ class TimingJudge:
         if result.timing is None:
             return None
         return TimingFindings(
-            new_stragglers=tuple(r for r in result.timing.outlier_ranks if r in self.confirm.newly),
-            rounds=self.confirm.rounds, machine_confirmed=self.comm.loc_rounds == self.confirm.rounds,
+            new_stragglers=self.newly,
+            rounds=self.confirm.rounds, persist_rounds=self.persist.rounds,
+            machine_confirmed=self.comm.loc_rounds == self.confirm.rounds,
             group_slowdown_confirmed=self.comm.slow_group_rounds == self.comm.temporal_rounds)
+
+    def _named(self, times: C3Result) -> set[int]:
+        """Ranks in an episode either path has already recorded on this surface."""
+        return {r for r in times.peer_ranks
+                if self.confirm.naming(times.surface, r) or self.persist.naming(times.surface, r)}

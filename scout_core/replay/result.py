@@ -47,6 +47,9 @@ class BoundaryResult(SurfaceVerdicts):
     stragglers: tuple[int, ...] = ()
     noise_floor: float | None = None
     """The compute noise floor in force in a flagged round (``consensus.NoiseFloor``; inf in its warm-up)."""
+    persistent: dict[int, float] = field(default_factory=dict)
+    """Ranks slower than the same rounds' peers in ``consensus.persist_rounds`` rounds in a row, with their
+    average ratio to the peers' median (``persistence.Persistence``)."""
     group_slowdown: bool = False
     """The whole group's communication is slow against its own clean history (no outlier rank)."""
     localization: Any = None

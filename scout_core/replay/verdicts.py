@@ -59,6 +59,8 @@ class TimingFindings:
     """Compute stragglers of this round confirmed just now."""
     rounds: int = 2
     """The consecutive rounds that confirm a straggler."""
+    persist_rounds: int = 3
+    """The consecutive rounds in which a persistently slower rank is named (``consensus.persist_rounds``)."""
     machine_confirmed: bool = False
     """The cross-group localization has been named for ``rounds`` rounds in a row."""
     group_slowdown_confirmed: bool = False
@@ -221,11 +223,10 @@ def timing_verdicts(ctx: VerdictContext, result: BoundaryResult, found: TimingFi
             inc.evidence["timing"] = {timing.surface: timing.to_dict()}
     new = found.new_stragglers
     if new:
-        straggler = incident(
-            ctx, IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
-            f"replay compute slower than peers in {found.rounds} consecutive rounds"
-            + (f" (beyond this work's noise floor, {result.noise_floor:.2f}x the median)"
-               if result.noise_floor is not None else ""))
+        straggler = incident(ctx, IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
+                             _straggler_reason(result, found, new))
+        if result.persistent:
+            straggler.evidence["persistent"] = {str(r): round(m, 4) for r, m in result.persistent.items()}
         if result.timing_world:  # every peer group saw the same job-wide verdict: one record for the job
             job.append(Records([straggler], world_writer(new, ctx.world_size), job_wide=True))
         else:
@@ -259,3 +260,19 @@ def check_verdicts(ctx: VerdictContext, result: BoundaryResult, *, untrusted: Co
     job = timing_verdicts(ctx, result, timing, incidents) if timing is not None and result.timing is not None else []
     own = Records(incidents, peer_writer(ctx.peers, incidents))
     return [r for r in (replica, *job) if r.incidents] + [own]
+
+
+def _straggler_reason(result: BoundaryResult, found: TimingFindings, new: Sequence[int]) -> str:
+    """Why ``new`` are stragglers: beyond this work's noise floor, or persistently slower than their peers."""
+    fast = [r for r in new if r in result.timing.outlier_ranks] if result.timing is not None else []
+    mild = [r for r in new if r not in fast and r in result.persistent]
+    parts = []
+    if fast:
+        parts.append(f"replay compute slower than peers in {found.rounds} consecutive rounds"
+                     + (f" (beyond this work's noise floor, {result.noise_floor:.2f}x the median)"
+                        if result.noise_floor is not None else "") + (f": rank(s) {fast}" if mild else ""))
+    if mild:
+        ratios = ", ".join(f"rank {r} {result.persistent[r]:.2f}x" for r in mild)
+        parts.append(f"replay compute slower than the same rounds' peers beyond their spread in "
+                     f"{found.persist_rounds} consecutive rounds, on average {ratios} their median")
+    return "; ".join(parts)
