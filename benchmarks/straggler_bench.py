@@ -66,13 +66,8 @@ def _one_run(spec: Any, world: int, victim: int | None) -> dict[str, Any]:
 
 
 def _path(record: dict, rank: int) -> str:
-    """Which path named ``rank``: the noise floor's (its flag survived the floor in the naming round) or the
-    persistent one."""
-    for res in record.get("evidence", {}).get("surfaces", {}).values():
-        flagged = {p for p, b in zip(res["peer_ranks"], res["bitmap"]) if b}
-        if rank in flagged:
-            return "floor"
-    return "persistent"
+    """Which path named ``rank``: the noise floor's or the persistent one (the record's ``evidence.path``)."""
+    return record.get("evidence", {}).get("path", {}).get(str(rank), "floor")
 
 
 def bench_straggler_sensitivity(runs: int = 10, factor: float = 1.3, world: int = 16, clean_runs: int = 10,

@@ -46,7 +46,7 @@ class ConsensusConfig:
     names the paper's 1.3x straggler at its third slowed round). 0, the default: off, because on a shared host
     a healthy rank can also be slow for several rounds in a row (docs/consensus.md, "Persistently slower
     ranks")."""
-    persist_ratio: float = _range(1.22, ge=1.0)
+    persist_ratio: float = _range(1.22, ge=1.0, le=1.35)
     """The least average (geometric mean, each round capped at 1.35x) ratio to the peers' median over
     ``persist_rounds`` rounds that names a persistently slower rank."""
     noise_window_rounds: int = _range(64, ge=0, le=1024)

@@ -72,8 +72,9 @@ class Persistence:
     Rounds may name the ``kind`` of work they measured; as in :class:`~scout_core.confirmation.Confirmation`, a
     rank's streak is kept over all rounds and over each kind's own rounds, and rounds of another kind neither
     count for a kind's streak nor break it. A round without a strict majority of peers within their spread (a
-    noisy round, a slow machine) is no evidence for anyone and breaks every streak. A rank is newly named once
-    per episode: until a round in which it is not slower breaks all its streaks.
+    noisy round, a slow machine) is no evidence for anyone and breaks the streaks it covers (all rounds' and its
+    kind's). A rank is newly named once per episode: until a round in which it is not slower breaks all its
+    streaks (a later episode is recorded again).
     """
 
     rounds: int = 3
@@ -87,9 +88,9 @@ class Persistence:
     """The ranks the last :meth:`update` named, with their average ratio over the rounds that named them."""
 
     def __post_init__(self) -> None:
-        if self.rounds < 0 or self.ratio < 1.0 or self.min_step < 1.0:
-            raise ValueError(f"need rounds >= 0, ratio >= 1 and min_step >= 1; got {self.rounds}, {self.ratio}, "
-                             f"{self.min_step}")
+        if self.rounds < 0 or not 1.0 <= self.ratio <= CAP or self.min_step < 1.0:
+            raise ValueError(f"need rounds >= 0, 1 <= ratio <= {CAP} (each round counts at most {CAP}x) and "
+                             f"min_step >= 1; got {self.rounds}, {self.ratio}, {self.min_step}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> Persistence:

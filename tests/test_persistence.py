@@ -139,6 +139,34 @@ def test_the_judge_names_a_mild_straggler_below_the_floor_once():
     assert result.persistent[9] > 1.22 and 9 in result.stragglers
 
 
+def test_below_a_high_floor_only_the_persistent_path_names_the_rank_and_its_record_says_so():
+    """A noisy host: 40 rounds with a heavy tail lift the floor above 1.3x; a rank 1.3x slower from then on is
+    named by the persistence path alone at its third slowed round, and its record says which path and why."""
+    from scout_core.replay.verdicts import VerdictContext, timing_verdicts
+    from scout_core.report import IncidentKind
+
+    judge = _judge()
+    rng = random.Random(4)
+    for step in range(1, 41):
+        times = _noisy(rng, 16, sigma=0.05)
+        for r in range(16):
+            if rng.random() < 0.04:
+                times[r] *= rng.uniform(1.2, 1.6)
+        _feed(judge, times, step)
+    records = []
+    for step in range(41, 44):
+        result, fresh = _feed(judge, _noisy(rng, 16, {9: 1.3}, sigma=0.01), step)
+        ctx = VerdictContext(rank=0, step=step, peers=tuple(range(16)), world_size=16)
+        incidents: list = []
+        timing_verdicts(ctx, result, judge.findings(result), incidents)
+        records += [i for i in incidents if i.kind is IncidentKind.STRAGGLER]
+    assert judge.confirm.count("replay.compute_s", 9) == 0  # the floor cleared every one of its flags
+    (record,) = records
+    assert record.ranks == [9] and record.step == 43
+    assert "beyond their spread in 3 consecutive rounds" in record.reason and "on average rank 9 1.2" in record.reason
+    assert record.evidence["path"] == {"9": "persistent"} and record.evidence["persistent"]["9"] > 1.22
+
+
 def test_a_rank_both_paths_name_is_recorded_once():
     """3x slower: the floor's path confirms it at its second slow round after the warm-up, the persistent path
     one round later: one record."""

@@ -28,8 +28,10 @@ class TimingJudge:
         self.comm = comm
         self.confirm = Confirmation(rounds=confirm_rounds)
         self.persist = persistence if persistence is not None else Persistence(rounds=0)
-        self.newly: tuple[int, ...] = ()
-        """Ranks the last round named that no episode of either path named before it (one record each)."""
+        self.by_floor: tuple[int, ...] = ()
+        """Ranks the floor's path newly confirmed in the last round, in no episode of either path before it."""
+        self.by_persistence: tuple[int, ...] = ()
+        """Ranks only the persistence path newly named in the last round, in no episode before it."""
         # A compute straggler must also stray further than healthy ranks lately did (a host clock's heavy
         # tail would otherwise confirm healthy ranks now and then): one noise floor per kind of work.
         self.noise_window = noise_window
@@ -62,8 +64,11 @@ class TimingJudge:
         confirmed = self.confirm.update(times, kind=kind)
         result.stragglers = tuple(sorted({*confirmed, *persistent}))
         result.persistent = dict(self.persist.means)
-        fresh = {r for r in times.outlier_ranks if r in self.confirm.newly} | set(self.persist.newly)
-        self.newly = tuple(sorted(fresh - named_before))
+        # One record per episode, whichever path names the rank first; the record says which path it was.
+        floor_new = {r for r in times.outlier_ranks if r in self.confirm.newly} - named_before
+        persist_new = set(self.persist.newly) - named_before - floor_new
+        self.by_floor = tuple(r for r in times.peer_ranks if r in floor_new)
+        self.by_persistence = tuple(r for r in times.peer_ranks if r in persist_new)
         # The temporal check judges a collective that spans exactly the peer group. Under HSDP the
         # timed unshard spans the shard group, not the peers (a replica group): its slowness is the
         # cross-group intersection's to place, never this group's.
@@ -75,8 +80,9 @@ class TimingJudge:
         if result.timing is None:
             return None
         return TimingFindings(
-            new_stragglers=self.newly,
-            rounds=self.confirm.rounds, persist_rounds=self.persist.rounds,
+            new_stragglers=tuple(r for r in result.timing.peer_ranks
+                                 if r in self.by_floor or r in self.by_persistence),
+            by_persistence=self.by_persistence, rounds=self.confirm.rounds, persist_rounds=self.persist.rounds,
             machine_confirmed=self.comm.loc_rounds == self.confirm.rounds,
             group_slowdown_confirmed=self.comm.slow_group_rounds == self.comm.temporal_rounds)
 

@@ -59,6 +59,8 @@ class TimingFindings:
     """Compute stragglers of this round confirmed just now."""
     rounds: int = 2
     """The consecutive rounds that confirm a straggler."""
+    by_persistence: tuple[int, ...] = ()
+    """Of ``new_stragglers``, those the persistence path named (the others beyond the noise floor)."""
     persist_rounds: int = 3
     """The consecutive rounds in which a persistently slower rank is named (``consensus.persist_rounds``)."""
     machine_confirmed: bool = False
@@ -225,8 +227,9 @@ def timing_verdicts(ctx: VerdictContext, result: BoundaryResult, found: TimingFi
     if new:
         straggler = incident(ctx, IncidentKind.STRAGGLER, IncidentScope.RANK, new, [timing],
                              _straggler_reason(result, found, new))
-        if result.persistent:
-            straggler.evidence["persistent"] = {str(r): round(m, 4) for r, m in result.persistent.items()}
+        straggler.evidence["path"] = {str(r): "persistent" if r in found.by_persistence else "floor" for r in new}
+        if found.by_persistence:  # each named rank's average ratio to its peers' median over its rounds
+            straggler.evidence["persistent"] = {str(r): round(result.persistent[r], 4) for r in found.by_persistence}
         if result.timing_world:  # every peer group saw the same job-wide verdict: one record for the job
             job.append(Records([straggler], world_writer(new, ctx.world_size), job_wide=True))
         else:
@@ -264,8 +267,8 @@ def check_verdicts(ctx: VerdictContext, result: BoundaryResult, *, untrusted: Co
 
 def _straggler_reason(result: BoundaryResult, found: TimingFindings, new: Sequence[int]) -> str:
     """Why ``new`` are stragglers: beyond this work's noise floor, or persistently slower than their peers."""
-    fast = [r for r in new if r in result.timing.outlier_ranks] if result.timing is not None else []
-    mild = [r for r in new if r not in fast and r in result.persistent]
+    mild = [r for r in new if r in found.by_persistence]
+    fast = [r for r in new if r not in mild]
     parts = []
     if fast:
         parts.append(f"replay compute slower than peers in {found.rounds} consecutive rounds"

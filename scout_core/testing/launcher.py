@@ -60,27 +60,30 @@ def free_port() -> int:
 
 
 def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports, all free, below the kernel's ephemeral range.
+    """The first of ``count`` consecutive loopback ports, all free, outside the kernel's ephemeral range.
 
     A test that serves on ``base + local rank`` needs ports nobody else is handed meanwhile: a block from
     ``free_port()`` lies in the ephemeral range, where the launcher's own store port or any client socket can take
-    ``base + k`` before rank k binds it (CI once saw exactly that).
+    ``base + k`` before rank k binds it (CI once saw exactly that). Below the range where there is room, else
+    above it.
     """
-    low = _ephemeral_low()
+    low, high = _ephemeral_range()
+    spans = [(lo, hi) for lo, hi in ((10000, low - count), (high + 1, 65536 - count)) if hi > lo]
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for _ in range(200):
-        base = rng.randrange(10000, low - count)
+    for _ in range(200 if spans else 0):
+        base = rng.randrange(*spans[0])
         if all(_bindable(base + k) for k in range(count)):
             return base
-    raise RuntimeError(f"no {count} consecutive free ports below {low}")
+    raise RuntimeError(f"no {count} consecutive free ports outside the ephemeral range {low}-{high}")
 
 
-def _ephemeral_low() -> int:
+def _ephemeral_range() -> tuple[int, int]:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-            return int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):  # not Linux: the IANA dynamic range starts here
-        return 49152
+            low, high = fh.read().split()[:2]
+            return int(low), int(high)
+    except (OSError, ValueError):  # not Linux: the IANA dynamic range
+        return 49152, 65535
 
 
 def _bindable(port: int) -> bool:
