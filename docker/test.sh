@@ -3,7 +3,8 @@
 # runs in its virtual environment and what docker/Dockerfile.cpu runs in the image. One definition for both.
 #
 #   docker/test.sh            unit and property tests, the torchrun tests, the cells of fewer than 16 ranks; then
-#                             the whole fault matrix (runs/matrix.{json,md,png}); then the plugins' tests
+#                             the whole fault matrix (runs/matrix.{json,md,png}); then the guards but the heavy
+#                             ones; then the plugins' tests
 #   docker/test.sh ARGS...    the first pytest run only, with ARGS
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -13,6 +14,10 @@ export SCOUT_SIGNATURE_CASES=2000  # the signature's property tests: 2,000 corru
 python -m pytest -m "not cells and not matrix and not guards" -q --durations=10 "$@"
 [ $# -eq 0 ] || exit 0
 scout cells matrix --out runs --workdir runs/cells
+# The guards (each cell re-run with one mechanism removed must turn red), but the heavy ones (over 10 s each:
+# integrations_tests/conftest.py HEAVY_GUARDS, run by `nox -s guards`). Core guards come first in the file, so
+# their ranks fork from a parent without the frameworks.
+python -m pytest -m "guards and not heavy" -q --durations=10 integrations_tests/test_cells.py
 # The plugins' tests in processes of their own (their tests import the frameworks at module level). The first
 # pytest run above imports them into its parent too, once its plugin cells have run: the core cells before them
 # fork from a parent without them; the matrix runs the core cells first for the same reason.

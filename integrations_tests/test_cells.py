@@ -2,7 +2,8 @@
 
 Cells without a matrix place run here in `nox -s tests`; the matrix cells (marked `matrix`) run in the same session
 through `scout cells matrix`. Every other test here is a guard (marked `guards` by conftest.py): it re-runs a cell
-with one mechanism removed and must see it turn red; they run in `nox -s guards`, not in CI (its time limit).
+with one mechanism removed and must see it turn red; CI runs those under 10 s each (conftest.py's HEAVY_GUARDS are
+the others), `nox -s guards` runs them all.
 """
 
 from __future__ import annotations
@@ -520,6 +521,55 @@ def test_moe_clean_cell_fails_when_the_optimizer_slice_compares_experts(monkeypa
     assert report.verdict == "FAIL" and "scopes ['peer_group']" in report.details  # 4 groups of 4: no majority
 
 
+def test_comm_straggler_cell_fails_when_a_group_is_called_slow_a_round_early(monkeypatch):
+    """The guard of the comm-straggler cells: a temporal check confirmed at two slow rounds (as spatial consensus
+    is) records the slowdown before its third slow round, which the cell refuses."""
+    import scout_core.replay.timing as timing_module
+
+    monkeypatch.setattr(timing_module, "TEMPORAL_EXTRA_ROUNDS", 0)
+    (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
+
+
+def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch, forked_observers):
+    """The guard of hsdp-data-stall: without the deferral while a rank is still inside its data fetch, the
+    shard-group mates that wait behind it (they cross their threshold first) are named protocol mismatches."""
+    import scout_core.progress.episode as episode
+
+    real = episode.classify_group
+
+    def without_the_deferral(group, evidence):
+        return {**real(group, evidence), "in_io": False}
+
+    monkeypatch.setattr(episode, "classify_group", without_the_deferral)
+    (report,) = run_cells([SPECS["hsdp-data-stall"]], root=ROOT)
+    assert report.verdict == "FAIL", report.details
+
+
+def test_data_stall_cell_fails_without_the_named_ranks_stacks(monkeypatch):
+    """The guard of data-stall's stack check: a trainer that armed no dump leaves the record naming no stack file."""
+    import scout_core.assembly as assembly
+
+    monkeypatch.setattr(assembly, "arm_trainer_stacks", lambda: None)
+    (report,) = run_cells([SPECS["data-stall"]], root=ROOT)
+    assert report.verdict == "FAIL" and "no record names a stack file for rank 9" in report.details, report.details
+
+
+def test_moe_attention_straggler_cell_fails_when_other_kinds_of_work_reset_the_streak(monkeypatch):
+    """The guard of moe-attention-straggler: counted over all rounds only, the router rounds reset the streak of a
+    rank slow in attention alone, and it is never named."""
+    from scout_core.consensus import Confirmation
+
+    real = Confirmation.update
+    monkeypatch.setattr(Confirmation, "update", lambda self, result, kind=None: real(self, result))
+    (report,) = run_cells([SPECS["moe-attention-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "expected [9]" in report.details, report.details
+
+
+# The plugins' guards come last: they import their frameworks into this process, and the core guards' ranks
+# fork from a parent without them (as the core cells do in docker/test.sh).
+
+
 def test_titan_recovery_cell_fails_when_torchtitan_loads_its_newest_checkpoint(monkeypatch):
     """The guard of titan-recovery-sdc: without the plugin's choice TorchTitan loads its newest checkpoint, the
     step-5 one saved after the SDC verdict, and the cell must say so."""
@@ -791,41 +841,6 @@ def test_deepspeed_zero3_sdc_cell_fails_without_the_gather(monkeypatch):
     assert report.verdict == "FAIL" and "expected [3]" in report.details, report.details
 
 
-
-def test_comm_straggler_cell_fails_when_a_group_is_called_slow_a_round_early(monkeypatch):
-    """The guard of the comm-straggler cells: a temporal check confirmed at two slow rounds (as spatial consensus
-    is) records the slowdown before its third slow round, which the cell refuses."""
-    import scout_core.replay.timing as timing_module
-
-    monkeypatch.setattr(timing_module, "TEMPORAL_EXTRA_ROUNDS", 0)
-    (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
-    assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
-
-
-def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch, forked_observers):
-    """The guard of hsdp-data-stall: without the deferral while a rank is still inside its data fetch, the
-    shard-group mates that wait behind it (they cross their threshold first) are named protocol mismatches."""
-    import scout_core.progress.episode as episode
-
-    real = episode.classify_group
-
-    def without_the_deferral(group, evidence):
-        return {**real(group, evidence), "in_io": False}
-
-    monkeypatch.setattr(episode, "classify_group", without_the_deferral)
-    (report,) = run_cells([SPECS["hsdp-data-stall"]], root=ROOT)
-    assert report.verdict == "FAIL", report.details
-
-
-def test_data_stall_cell_fails_without_the_named_ranks_stacks(monkeypatch):
-    """The guard of data-stall's stack check: a trainer that armed no dump leaves the record naming no stack file."""
-    import scout_core.assembly as assembly
-
-    monkeypatch.setattr(assembly, "arm_trainer_stacks", lambda: None)
-    (report,) = run_cells([SPECS["data-stall"]], root=ROOT)
-    assert report.verdict == "FAIL" and "no record names a stack file for rank 9" in report.details, report.details
-
-
 def test_deepspeed_zero3_optimizer_sdc_cell_fails_when_the_slice_is_taken_in_every_sub_group(monkeypatch):
     """The guard of deepspeed-zero3-optimizer-sdc: a slice taken in every inner step ends in the last sub-group at
     every check, and the wrong update in the second is never seen."""
@@ -834,17 +849,6 @@ def test_deepspeed_zero3_optimizer_sdc_cell_fails_when_the_slice_is_taken_in_eve
     monkeypatch.setattr(OptimizerSlice, "inner_step", lambda self: True)
     (report,) = run_cells([SPECS["deepspeed-zero3-optimizer-sdc"]], root=ROOT)
     assert report.verdict == "FAIL" and "expected [2]" in report.details, report.details
-
-
-def test_moe_attention_straggler_cell_fails_when_other_kinds_of_work_reset_the_streak(monkeypatch):
-    """The guard of moe-attention-straggler: counted over all rounds only, the router rounds reset the streak of a
-    rank slow in attention alone, and it is never named."""
-    from scout_core.consensus import Confirmation
-
-    real = Confirmation.update
-    monkeypatch.setattr(Confirmation, "update", lambda self, result, kind=None: real(self, result))
-    (report,) = run_cells([SPECS["moe-attention-straggler"]], root=ROOT)
-    assert report.verdict == "FAIL" and "expected [9]" in report.details, report.details
 
 
 def test_hf_recovery_cell_fails_without_the_restart_plan(monkeypatch):

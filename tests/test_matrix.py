@@ -255,3 +255,20 @@ def test_the_slowest_cells_are_listed_slowest_first():
     assert lines[0].startswith("2 slowest cells") and len(lines) == 3
     walls = [float(line.split()[0]) for line in lines[1:]]
     assert walls == sorted((r.wall_s for r in REPORTS), reverse=True)[:2]
+
+
+def test_every_guard_left_out_of_ci_exists():
+    """HEAVY_GUARDS names guards of integrations_tests/test_cells.py: a renamed or removed one must leave the list
+    (a stale name would hide nothing, but the list is what docs/install.md counts)."""
+    import ast
+
+    heavy = ast.parse((ROOT / "integrations_tests" / "conftest.py").read_text())
+    listed = next(ast.literal_eval(n.value) for n in heavy.body
+                  if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "HEAVY_GUARDS")
+    cells = ast.parse((ROOT / "integrations_tests" / "test_cells.py").read_text())
+    guards = {f.name: f for f in cells.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test_")}
+    for name in listed:
+        base, _, param = name.partition("[")
+        assert base in guards and base != "test_cell_passes", name
+        if param:
+            assert param.rstrip("]") in ast.unparse(guards[base].decorator_list[0]), name
