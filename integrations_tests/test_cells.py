@@ -145,6 +145,17 @@ def test_surfaces_defaults_cell_fails_without_the_rotation(monkeypatch):
     assert report.verdict == "FAIL" and "named ranks [3, 12]" in report.details
 
 
+@pytest.mark.parametrize("layout", ["fsdp2", "hsdp"])
+def test_sdc_defaults_cell_fails_without_the_rotation(monkeypatch, layout):
+    """The guard of {fsdp2,hsdp}-sdc-defaults: a hidden recipe that always samples block 0 never reaches the
+    defect of block 1, and nobody is named."""
+    from scout_core.replay.schedule import Schedule
+
+    monkeypatch.setattr(Schedule, "layer_index", lambda self: 0)
+    (report,) = run_cells([SPECS[f"{layout}-sdc-defaults"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks []" in report.details, report.details
+
+
 def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_observers):
     from scout_core.progress import episode
     from scout_core.progress.classify import HangClass, HangVerdict
