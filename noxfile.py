@@ -34,7 +34,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def guards(session: nox.Session) -> None:
-    """The guards: each re-runs a cell with one mechanism removed and must see it turn red (71, 19 minutes here;
+    """The guards: each re-runs a cell with one mechanism removed and must see it turn red (72, 20 minutes here;
     CI runs the 40 under 10 s each: see docs/install.md)."""
     _install(session, frameworks=True)
     session.run("python", "-m", "pytest", "-m", "guards", "-q", "--durations=40", "integrations_tests/test_cells.py",

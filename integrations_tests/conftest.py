@@ -13,6 +13,7 @@ HEAVY_GUARDS: dict[str, float] = {
     "test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store": 45.0,
     "test_comm_straggler_cell_fails_when_the_wrong_machine_is_named": 44.2,
     "test_onset_spread_cell_fails_when_only_silent_observers_answer": 41.5,
+    "test_moe_defaults_cell_fails_without_the_expert_recipe": 32.8,
     "test_titan_expert_cell_fails_without_the_expert_binding": 31.2,
     "test_recovery_defaults_cell_fails_with_the_last_check_rule[hsdp]": 30.3,
     "test_megatron_recovery_cell_fails_when_megatron_loads_its_newest_iteration": 26.7,

@@ -11,7 +11,7 @@ __all__ = ["record_problems"]
 def record_problems(incidents: Sequence[Any], expect: Mapping[str, Any]) -> list[str]:
     """Exact ranks and kinds (none expected: none reported), one scope (``rank`` unless said), and where given:
     the number of records, surfaces each named by some record (and ``not_surfaces`` by none), hosts, the steps of
-    the records, the first step at the latest, and the hang class."""
+    the records, the first step at the latest, each named rank's first step at the latest, and the hang class."""
     problems = []
     named = sorted({r for i in incidents for r in i.ranks})
     if sorted(expect.get("ranks", [])) != named:
@@ -38,6 +38,11 @@ def record_problems(incidents: Sequence[Any], expect: Mapping[str, Any]) -> list
     if "within_steps" in expect and incidents and min(i.step for i in incidents) > expect["within_steps"]:
         problems.append(f"first incident at step {min(i.step for i in incidents)}, expected within "
                         f"{expect['within_steps']} steps")
+    if "first_named" in expect:  # each named rank's first record, at the step given or before
+        first = {r: min(i.step for i in incidents if r in i.ranks) for r in named}
+        late = {r: first.get(int(r)) for r, at in expect["first_named"].items() if first.get(int(r), 1 << 30) > at}
+        if late:
+            problems.append(f"first named at {late}, expected by {expect['first_named']}; all: {first}")
     if "class" in expect:
         classes = sorted({str(i.evidence.get("class")) for i in incidents})
         if classes != [expect["class"]]:

@@ -460,6 +460,16 @@ def test_moe_expert_cell_fails_without_the_expert_recipe(monkeypatch):
     assert report.verdict == "FAIL" and "named ranks [], expected [9]" in report.details
 
 
+def test_moe_defaults_cell_fails_without_the_expert_recipe(monkeypatch):
+    """The guard of moe-sdc-defaults: at the shipped cadences too, the dense recipe alone names the router's rank
+    and never the expert's."""
+    from scout_core.moe.replay import ExpertReplay
+
+    monkeypatch.setattr(ExpertReplay, "boundary", lambda self, step: None)
+    (report,) = run_cells([SPECS["moe-sdc-defaults"]], root=ROOT)
+    assert report.verdict == "FAIL" and "named ranks [3], expected [3, 9]" in report.details, report.details
+
+
 def test_moe_shape_cell_fails_with_a_catalog_missing_the_few_rows_shape():
     """Replaying only the GEMM's shape (32 rows) never runs the defective matrix-vector path: red."""
     spec = SPECS["moe-sdc-shape-dependent"]
