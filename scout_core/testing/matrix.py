@@ -106,7 +106,8 @@ def matrix_summary(specs: Mapping[str, CellSpec], reports: Sequence[CellReport])
     lines += ["", f"{total} of {len(placed)} cells passed; `-`: no cell of that layout and fault class. Steps to "
               "verdict: from the fault's first step to the step of the first verdict, over the cells (a recovery "
               "cell's verdict is its first run's); at the shipped settings: over the cells that run every SCOUT "
-              "setting as shipped (tag `shipped`: replay every 20 steps, one layer per check in rotation)."]
+              "setting as shipped (tag `shipped`: replay every 20 steps, one layer per check in rotation; the hang "
+              "observer's 5 s silence threshold and 10 s gather timeout)."]
     failed = [r for _, r in placed if r.verdict != "PASS"]
     if failed:
         lines += ["", "Failed cells:", ""]
