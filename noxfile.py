@@ -25,7 +25,7 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 @nox.session
 def tests(session: nox.Session) -> None:
     """docker/test.sh (what CI and docker/Dockerfile.cpu run): unit and property tests, the torchrun tests and the
-    cells of fewer than 16 ranks; then the whole fault matrix (every 16-rank cell, runs/matrix.{json,md,png});
+    cells of fewer than 16 ranks; then the whole fault matrix (every cell with a matrix place: runs/matrix.*);
     then the guards but the heavy ones (``nox -s guards`` runs all); then the plugins' tests.
     ``nox -s tests -- ARGS`` passes ARGS to the first pytest run only and skips the rest."""
     _install(session, "dev,bench", frameworks=True)
@@ -52,9 +52,10 @@ def cells(session: nox.Session) -> None:
 
 @nox.session
 def matrix(session: nox.Session) -> None:
-    """The fault matrix: every 16-rank cell by layout and fault class (``nox -s matrix -- NAME...``: only those),
-    with every framework installed; writes runs/matrix.json, runs/matrix.md (Table 3) and runs/matrix.png, and
-    keeps each cell's incident records and output.log in runs/cells/<cell>."""
+    """The fault matrix: every cell with a matrix place (every 16-rank one) by layout and fault class
+    (``nox -s matrix -- NAME...``: only those), with every framework installed; writes runs/matrix.json,
+    runs/matrix.md (Table 3) and runs/matrix.png, and keeps each cell's incident records and output.log in
+    runs/cells/<cell>."""
     _install(session, "dev,bench", frameworks=True)
     session.run("scout", "cells", "matrix", *session.posargs, "--out", "runs", "--workdir", "runs/cells",
                 env={"OMP_NUM_THREADS": "1"})

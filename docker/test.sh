@@ -2,7 +2,7 @@
 # The test suite CI runs, in the active Python environment (installed by docker/install.sh): what `nox -s tests`
 # runs in its virtual environment and what docker/Dockerfile.cpu runs in the image. One definition for both.
 #
-#   docker/test.sh            unit and property tests, the torchrun tests, the cells of fewer than 16 ranks; then
+#   docker/test.sh            unit and property tests, the torchrun tests, the cells without a matrix place; then
 #                             the whole fault matrix (runs/matrix.{json,md,png}); then the guards but the heavy
 #                             ones; then the plugins' tests
 #   docker/test.sh ARGS...    the first pytest run only, with ARGS

@@ -6,11 +6,11 @@ flush SCOUT after each step: persistence runs behind training, as in a user's lo
 
 Phase A trains the tiny model in Llama style (two repeated blocks of an RMSNorm and a linear without bias; AdamW
 over 6 parameter tensors, so replay's coverage is the optimizer slice's 6 parameters, the two blocks, the
-embedding and the head: 6 checks, 120 steps at cadence 20; the 16-rank cells take weight-free RMSNorms,
-``norm_weight: false``: 4 tensors, 4 checks, 80 steps, which shortens the run by a third). A persistent defect starts in
-block 1, the block the rotation reaches last, right after the rotation's check of it: one rank's block 1 flips a
-bit in its output at every call from then on (training and replay alike). SCOUT's replay finds it when the
-rotation comes back to block 1 and stops the job. Phase B (fresh processes, other initial weights) calls
+embedding and the head: 6 checks, 120 steps at cadence 20; the ``*-recovery-sdc-defaults`` cells take weight-free
+RMSNorms, ``norm_weight: false``: 4 tensors, 4 checks, 80 steps, which shortens the run by a third). A persistent
+defect starts in block 1, the block the rotation reaches last, right after the rotation's check of it: one rank's
+block 1 flips a bit in its output at every call from then on (training and replay alike). SCOUT's replay finds it
+when the rotation comes back to block 1 and stops the job. Phase B (fresh processes, other initial weights) calls
 ``handle.resume()``.
 
 The verdict on the restore comes from a CLEAN run: the same model, data and seed without the defect and without

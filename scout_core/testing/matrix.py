@@ -1,4 +1,4 @@
-"""The fault matrix (``nox -s matrix``, ``scout cells matrix``): every 16-rank cell by layout and fault class,
+"""The fault matrix (``nox -s matrix``, ``scout cells matrix``): every cell with a place (all 16-rank cells among them),
 summarised in the style of the paper's Table 3.
 
 Written as markdown and drawn as a PNG (passed / failed per layout and fault class, and the time to verdict of
