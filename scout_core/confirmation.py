@@ -15,11 +15,17 @@ from dataclasses import dataclass, field
 
 from scout_core.consensus_rules import C3Result, C3Status, result_of_flags
 
-__all__ = ["Confirmation", "NoiseFloor", "tail_floor"]
+__all__ = ["Confirmation", "NoiseFloor", "streak_keys", "tail_floor"]
 
 
 _ALL_ROUNDS = None
 """The streak key of every round, whatever its kind of work."""
+
+
+def streak_keys(kind: Hashable = None) -> tuple[Hashable, ...]:
+    """The streaks a round of ``kind`` extends: over all rounds, and over this kind's (another kind's streak is
+    judged in its own rounds: its count says nothing about this one)."""
+    return (_ALL_ROUNDS,) if kind is None else (_ALL_ROUNDS, kind)
 
 
 @dataclass
@@ -57,9 +63,7 @@ class Confirmation:
             return ()
         flagged = set(result.outlier_ranks) if result.status is C3Status.ATTRIBUTED else set()
         confirmed, newly = [], []
-        # This round's streaks: over all rounds, and over this kind's (another kind's streak is judged in its own
-        # rounds: its count says nothing about this one).
-        keys = (_ALL_ROUNDS,) if kind is None else (_ALL_ROUNDS, kind)
+        keys = streak_keys(kind)
         for rank in result.peer_ranks:
             who = (result.surface, rank)
             streaks = self._streaks.get(who, {})

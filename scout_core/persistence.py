@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scout_core.confirmation import streak_keys
 from scout_core.consensus_rules import MAD_NORMAL_CONSISTENCY, C3Result, C3Status
 
 __all__ = ["Persistence", "round_ratios"]
@@ -36,7 +37,6 @@ MIN_PEERS = 4
 EXACT_UP_TO = 64
 """Each rank is judged against its peers without itself up to this many peers; beyond, against all of them
 (the rank's own weight in the median and MAD is then below 1.6 %)."""
-_ALL_ROUNDS = None
 
 
 def _median_and_sigma(values: Sequence[float]) -> tuple[float, float]:
@@ -108,7 +108,7 @@ class Persistence:
         slower = {rank: r for rank, (r, bar) in zip(result.peer_ranks, judged, strict=True) if r > bar}
         if 2 * len(slower) >= len(judged):
             slower = {}  # no majority within its spread: nobody's evidence, and every streak is broken
-        keys = (_ALL_ROUNDS,) if kind is None else (_ALL_ROUNDS, kind)
+        keys = streak_keys(kind)
         named, newly = [], []
         for rank in result.peer_ranks:
             who = (result.surface, rank)

@@ -128,13 +128,18 @@ def _feed(judge: TimingJudge, times: list[float], step: int) -> tuple[BoundaryRe
     return result, found.new_stragglers
 
 
-def test_the_judge_names_a_mild_straggler_below_the_floor_once():
-    judge = _judge()
-    rng = random.Random(2)
+def _namings(judge: TimingJudge, seed: int, steps: int, factor: float, onset: int) -> tuple[list, BoundaryResult]:
+    """Rounds 1..steps of 16 noisy peers, rank 9 ``factor`` slower from ``onset``: each round's new stragglers."""
+    rng = random.Random(seed)
     new = []
-    for step in range(1, 9):
-        result, fresh = _feed(judge, _noisy(rng, 16, {9: 1.3} if step >= 3 else None), step)
+    for step in range(1, steps + 1):
+        result, fresh = _feed(judge, _noisy(rng, 16, {9: factor} if step >= onset else None), step)
         new += [(step, fresh)] if fresh else []
+    return new, result
+
+
+def test_the_judge_names_a_mild_straggler_below_the_floor_once():
+    new, result = _namings(_judge(), seed=2, steps=8, factor=1.3, onset=3)
     assert new == [(5, (9,))]
     assert result.persistent[9] > 1.22 and 9 in result.stragglers
 
@@ -170,12 +175,7 @@ def test_below_a_high_floor_only_the_persistent_path_names_the_rank_and_its_reco
 def test_a_rank_both_paths_name_is_recorded_once():
     """3x slower: the floor's path confirms it at its second slow round after the warm-up, the persistent path
     one round later: one record."""
-    judge = _judge()
-    rng = random.Random(3)
-    new = []
-    for step in range(1, 10):
-        _, fresh = _feed(judge, _noisy(rng, 16, {9: 3.0} if step >= 4 else None), step)
-        new += [(step, fresh)] if fresh else []
+    new, _ = _namings(_judge(), seed=3, steps=9, factor=3.0, onset=4)
     assert new == [(5, (9,))]
 
 
