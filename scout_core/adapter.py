@@ -287,8 +287,9 @@ def torch_adapter(
     """The plain-PyTorch adapter: a module (DDP, FSDP2, HSDP or bare) or a list of chunks."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     inner = [_unwrap(c) for c in chunks]
-    found_layers, names = discover_layers(chunks)
-    if layers is not None:  # named by their place in the model (``layers.0.moe.router``) where found there
+    if layers is None:  # found by structure (warns where none are: pass layers=)
+        found_layers, names = discover_layers(chunks)
+    else:  # named by their place in the model (``layers.0.moe.router``) where found there
         found_layers = list(layers)
         where = {id(m): n for c in inner for n, m in c.named_modules()}
         names = [where[id(m)] for m in found_layers] if all(id(m) in where for m in found_layers) else None

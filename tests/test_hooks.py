@@ -106,6 +106,16 @@ def test_layer_discovery_in_the_containers_model_libraries_use(caplog):
     assert "replay samples the whole model" in caplog.text
 
 
+def test_named_layers_are_taken_without_the_warning_that_says_to_name_them(caplog):
+    from scout_core.adapter import torch_adapter
+
+    flat = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    with caplog.at_level("WARNING", logger="scout"):
+        adapter = torch_adapter(flat, torch.optim.SGD(flat.parameters(), lr=0.1), layers=[flat[0], flat[2]])
+    assert adapter.repeated_layers() == [flat[0], flat[2]] and adapter.layer_names == ["0", "2"]
+    assert "replay samples the whole model" not in caplog.text
+
+
 def test_one_training_step_publishes_every_boundary_in_order():
     rec = RecordingRecord()
     tracker = ProgressTracker(rec)
