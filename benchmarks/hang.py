@@ -104,7 +104,7 @@ def _ab_job(ctx: RankContext) -> dict[str, float]:
         return elapsed
 
     uninstall_collective_hooks(tracker)
-    ab, aa = [], []
+    ab, aa, plain = [], [], []
     for i in range(a["warmup"] + a["rounds"]):
         flip = i % 4 >= 2
         pair = (2, 0) if flip else (0, 2)
@@ -114,23 +114,28 @@ def _ab_job(ctx: RankContext) -> dict[str, float]:
         if i >= a["warmup"]:
             ab.append(t[2] / t[0] - 1)
             aa.append(u[1] / u[0] - 1)
+            plain.append(t[0])
     install_collective_hooks(tracker)
     handle.close()
-    return {"ab": statistics.median(ab), "aa": statistics.median(aa), "plain_ms": 0.0}
+    return {"ab": statistics.median(ab), "aa": statistics.median(aa), "plain_ms": statistics.median(plain) * 1e3}
 
 
-def bench_real_overhead(repeats: int = 5, rounds: int = 160) -> dict[str, Any]:
+def bench_real_overhead(repeats: int = 5, rounds: int = 160, *, detail_jobs: bool = True) -> dict[str, Any]:
+    """The hang path's A/B (and A/A) inside each of ``repeats`` jobs per layout; with ``detail_jobs``, also
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` jobs against plain ones."""
     out: dict[str, Any] = {"repeats": repeats, "rounds_per_job": rounds, "world_size": 2, "goal_ratio": 0.005}
     for layout in ("ddp", "fsdp2"):
-        ab, aa = [], []
+        ab, aa, plain_ms = [], [], []
         for _ in range(repeats):
             result = launch(_ab_job, 2, timeout_s=900, args={"layout": layout, "warmup": 10, "rounds": rounds})
             if not result.ok:
                 raise RuntimeError(result.failures())
             ab.append(max(v["ab"] for v in result.values()))  # the job runs at its slowest rank's pace
             aa.append(max(v["aa"] for v in result.values()))
+            plain_ms.append(max(v["plain_ms"] for v in result.values()))
+        out[f"{layout}_plain_step_ms"] = round(statistics.median(plain_ms), 2)
         detail, failed = [], ""
-        for rep in range(repeats):
+        for rep in range(repeats if detail_jobs else 0):
             step_s = {}
             for arm in (("plain", "detail") if rep % 2 else ("detail", "plain")):
                 result = launch(_overhead_job, 2, timeout_s=600,
@@ -142,7 +147,6 @@ def bench_real_overhead(repeats: int = 5, rounds: int = 160) -> dict[str, Any]:
             if failed:
                 break
             detail.append(step_s["detail"] / step_s["plain"] - 1)
-            out.setdefault(f"{layout}_plain_step_ms", round(step_s["plain"] * 1e3, 2))
         out[layout] = {
             "overhead_median": round(statistics.median(ab), 5),
             "overhead_range": [round(min(ab), 5), round(max(ab), 5)],

@@ -60,17 +60,21 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
             dist.barrier()
             return time.perf_counter() - start
 
+        twin, twin_opt = make()  # a second plain copy: the A/A noise beside each A/B
         period(plain, plain_opt)
-        period(watched, watched_opt)
-        ratios = []
+        period(twin, twin_opt)
+        for _ in range(depth):  # the first rotation's checks are vetted (run twice): a start-up cost, not the rate
+            period(watched, watched_opt)
+        warm = len(engine.history)
+        ratios, noise = [], []
         for i in range(a["pairs"]):
-            if i % 2:
-                base, with_replay = period(plain, plain_opt), period(watched, watched_opt)
-            else:
-                with_replay, base = period(watched, watched_opt), period(plain, plain_opt)
-            ratios.append(with_replay / base - 1)
+            arms = [("a", plain, plain_opt), ("b", watched, watched_opt), ("a2", twin, twin_opt)]
+            times = {name: period(model, opt) for name, model, opt in (arms if i % 2 else arms[::-1])}
+            ratios.append(times["b"] / times["a"] - 1)
+            noise.append(times["a2"] / times["a"] - 1)
         engine.close()
-        out[str(interval)] = {"ratios": [round(r, 5) for r in ratios], "checks": len(engine.history)}
+        out[str(interval)] = {"ratios": [round(r, 5) for r in ratios], "aa": [round(r, 5) for r in noise],
+                              "checks": len(engine.history) - warm}
     return out
 
 
@@ -89,8 +93,10 @@ def bench_replay_curve(*, world: int = 16, intervals: tuple[int, ...] = INTERVAL
     rows = []
     for interval in intervals:
         ratios = rank0[str(interval)]["ratios"]
+        aa = rank0[str(interval)]["aa"]
         rows.append({"interval": interval, "measured_ratio": round(statistics.median(ratios), 5),
                      "min": min(ratios), "max": max(ratios), "checks": rank0[str(interval)]["checks"],
+                     "aa_median": round(statistics.median(aa), 5), "aa_range": [min(aa), max(aa)],
                      "model_ratio": round(variants / (interval * depth), 5)})
     out = {"world_size": world, "layers": depth, "width": width, "batch": batch, "variants": variants,
            "pairs": pairs, "curve": rows}

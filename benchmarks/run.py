@@ -1,9 +1,11 @@
 """SCOUT benchmarks' command line: measure every section (or some), write results.json and the tables.
 
     python benchmarks/run.py --out benchmarks/results.json [--readme README.md] [--docs docs/benchmarks.md]
+    python benchmarks/run.py --quick      # the three headline budgets only, in a few minutes
 
 Each figure is a ratio against a baseline measured in the same process on the same data (or a time with
-its goal beside it), so a slow or busy machine moves both sides together. Nothing here asserts; tests
+its goal beside it), so a slow or busy machine moves both sides together. Each section records the commit it
+was measured on (``provenance``), so sections re-measured with ``--only`` say so. Nothing here asserts; tests
 never time anything. ``--readme`` rewrites the README's headline rows and, unless ``--docs`` names another
 file, the full table in the docs/benchmarks.md beside it.
 """
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,13 +39,16 @@ import straggler_bench  # noqa: E402
 from checkpoint_bench import bench_checkpoint, bench_snapshot_ab  # noqa: E402
 from hang_hooks_bench import bench_hang  # noqa: E402
 from primitives_bench import bench_consensus, bench_signature, bench_topology  # noqa: E402
-from tables import headline, markdown, replace_block  # noqa: E402
+from tables import budget_table, headline, markdown, replace_block  # noqa: E402
 
+DEFAULT_OUT = "benchmarks/results.json"
 SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "signature": lambda a, d: bench_signature(d, a.mib, a.repeats),
+    "topology": lambda a, d: bench_topology(max(3, a.repeats // 2)),
+    "consensus": lambda a, d: bench_consensus(a.repeats),
     "hang": lambda a, d: bench_hang(a.repeats),
     "checkpoint": lambda a, d: bench_checkpoint(a.repeats),
-    "snapshot_ab": lambda a, d: bench_snapshot_ab(a.repeats),
+    "snapshot_ab": lambda a, d: bench_snapshot_ab(max(1, a.repeats // 2)),
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
     "straggler": lambda a, d: straggler_bench.bench_straggler_sensitivity(),
@@ -55,11 +61,21 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "stall_to_verdict": lambda a, d: hang_bench.bench_stall_to_verdict(),
     "scale": lambda a, d: scale_sim.scale_table(),
 }
+# The three headline budgets (issue 33) in a few minutes: fewer jobs and rounds, no DETAIL jobs, the replay curve's
+# default interval only. The same measurements as the full run, with wider ranges.
+QUICK: dict[str, Callable[[Any, torch.device], Any]] = {
+    "hang_real": lambda a, d: hang_bench.bench_real_overhead(repeats=3, rounds=60, detail_jobs=False),
+    "replay": lambda a, d: replay_bench.bench_replay_curve(intervals=(20,), pairs=4),
+    "snapshot_ab": lambda a, d: bench_snapshot_ab(1, steps=480),
+}
+FULL_ORDER = ("signature", "topology", "consensus", "hang", "checkpoint", "snapshot_ab", "replay", "replay_memory",
+              "straggler", "straggler_8", "straggler_persist", "clock_noise", "catalog", "hang_real",
+              "stall_to_verdict", "scale")
 
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="benchmarks/results.json")
+    parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--readme", help="rewrite the headline block of this README (and, without --docs, the "
                                          "full table in docs/benchmarks.md beside it)")
     parser.add_argument("--docs", help="rewrite the full benchmark table of this file (docs/benchmarks.md)")
@@ -68,7 +84,32 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS),
                         help="re-measure these sections and keep the others from --out")
+    parser.add_argument("--quick", action="store_true",
+                        help="measure the three headline budgets only (hang path, replay at I=20, snapshots) and "
+                             "print their table; writes benchmarks/results-quick.json unless --out says otherwise")
     return parser.parse_args(argv)
+
+
+def provenance() -> dict[str, Any]:
+    """What a section is measured on: the commit (and whether the tree differs from it) and when it started;
+    :func:`measure` adds how long it took."""
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "time_unix": round(time.time())}
+
+
+def measure(results: dict, sections: dict[str, Callable[[Any, torch.device], Any]], names: tuple[str, ...],
+            args: Any, device: torch.device) -> None:
+    """Measure ``names`` into ``results``, each with its provenance."""
+    for name in names:
+        prov, started = provenance(), time.perf_counter()
+        results[name] = sections[name](args, device)
+        results.setdefault("provenance", {})[name] = {**prov, "duration_s": round(time.perf_counter() - started, 1)}
 
 
 def main() -> None:
@@ -78,9 +119,7 @@ def main() -> None:
     if args.only:
         with open(args.out, encoding="utf-8") as fh:
             results = json.load(fh)
-        for name in args.only:
-            results[name] = SECTIONS[name](args, device)
-        results["machine"]["time_unix"] = time.time()
+        measure(results, SECTIONS, tuple(args.only), args, device)
         _write(results, args)
         return
     results = {
@@ -92,16 +131,16 @@ def main() -> None:
             "python": platform.python_version(),
             "time_unix": time.time(),
         },
-        "signature": bench_signature(device, args.mib, args.repeats),
-        "topology": bench_topology(max(3, args.repeats // 2)),
-        "consensus": bench_consensus(args.repeats),
-        "hang": bench_hang(args.repeats),
-        "checkpoint": bench_checkpoint(args.repeats),
-        "snapshot_ab": bench_snapshot_ab(args.repeats),
     }
-    for name in ("replay", "replay_memory", "straggler", "straggler_8", "straggler_persist", "clock_noise", "catalog",
-                 "hang_real", "stall_to_verdict", "scale"):
-        results[name] = SECTIONS[name](args, device)
+    if args.quick:
+        measure(results, QUICK, tuple(QUICK), args, device)
+        out = args.out if args.out != DEFAULT_OUT else "benchmarks/results-quick.json"
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=2)
+        print(budget_table(results))
+        return
+    measure(results, SECTIONS, FULL_ORDER, args, device)
     _write(results, args)
 
 
@@ -119,6 +158,7 @@ def _write(results: dict, args: Any) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(results, fh, indent=2)
+    print(budget_table(results))
     print(markdown(results))
     write_tables(results, args.readme, args.docs)
 

@@ -20,7 +20,7 @@ def _goal(text: str, met: bool) -> str:
 
 def markdown(results: dict) -> str:
     """The full table, every section measured, under a line naming the machine."""
-    lines = [_machine_line(results), "", "| benchmark | figure | goal |", "|---|---|---|"]
+    lines = [_machine_line(results), "", budget_table(results), "", "| benchmark | figure | goal |", "|---|---|---|"]
     lines += _primitive_rows(results)
     lines += _hang_hook_rows(results)
     lines += _hang_real_rows(results)
@@ -32,35 +32,64 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def headline(results: dict) -> str:
-    """The README's short table: what SCOUT costs a job at the shipped defaults, and the 1.3x straggler rate."""
-    lines = [_machine_line(results), "", "| what | figure | goal |", "|---|---|---|"]
+def _pct(median: float, span: list[float] | tuple[float, float]) -> str:
+    return f"{median * 100:+.2f} % ({span[0] * 100:+.2f} .. {span[1] * 100:+.2f})"
+
+
+def _commit(results: dict, section: str) -> str:
+    """The commit a section was measured on (``+dirty``: with uncommitted changes); ``-`` for results older
+    than the provenance record."""
+    prov = results.get("provenance", {}).get(section)
+    return "-" if not prov else f"`{prov['commit']}`{'+dirty' if prov['dirty'] else ''}"
+
+
+def budget_table(results: dict) -> str:
+    """Issue 33's budgets side by side: each A/B with the A/A noise of the same design beside it, its goal, met
+    or missed, and the commit it was measured on. Rows whose section was not measured are left out."""
+    lines = ["| budget | A/B (range) | A/A noise (range) | goal | verdict | commit |", "|---|---|---|---|---|---|"]
+
+    def row(what: str, ab: str, aa: str, goal: str, met: bool, section: str) -> None:
+        lines.append(f"| {what} | {ab} | {aa} | {goal} | {'met' if met else '**missed**'} "
+                     f"| {_commit(results, section)} |")
+
     real = results.get("hang_real")
-    if real:
-        for layout in ("ddp", "fsdp2"):
-            step = real.get(f"{layout}_plain_step_ms")
-            figure, goal = _hang_real_cells(real, layout)
-            lines.append(f"| hang detection, step time on {layout.upper()} ({real['world_size']} ranks"
-                         f"{f', {step:.0f} ms step' if step else ''}) | {figure} | {goal} |")
+    for layout in ("ddp", "fsdp2") if real else ():
+        r, step = real[layout], real.get(f"{layout}_plain_step_ms")
+        row(f"hang path, real {layout.upper()} ({real['world_size']} ranks, {step or 0:.0f} ms step, "
+            f"{real['repeats']} jobs)", _pct(r["overhead_median"], r["overhead_range"]),
+            _pct(r["aa_median"], r["aa_range"]), f"<= {real['goal_ratio'] * 100:.1f} %",
+            r["overhead_median"] <= real["goal_ratio"], "hang_real")
     rp = results.get("replay")
-    point = next((r for r in (rp or {}).get("curve", []) if r["interval"] == DEFAULT_REPLAY_INTERVAL), None)
-    if point:
-        figure, goal = _replay_point_cells(point)
-        lines.append(f"| replay checks every {DEFAULT_REPLAY_INTERVAL} steps (the default), step time of a "
-                     f"{rp['world_size']}-rank DDP job | {figure} | {goal} |")
+    for point in (rp or {}).get("curve", []):
+        if point["interval"] not in (DEFAULT_REPLAY_INTERVAL, 100) or "aa_median" not in point:
+            continue
+        row(f"replay at I={point['interval']} ({rp['world_size']} ranks, N={rp['layers']}, V={rp['variants']})",
+            _pct(point["measured_ratio"], (point["min"], point["max"])), _pct(point["aa_median"], point["aa_range"]),
+            f"<= 1.5 x V/(I*N) = {1.5 * point['model_ratio'] * 100:.2f} %",
+            point["measured_ratio"] <= 1.5 * point["model_ratio"], "replay")
     ab = results.get("snapshot_ab")
-    if ab:
-        figure, goal = _snapshot_ab_cells(ab)
-        lines.append(f"| certified snapshots every {ab['cadence']} steps (the default), step time "
-                     f"({ab['state_mb']} MB of state per rank, 2 ranks) | {figure} | {goal} |")
+    if ab and "aa_median" in ab:
+        row(f"certified snapshots at cadence {ab['cadence']} ({ab['steps']} steps, {ab['state_mb']} MB per rank, "
+            f"{ab['durable_generations_min']}+ durable writes, {ab['repeats']} job triples)",
+            _pct(ab["overhead_median"], (ab["overhead_min"], ab["overhead_max"])),
+            _pct(ab["aa_median"], ab["aa_range"]),
+            f"<= {ab['goal_overhead'] * 100:.0f} %", ab["overhead_median"] <= ab["goal_overhead"], "snapshot_ab")
+        row("snapshot host memory / state: at rest; peak", f"{ab['shm_at_rest_over_state']:.2f}x; "
+            f"{ab['rss_peak_over_state']:.2f}x", "-", f"<= {ab['goal_at_rest_over_state']:.0f}x; "
+            f"<= {ab['goal_peak_over_state']:.0f}x", ab["shm_at_rest_over_state"] <= ab["goal_at_rest_over_state"]
+            and ab["rss_peak_over_state"] <= ab["goal_peak_over_state"], "snapshot_ab")
+    return "\n".join(lines)
+
+
+def headline(results: dict) -> str:
+    """The README's short tables: the cost budgets at the shipped defaults (:func:`budget_table`), then replay's
+    memory and the 1.3x straggler rate."""
+    lines = [_machine_line(results), "", budget_table(results), "", "| what | figure | goal |", "|---|---|---|"]
     mem = results.get("replay_memory")
     if mem:
         figure, goal = _replay_memory_cells(mem)
         lines.append(f"| replay check memory / the sampled layer's parameters and activations | {figure} "
                      f"| {goal} |")
-    if ab:
-        lines.append(f"| snapshot host memory per rank / its state: peak / at rest | {_snapshot_memory_figure(ab)} "
-                     "| - |")
     lines += straggler_bench.headline_rows(results)
     return "\n".join(lines)
 
@@ -151,6 +180,8 @@ def _hang_real_rows(results: dict) -> list[str]:
             rows.append(f"| hang path through `enable()` on real {layout.upper()} ({real['world_size']} ranks"
                         f"{f', {step:.0f} ms step' if step else ''}; A/B inside each job, median of "
                         f"{real['repeats']} jobs (range)) | {figure} | {goal} |")
+            if r["detail_median"] is None and not r["detail_failed"]:
+                continue  # --quick runs no DETAIL jobs
             detail_fig = (f"{r['detail_median'] * 100:+.1f} % ({r['detail_range'][0] * 100:+.1f} .. "
                           f"{r['detail_range'][1] * 100:+.1f} %)") if r["detail_median"] is not None else (
                 f"crashed: {r['detail_failed']}")
