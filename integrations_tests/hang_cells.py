@@ -54,6 +54,7 @@ def _train_rank(ctx: RankContext) -> dict[str, Any]:
         f"report.jsonl_path={a['jsonl']}",
         f"report.run_id={a['run_id']}",
         "report.log_level=ERROR",
+        *a["scout_set"],
     ])
     # A module-level callback: the observer, a fresh interpreter, imports it by path (and inherits this file's name)
     os.environ[CALLBACK_FILE_ENV] = os.path.join(a["workdir"], f"callback-r{ctx.rank}.jsonl")
@@ -159,7 +160,7 @@ def hang_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         "busy": p.get("busy"), "rank0_extra": bool(p.get("rank0_extra", False)),
         "async_metrics": bool(p.get("async_metrics", False)), "bucket_cap_mb": p.get("bucket_cap_mb"),
         "slow_phase_s": float(p.get("slow_phase_s", 0.0)), "io_silence_s": p.get("io_silence_s"),
-        "jsonl": jsonl, "run_id": spec.name, "workdir": workdir,
+        "jsonl": jsonl, "run_id": spec.name, "workdir": workdir, "scout_set": list(p.get("scout_set", [])),
     }
     finishes = bool(p.get("finishes", False))  # the stall resolves itself: the job must end normally
     stop = _RecordsSettled(jsonl, settle_s=float(p.get("settle_s", 1.5))) if expect and not finishes else None

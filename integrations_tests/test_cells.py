@@ -375,6 +375,17 @@ def test_frozen_after_launch_cell_fails_without_completion_tracking(monkeypatch)
         i["ranks"] == [9] and i["evidence"].get("class") == "lagging" for i in report.reported)
 
 
+def test_frozen_rank_cell_fails_without_the_ddp_backward_marks(monkeypatch):
+    """As shipped, DDP's buckets are not published: each backward is one collective. Without it, peers waiting in
+    DDP's bucket all-reduce look like a rank frozen in forward, and rank 9 is no longer named."""
+    from scout_core.progress.hooks import ProgressTracker
+
+    monkeypatch.setattr(ProgressTracker, "install_ddp_backward_marks", lambda self, models: None)
+    (report,) = run_cells([SPECS["hang-frozen-rank"]], root=ROOT)
+    assert report.verdict == "FAIL" and report.reported and not any(
+        i["ranks"] == [9] and i["evidence"].get("class") == "lagging" for i in report.reported), report.details
+
+
 def test_mismatch_async_cell_fails_when_only_the_last_launch_is_compared(monkeypatch):
     from scout_core.progress.hooks import ProgressTracker
 

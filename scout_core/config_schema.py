@@ -116,6 +116,11 @@ class ObserverConfig:
     layer_backward_marks: bool = False
     """Also publish when each repeated layer's backward finishes (a gradient hook per layer per step:
     locates a rank stopped inside backward, at 1-3 % of a CPU step; classification does not need it)."""
+    ddp_bucket_hook: bool = False
+    """Publish each DDP gradient bucket's all-reduce through a Python comm hook. Off (shipped), DDP's own
+    bucket path runs untouched and each backward is published as one collective: a rank stopped inside backward
+    is then not told apart from peers waiting in a bucket (a group verdict). On, that rank is named too, at the
+    cost of any Python comm hook on gloo (several percent of a CPU step; docs/hangs.md)."""
 
 
 @dataclass(kw_only=True)

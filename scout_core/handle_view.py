@@ -96,8 +96,8 @@ class HandleView:
 
     @property
     def ddp_buckets_visible(self) -> bool | None:
-        """Whether DDP's gradient buckets publish to the hang path (False: the model had its own comm hook);
-        None without the observer (docs/hangs.md)."""
+        """Whether each DDP gradient bucket publishes to the hang path (``observer.ddp_bucket_hook``; False when
+        off, as shipped, or when the model had its own comm hook); None without the observer (docs/hangs.md)."""
         return self.parts.observer.ddp_buckets_visible if self.parts.observer is not None else None
 
     @property

@@ -261,6 +261,43 @@ def test_ddp_comm_hook_publishes_buckets_and_keeps_gradients():
         assert v["ops"] and set(v["ops"]) == {"ddp_bucket_all_reduce"}
 
 
+def _ddp_backward(ctx: RankContext):
+    init_gloo(ctx)
+    torch.manual_seed(0)
+    plain = torch.nn.parallel.DistributedDataParallel(Net())
+    torch.manual_seed(0)
+    marked = torch.nn.parallel.DistributedDataParallel(Net())
+    log = []
+    tracker = ProgressTracker(RecordingRecord(log))
+    tracker.install_ddp_backward_marks([marked])
+    at_completion = []
+    complete = tracker.complete
+    tracker.complete = lambda key: (at_completion.append([p.grad.clone() for p in marked.parameters()]),
+                                    complete(key))[1]
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(ctx.rank))
+    with torch.no_grad():
+        marked(x)  # evaluation: no backward follows, nothing launched
+    plain(x).sum().backward()
+    marked(x).sum().backward()
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), marked.parameters(), strict=True))
+    # Completed after DDP's own end-of-backward wait: the gradients it saw are already the averaged ones.
+    averaged = len(at_completion) == 1 and all(
+        torch.equal(g, p.grad) for g, p in zip(at_completion[0], marked.parameters(), strict=True))
+    tracker.remove_hooks()
+    marked(x).sum().backward()  # after close: nothing more
+    return {"same": same, "averaged": averaged, "log": log}
+
+
+def test_ddp_backward_is_one_collective_launched_at_its_start_and_done_after_ddps_wait():
+    """The shipped DDP hang path: no comm hook (DDP's C++ buckets untouched, gradients bit for bit DDP's own);
+    each backward pass published as one collective, complete only once DDP has waited for its buckets."""
+    result = launch(_ddp_backward, 2, timeout_s=60)
+    assert result.ok, result.failures()
+    for v in result.values():
+        assert v["same"] and v["averaged"]
+        assert v["log"] == [("collective", 0, 1, "ddp_gradient_reduction"), ("done", 0, 1, 1)], v["log"]
+
+
 def repeated_layers(chunks):
     return discover_layers(chunks)[0]
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scout_core.consensus_rules import C3Result, C3Status, exact
-from scout_core.progress.record import Phase
+from scout_core.progress.record import DDP_REDUCTION, Phase
 
 __all__ = ["Evidence", "HangClass", "HangVerdict", "classify", "classify_group", "deferred", "merge"]
 
@@ -326,6 +326,13 @@ def _group_verdicts(group: Sequence[int], evidence: Mapping[int, Evidence]) -> l
         return out + [HangVerdict(HangClass.INCONCLUSIVE, tuple(ranks), tuple(group),
                                   f"every live peer is silent at the same point {where}, outside any collective, "
                                   f"while the trainers of ranks {gone} exited", {**facts, "exited": gone})]
+    if ev[0].pending and ev[0].fingerprint.startswith(DDP_REDUCTION):
+        # DDP's reduction is published per backward, not per bucket (observer.ddp_bucket_hook off): a rank stopped
+        # in its backward launched it as its peers did, and is not told apart from them.
+        return out + [HangVerdict(HangClass.EQUAL_PROGRESS_STALL, tuple(ranks), tuple(group),
+                                  f"every peer stopped inside DDP's backward gradient reduction {where}: a transport "
+                                  "stall, or a rank stopped in its backward computation (observer.ddp_bucket_hook "
+                                  "publishes each bucket and names such a rank)", facts)]
     return out + [HangVerdict(HangClass.EQUAL_PROGRESS_STALL, tuple(ranks), tuple(group),
                               f"every peer waits at the same point {where}: runtime or transport stall", facts)]
 

@@ -8,7 +8,8 @@ Nothing in the training loop is edited. What is published, and from where:
 * data loader fetch: :meth:`ProgressTracker.wrap_dataloader` (wraps the iterator);
 * checkpoint I/O: :meth:`ProgressTracker.checkpoint_io` (a context manager);
 * ``torch.distributed`` collectives: module-attribute wrappers (:mod:`~scout_core.progress.collectives`);
-* DDP gradient buckets: ``DistributedDataParallel.register_comm_hook``;
+* DDP gradient reduction: one collective per backward (:mod:`~scout_core.progress.ddp_backward`), or each
+  bucket through ``DistributedDataParallel.register_comm_hook`` (``observer.ddp_bucket_hook``);
 * FSDP2 all-gather / reduce-scatter: FSDP2 calls ``dist.all_gather_single``,
   ``dist.reduce_scatter_single`` and ``dist.all_reduce``, which are wrapped;
 * coalesced batches (``torch.distributed._coalescing_manager``, Megatron's gradient and parameter buckets):
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from scout_core.progress.collectives import install_collective_hooks, late_bound, uninstall_collective_hooks
+from scout_core.progress.ddp_backward import mark_ddp_backward
 from scout_core.progress.ddp_hooks import FutureWork, divisor, holds_slot, take_later_hooks
 from scout_core.progress.fingerprint import CollectiveFingerprint, fingerprint_bucket
 from scout_core.progress.record import Phase, ProgressRecord
@@ -323,6 +325,10 @@ class ProgressTracker:
             self._handles.append(opt.register_step_pre_hook(lambda *_: self.mark(Phase.OPTIMIZER)))
             if i == 0:  # one step per iteration even with several inner optimizers
                 self._handles.append(opt.register_step_post_hook(lambda *_: self.step_done()))
+
+    def install_ddp_backward_marks(self, ddp_models: Iterable[Any]) -> None:
+        """Each backward pass through these DDP models as one collective (no comm hook: the shipped way)."""
+        self._handles += [mark_ddp_backward(self, m) for m in ddp_models]
 
     def install_ddp_comm_hook(self, ddp_model: Any) -> bool:
         """Route DDP's bucket all-reduce through a hook that publishes intent first.

@@ -74,6 +74,10 @@ class Phase(enum.IntEnum):
     CLOSED = 10  # the trainer closed SCOUT: its observer ends without a last episode
 
 
+DDP_REDUCTION = "ddp_gradient_reduction"
+"""The collective a DDP backward pass is published as when its buckets are not (:mod:`~scout_core.progress.
+ddp_backward`); here, torch-free, because the observer's classification reads it too."""
+
 _IO_PHASES = frozenset({Phase.DATALOADER, Phase.CHECKPOINT_READ, Phase.CHECKPOINT_WRITE})
 
 

@@ -126,8 +126,8 @@ class ScoutCallback(Callback):
 def _adapter(trainer: Any, pl_module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> Any:
     """scout_core's adapter over what Lightning built. The repeated layers, embedding and head are found in the
     model inside the LightningModule; under the DDP strategy SCOUT is handed Lightning's DDP wrapper itself, whose
-    gradient buckets it then observes (a rank that never reaches the step's all-reduce is told apart from its peers
-    waiting in it: without them a hang of one rank before its forward looked like every rank waiting at once)."""
+    gradient reduction it then observes (a rank that never reaches the step's reduction is told apart from its
+    peers waiting in it: without it a hang of one rank before its forward looked like every rank waiting at once)."""
     found = torch_adapter(_model_of(pl_module), optimizers)
     wrapped = trainer.strategy.model
     if not isinstance(wrapped, nn.parallel.DistributedDataParallel):
