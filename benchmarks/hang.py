@@ -8,7 +8,9 @@
   swapped every other round); SCOUT's process-wide collective wrappers are
   installed only around the enabled copy's steps (outside the timed region).
   Each round gives B/A - 1 (enabled vs plain) and A/A - 1 (plain vs plain, the
-  noise floor); five jobs give the median and spread of their medians. Beside
+  noise floor); under DDP a fourth copy carries torch's own Python comm hook
+  (``allreduce_hook``): what any per-bucket Python hook costs. Five jobs give
+  the median and spread of their medians. Beside
   them, the same model in separate jobs under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
   (PyTorch's built-in collective checker) against plain jobs.
 * **Stall to verdict.** Two-rank DDP jobs whose healthy steps take 0.1 s, 1 s
@@ -84,8 +86,14 @@ def _ab_job(ctx: RankContext) -> dict[str, float]:
 
     a = ctx.args
     init_gloo(ctx)
-    copies = [_model(a["layout"]) for _ in range(3)]  # plain A, plain A', enabled B
+    # plain A, plain A', enabled B; under DDP also T: plain with torch's own Python comm hook (allreduce_hook), what
+    # any per-bucket Python hook costs (why SCOUT publishes DDP's backward as one collective: docs/hangs.md)
+    copies = [_model(a["layout"]) for _ in range(4 if a["layout"] == "ddp" else 3)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m, _ in copies]
+    if len(copies) == 4:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        copies[3][0].register_comm_hook(None, default_hooks.allreduce_hook)
     cfg = load(None, ["replay.enabled=false", "report.log_level=ERROR"])  # the hang path alone
     handle = scout_core.enable(copies[2][0], opts[2], config=cfg, layers=list(copies[2][1]))
     tracker = handle.tracker
@@ -104,20 +112,25 @@ def _ab_job(ctx: RankContext) -> dict[str, float]:
         return elapsed
 
     uninstall_collective_hooks(tracker)
-    ab, aa, plain = [], [], []
+    ab, aa, plain, hook = [], [], [], []
     for i in range(a["warmup"] + a["rounds"]):
         flip = i % 4 >= 2
         pair = (2, 0) if flip else (0, 2)
         t = {k: step(k) for k in pair}
         pair = (1, 0) if flip else (0, 1)
         u = {k: step(k) for k in pair}
+        pair = ((3, 0) if flip else (0, 3)) if len(copies) == 4 else ()
+        w = {k: step(k) for k in pair}
         if i >= a["warmup"]:
             ab.append(t[2] / t[0] - 1)
             aa.append(u[1] / u[0] - 1)
             plain.append(t[0])
+            if w:
+                hook.append(w[3] / w[0] - 1)
     install_collective_hooks(tracker)
     handle.close()
-    return {"ab": statistics.median(ab), "aa": statistics.median(aa), "plain_ms": statistics.median(plain) * 1e3}
+    return {"ab": statistics.median(ab), "aa": statistics.median(aa), "plain_ms": statistics.median(plain) * 1e3,
+            "torch_hook": statistics.median(hook) if hook else None}
 
 
 def bench_real_overhead(repeats: int = 5, rounds: int = 160, *, detail_jobs: bool = True) -> dict[str, Any]:
@@ -125,7 +138,7 @@ def bench_real_overhead(repeats: int = 5, rounds: int = 160, *, detail_jobs: boo
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` jobs against plain ones."""
     out: dict[str, Any] = {"repeats": repeats, "rounds_per_job": rounds, "world_size": 2, "goal_ratio": 0.005}
     for layout in ("ddp", "fsdp2"):
-        ab, aa, plain_ms = [], [], []
+        ab, aa, plain_ms, torch_hook = [], [], [], []
         for _ in range(repeats):
             result = launch(_ab_job, 2, timeout_s=900, args={"layout": layout, "warmup": 10, "rounds": rounds})
             if not result.ok:
@@ -133,6 +146,8 @@ def bench_real_overhead(repeats: int = 5, rounds: int = 160, *, detail_jobs: boo
             ab.append(max(v["ab"] for v in result.values()))  # the job runs at its slowest rank's pace
             aa.append(max(v["aa"] for v in result.values()))
             plain_ms.append(max(v["plain_ms"] for v in result.values()))
+            if layout == "ddp":
+                torch_hook.append(max(v["torch_hook"] for v in result.values()))
         out[f"{layout}_plain_step_ms"] = round(statistics.median(plain_ms), 2)
         detail, failed = [], ""
         for rep in range(repeats if detail_jobs else 0):
@@ -154,6 +169,8 @@ def bench_real_overhead(repeats: int = 5, rounds: int = 160, *, detail_jobs: boo
             "detail_median": round(statistics.median(detail), 4) if detail else None,
             "detail_range": [round(min(detail), 4), round(max(detail), 4)] if detail else None,
             "detail_failed": failed,
+            "torch_hook_median": round(statistics.median(torch_hook), 5) if torch_hook else None,
+            "torch_hook_range": [round(min(torch_hook), 5), round(max(torch_hook), 5)] if torch_hook else None,
         }
     return out
 

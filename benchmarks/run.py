@@ -87,7 +87,10 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="measure the three headline budgets only (hang path, replay at I=20, snapshots) and "
                              "print their table; writes benchmarks/results-quick.json unless --out says otherwise")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick and (args.only or args.readme or args.docs):
+        parser.error("--quick measures its own three sections and writes no tables: drop --only, --readme, --docs")
+    return args
 
 
 def provenance() -> dict[str, Any]:

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     # The model (DDP's reducer, FSDP's state) holds the process group: released here, the group's C++ threads are
     # joined inside destroy_process_group while the interpreter is whole, not during its teardown, where gloo's
     # worker threads can abort the process ("terminate called without an active exception", seen once in CI).
-    del model, optimizer, inner, mesh, handle
+    del model, optimizer, inner, mesh, handle, loss  # the loss's graph holds FSDP2's state too
     gc.collect()
     dist.destroy_process_group()
 

@@ -93,11 +93,12 @@ def start_observer(parts: ScoutParts, plane: ControlPlane, on_incident: Callable
     tracker.install_module_hooks(a.marked_layers or a.repeated_layers(), backward=obs.layer_backward_marks)
     tracker.install_optimizer_hooks(a.optimizers)
     ddp = [c for c in a.chunks if isinstance(c, torch.nn.parallel.DistributedDataParallel)]
-    if ddp and obs.ddp_bucket_hook:
-        link.ddp_buckets_visible = all(tracker.install_ddp_comm_hook(m) for m in ddp)
-    elif ddp:
-        tracker.install_ddp_backward_marks(ddp)  # DDP's C++ bucket path untouched: one collective per backward
-        link.ddp_buckets_visible = False
+    if ddp:
+        # DDP's C++ bucket path untouched, one collective per backward; or each bucket through SCOUT's comm hook,
+        # where the model has no hook of its own (one that has keeps the backward marks).
+        hooked = [m for m in ddp if obs.ddp_bucket_hook and tracker.install_ddp_comm_hook(m)]
+        tracker.install_ddp_backward_marks([m for m in ddp if m not in hooked])
+        link.ddp_buckets_visible = len(hooked) == len(ddp)
     install_collective_hooks(tracker)
 
 

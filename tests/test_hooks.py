@@ -283,9 +283,25 @@ def _ddp_backward(ctx: RankContext):
     # Completed after DDP's own end-of-backward wait: the gradients it saw are already the averaged ones.
     averaged = len(at_completion) == 1 and all(
         torch.equal(g, p.grad) for g, p in zip(at_completion[0], marked.parameters(), strict=True))
+    with marked.no_sync():  # gradient accumulation: DDP reduces nothing in this backward, nothing launched
+        marked(x).sum().backward()
+    two = torch.nn.parallel.DistributedDataParallel(TwoHeads())
+    tracker.install_ddp_backward_marks([two])
+    out = two(x)
+    (out[1].sum() + 0 * out[0].detach().sum()).backward()  # through the second output only: launched, once
     tracker.remove_hooks()
     marked(x).sum().backward()  # after close: nothing more
     return {"same": same, "averaged": averaged, "log": log}
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.body(x)
+        return y * 2, y * 3
 
 
 def test_ddp_backward_is_one_collective_launched_at_its_start_and_done_after_ddps_wait():
@@ -295,7 +311,25 @@ def test_ddp_backward_is_one_collective_launched_at_its_start_and_done_after_ddp
     assert result.ok, result.failures()
     for v in result.values():
         assert v["same"] and v["averaged"]
-        assert v["log"] == [("collective", 0, 1, "ddp_gradient_reduction"), ("done", 0, 1, 1)], v["log"]
+        assert v["log"] == [("collective", 0, 1, "ddp_gradient_reduction"), ("done", 0, 1, 1),
+                            ("collective", 0, 2, "ddp_gradient_reduction"), ("done", 0, 2, 2)], v["log"]
+
+
+def test_a_collective_inside_ddps_backward_is_shown_while_the_reduction_spans_it():
+    """DDP's reduction stays in flight for its whole backward; a collective issued inside it (SyncBatchNorm's, a
+    user's) is what the record shows while it is in flight, so a rank stopped before it is told apart."""
+    from scout_core.progress.fingerprint import CollectiveFingerprint
+
+    rec = RecordingRecord()
+    tracker = ProgressTracker(rec)
+    ddp = tracker.launch(CollectiveFingerprint(op="ddp_gradient_reduction", group=(2, 1), shapes=((8,),), dtypes=()))
+    assert rec.last == (0, 1, True, 1)
+    inner = tracker.launch(CollectiveFingerprint(op="all_reduce", group=(2, 1), shapes=((3,),), dtypes=("float32",)))
+    assert rec.last == (0, 2, True, 2)  # the collective inside backward, not the reduction around it
+    tracker.complete(inner)
+    assert rec.last == (0, 1, True, 2)  # back to the reduction, still in flight
+    tracker.complete(ddp)
+    assert rec.last == (0, 2, False, 2)
 
 
 def repeated_layers(chunks):

@@ -37,11 +37,21 @@ def fingerprint_reduction(ddp_model: Any) -> CollectiveFingerprint:
 
 def mark_ddp_backward(tracker: Any, ddp_model: Any) -> Any:
     """Publish each backward pass through ``ddp_model`` as one collective on ``tracker`` (a
-    :class:`~scout_core.progress.hooks.ProgressTracker`); returns the forward hook's handle (remove it to stop)."""
+    :class:`~scout_core.progress.hooks.ProgressTracker`); returns the forward hook's handle (remove it to stop).
+
+    Every output that requires a gradient is hooked (a backward may start from any of them) and one backward
+    launches once (its graph task's id). A forward under ``no_sync()`` launches nothing: DDP reduces nothing in
+    that backward, and a rank's extra backward of its own (input gradients for a metric) must not shift its count.
+    """
     fp = fingerprint_reduction(ddp_model)
     engine = torch.autograd.Variable._execution_engine
+    launched_in: list[int] = [-1]  # the graph task that launched last
 
     def on_output_grad(_grad: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == launched_in[0]:
+            return
+        launched_in[0] = task
         key = tracker.launch(fp)
 
         def after_ddp() -> None:  # queued now, it runs after the callbacks queued before it (DDP's wait)
@@ -49,11 +59,11 @@ def mark_ddp_backward(tracker: Any, ddp_model: Any) -> Any:
 
         engine.queue_callback(after_ddp)
 
-    def after_forward(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return  # evaluation: no backward follows
-        first = next((t for t in tensor_leaves(output) if t.requires_grad), None)
-        if first is not None:
-            first.register_hook(on_output_grad)
+    def after_forward(module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or not getattr(module, "require_backward_grad_sync", True):
+            return  # evaluation, or gradient accumulation under no_sync(): DDP reduces nothing in this backward
+        for t in tensor_leaves(output):
+            if t.requires_grad:
+                t.register_hook(on_output_grad)
 
     return ddp_model.register_forward_hook(after_forward)

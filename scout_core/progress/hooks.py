@@ -44,7 +44,7 @@ from scout_core.progress.collectives import install_collective_hooks, late_bound
 from scout_core.progress.ddp_backward import mark_ddp_backward
 from scout_core.progress.ddp_hooks import FutureWork, divisor, holds_slot, take_later_hooks
 from scout_core.progress.fingerprint import CollectiveFingerprint, fingerprint_bucket
-from scout_core.progress.record import Phase, ProgressRecord
+from scout_core.progress.record import DDP_REDUCTION, Phase, ProgressRecord
 from scout_core.replay.calls import tensor_leaves
 
 # The collective wrappers live in scout_core.progress.collectives; the trainer, the plugins and the tests import them
@@ -121,10 +121,19 @@ class ProgressTracker:
         if self._polled:
             self._poll_locked()
         if self._inflight:
-            (step, i), fp = next(iter(self._inflight.items()))
+            (step, i), fp = self._oldest_locked()
             self.record.publish(step, i, self._phase, True, self.launched, fp)
         else:
             self.record.publish(self.step, self.launched, self._phase, False, self.launched)
+
+    def _oldest_locked(self) -> tuple[tuple[int, int], tuple[int, str]]:
+        """The in-flight collective to publish: the oldest, except DDP's reduction, which spans its whole backward:
+        a collective issued inside that backward (SyncBatchNorm's, a user's) is shown while it is in flight."""
+        items = iter(self._inflight.items())
+        first = next(items)
+        if not first[1][1].startswith(DDP_REDUCTION):
+            return first
+        return next((item for item in items if not item[1][1].startswith(DDP_REDUCTION)), first)
 
     def _poll_locked(self) -> None:
         while self._polled:
