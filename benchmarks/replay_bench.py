@@ -43,7 +43,8 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(ctx.rank)
     data = torch.randn(a["batch"], width, generator=gen)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"collective_ms": _collective_ms()}
+    counted = _count_collectives()
     for interval in a["intervals"]:
         plain, plain_opt = make()
         watched, watched_opt = make()
@@ -66,16 +67,55 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
         for _ in range(depth):  # the first rotation's checks are vetted (run twice): a start-up cost, not the rate
             period(watched, watched_opt)
         warm = len(engine.history)
-        ratios, noise = [], []
+        ratios, noise, steps = [], [], []
+        calls = 0
         for i in range(a["pairs"]):
             arms = [("a", plain, plain_opt), ("b", watched, watched_opt), ("a2", twin, twin_opt)]
-            times = {name: period(model, opt) for name, model, opt in (arms if i % 2 else arms[::-1])}
+            times = {}
+            for name, model, opt in (arms if i % 2 else arms[::-1]):
+                before = counted[0]
+                times[name] = period(model, opt)
+                calls += counted[0] - before - 2 if name == "b" else 0  # less the period's own two barriers
             ratios.append(times["b"] / times["a"] - 1)
             noise.append(times["a2"] / times["a"] - 1)
+            steps.append(times["a"] / interval)
         engine.close()
+        checks = len(engine.history) - warm
         out[str(interval)] = {"ratios": [round(r, 5) for r in ratios], "aa": [round(r, 5) for r in noise],
-                              "checks": len(engine.history) - warm}
+                              "checks": checks, "step_ms": round(statistics.median(steps) * 1e3, 2),
+                              "collectives_per_check": round(calls / max(checks, 1), 2)}
     return out
+
+
+def _collective_ms(rounds: int = 40) -> float:
+    """The latency of one small all-reduce over the whole job, median of ``rounds``: what each of a check's
+    collectives costs before any byte moves (on this host, 16 ranks share 2 cores)."""
+    import torch.distributed as dist
+
+    flag, times = torch.zeros(1), []
+    dist.barrier()
+    for _ in range(rounds):
+        start = time.perf_counter()
+        dist.all_reduce(flag)
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def _count_collectives() -> list[int]:
+    """Count this rank's calls of torch's Python collectives from now on (DDP's own reduction runs in C++ and
+    is not among them): the number of collectives a check makes."""
+    import torch.distributed as dist
+
+    counted = [0]
+    for name in ("all_reduce", "all_gather", "broadcast", "barrier", "reduce_scatter_tensor", "all_to_all_single"):
+        original = getattr(dist, name)
+
+        def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            counted[0] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counting)
+    return counted
 
 
 def bench_replay_curve(*, world: int = 16, intervals: tuple[int, ...] = INTERVALS, pairs: int = 6,
@@ -92,14 +132,19 @@ def bench_replay_curve(*, world: int = 16, intervals: tuple[int, ...] = INTERVAL
     rank0 = result.values()[0]
     rows = []
     for interval in intervals:
-        ratios = rank0[str(interval)]["ratios"]
-        aa = rank0[str(interval)]["aa"]
-        rows.append({"interval": interval, "measured_ratio": round(statistics.median(ratios), 5),
-                     "min": min(ratios), "max": max(ratios), "checks": rank0[str(interval)]["checks"],
+        point = rank0[str(interval)]
+        ratios, aa = point["ratios"], point["aa"]
+        model = variants / (interval * depth)
+        measured = statistics.median(ratios)
+        rows.append({"interval": interval, "measured_ratio": round(measured, 5),
+                     "min": min(ratios), "max": max(ratios), "checks": point["checks"],
                      "aa_median": round(statistics.median(aa), 5), "aa_range": [min(aa), max(aa)],
-                     "model_ratio": round(variants / (interval * depth), 5)})
+                     "model_ratio": round(model, 5), "step_ms": point["step_ms"],
+                     "collectives_per_check": point["collectives_per_check"],
+                     # What a check costs beyond the model's replayed passes, in milliseconds of the job's time.
+                     "fixed_ms_per_check": round((measured - model) * interval * point["step_ms"], 1)})
     out = {"world_size": world, "layers": depth, "width": width, "batch": batch, "variants": variants,
-           "pairs": pairs, "curve": rows}
+           "pairs": pairs, "collective_ms": rank0["collective_ms"], "curve": rows}
     if plot_path:
         out["plot"] = plot_curve(out, plot_path)
     return out

@@ -53,20 +53,24 @@ def c3_exchange(
     *,
     group: dist.ProcessGroup | None = None,
     surfaces: Sequence[str] | None = None,
-    rule: str | StatisticalRule = "exact",
+    rule: str | StatisticalRule | Sequence[str | StatisticalRule] = "exact",
 ) -> list[C3Result]:
     """All-gather K pieces of local evidence in ONE exchange and return K results.
 
     Every member of ``group`` must call this with the same K and surfaces. The
     returned list is identical on every member because the same deterministic
     rule runs on the same gathered evidence. ``rule`` is ``"exact"`` or a
-    :class:`StatisticalRule` applied to every surface.
+    :class:`StatisticalRule` applied to every surface, or one of those per surface
+    (signatures and times in one exchange: a collective's latency is what a check pays).
     """
     local = list(local_evidence)
     k = len(local)
     names = list(surfaces) if surfaces is not None else [f"surface{i}" for i in range(k)]
     if len(names) != k:
         raise ValueError(f"{len(names)} surface names for {k} pieces of evidence")
+    rules = list(rule) if isinstance(rule, (list, tuple)) else [rule] * k
+    if len(rules) != k:
+        raise ValueError(f"{len(rules)} rules for {k} pieces of evidence")
     world = dist.get_world_size(group)
     # One all-gather carries every surface; shape checks happen after so
     # a peer with a different K is reported instead of deadlocking the group.
@@ -78,14 +82,14 @@ def c3_exchange(
                 f"C3 exchange mismatch: rank {peer} sent surfaces {peer_names}, this rank expected {names}"
             )
     results = []
-    for i, name in enumerate(names):
+    for i, (name, how) in enumerate(zip(names, rules, strict=True)):
         column = [peer_local[i] for _, peer_local in gathered]
-        if rule == "exact":
+        if how == "exact":
             results.append(exact(column, peer_ranks=peer_ranks, surface=name))
-        elif isinstance(rule, StatisticalRule):
-            results.append(rule(column, peer_ranks=peer_ranks, surface=name))
+        elif isinstance(how, StatisticalRule):
+            results.append(how(column, peer_ranks=peer_ranks, surface=name))
         else:
-            raise ValueError(f"unknown C3 rule {rule!r}; use 'exact' or a StatisticalRule")
+            raise ValueError(f"unknown C3 rule {how!r}; use 'exact' or a StatisticalRule")
     return results
 
 

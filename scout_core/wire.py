@@ -6,8 +6,9 @@ strings, ``None``, lists, tuples, dicts (any keys of those kinds), bytes, ``torc
 (RNG states). Anything else is refused where it is encoded, on the rank that tried, and every peer hears about
 it before a payload moves: the exchange raises :class:`WireError` on every rank together, never hangs one.
 
-The collectives send each rank's payload length first (an ``int64`` per rank), then the payloads padded to the
-longest one, on the group's own device (the host for gloo, the current CUDA device for NCCL).
+The collectives send each rank's payload length (an 8-byte header) and, when it fits a first round of a few
+kilobytes, the payload itself in one collective; a longer payload travels in a second round, padded to the
+longest, on the group's own device (the host for gloo, the current CUDA device for NCCL).
 """
 
 from __future__ import annotations
@@ -173,17 +174,52 @@ def _lengths_or_raise(lengths: list[int], ranks: list[int], what: str, error: st
         raise WireError(f"{what}: rank(s) {bad} could not send plain data" + (f" (here: {error})" if error else ""))
 
 
+def _fast_width(world: int) -> int:
+    """Payload bytes the first round carries for each of ``world`` ranks: a control exchange's payload (a
+    check's signatures, a few hundred bytes) fits, and the round moves at most about 1 MiB to each rank however
+    large the group. The same on every rank of the group by construction (no state kept between calls)."""
+    return max(256, min(4096, (1 << 20) // max(world, 1)))
+
+
+_HEADER = 8
+_BROADCAST_FAST_WIDTH = 8192
+"""Payload bytes the first round of :func:`broadcast_bytes` carries (a check's call metadata, a few kilobytes)."""
+
+
+def _framed(payload: bytes | None, length: int, width: int, device: torch.device) -> torch.Tensor:
+    """``length`` as a signed 8-byte header, then ``payload`` when it fits in ``width`` bytes (zeros otherwise)."""
+    buf = torch.zeros(_HEADER + width, dtype=torch.uint8)
+    buf[:_HEADER] = torch.frombuffer(bytearray(length.to_bytes(_HEADER, "little", signed=True)), dtype=torch.uint8)
+    if payload and 0 <= length <= width:
+        buf[_HEADER:_HEADER + length] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buf.to(device)
+
+
+def _unframed(rows: bytes, width: int) -> tuple[int, bytes]:
+    return int.from_bytes(rows[:_HEADER], "little", signed=True), rows[_HEADER:_HEADER + width]
+
+
 def all_gather_bytes(payload: bytes | None, group: Any = None, *, what: str = "exchange",
                      error: str | None = None) -> list[bytes]:
     """Every rank's ``payload`` in group rank order. A rank passing ``None`` (it could not encode its value:
-    ``error`` says why) makes every rank raise :class:`WireError` together, before any payload moves."""
+    ``error`` says why) makes every rank raise :class:`WireError` together, before any payload moves.
+
+    One all-gather when every payload fits the first round's width (the usual case: a collective's latency,
+    not its bytes, is what a check pays, most of all on a loaded host), else a second one of the payloads
+    padded to the longest; every rank reads the lengths from the first round, so all take the same path."""
     device, size = _device(group), dist.get_world_size(group)
-    mine = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64, device=device)
-    lengths_t = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(lengths_t, mine, group=group)
-    lengths = [int(t.item()) for t in lengths_t]
+    width = _fast_width(size)
+    mine = -1 if payload is None else len(payload)
+    first = _framed(payload, mine, width, device)
+    bufs = [torch.empty_like(first) for _ in range(size)]
+    dist.all_gather(bufs, first, group=group)
+    rows = torch.stack(bufs).cpu().numpy()
+    framed = [_unframed(row.tobytes(), width) for row in rows]
+    lengths = [n for n, _ in framed]
     _lengths_or_raise(lengths, list(range(size)), what, error)
-    buf = _padded(payload or b"", max(lengths + [1]), device)
+    if max(lengths) <= width:
+        return [body[:n] for n, body in framed]
+    buf = _padded(payload or b"", max(lengths), device)
     bufs = [torch.empty_like(buf) for _ in range(size)]
     dist.all_gather(bufs, buf, group=group)
     return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, lengths, strict=True)]
@@ -192,15 +228,19 @@ def all_gather_bytes(payload: bytes | None, group: Any = None, *, what: str = "e
 def broadcast_bytes(payload: bytes | None, src: int, group: Any = None, *, what: str = "broadcast",
                     error: str | None = None) -> bytes:
     """``payload`` of global rank ``src`` on every rank (only ``src``'s is read). ``None`` on ``src`` makes
-    every rank raise :class:`WireError` together."""
+    every rank raise :class:`WireError` together. One broadcast when the payload fits the first round's width,
+    else a second one of the whole payload (every rank reads its length from the first)."""
     device = _device(group)
     is_src = dist.get_rank() == src
-    length = torch.tensor([-1 if is_src and payload is None else len(payload or b"")], dtype=torch.int64,
-                          device=device)
-    dist.broadcast(length, src=src, group=group)
-    n = int(length.item())
+    width = _BROADCAST_FAST_WIDTH
+    mine = (-1 if payload is None else len(payload)) if is_src else 0
+    first = _framed(payload if is_src else None, mine, width, device)
+    dist.broadcast(first, src=src, group=group)
+    n, body = _unframed(first.cpu().numpy().tobytes(), width)
     _lengths_or_raise([n], [src], what, error if is_src else None)
-    buf = _padded((payload or b"") if is_src else b"", max(n, 1), device)
+    if n <= width:
+        return body[:n]
+    buf = _padded((payload or b"") if is_src else b"", n, device)
     dist.broadcast(buf, src=src, group=group)
     return buf[:n].cpu().numpy().tobytes()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch
 from integrations_tests.zoo import GPT2Block, LlamaBlock, LlamaRotaryEmbedding
 from scout_core.replay.calls import Slot, flatten_call, rebuild, tensor_leaves
 from scout_core.replay.capture import LayerCapture
-from scout_core.replay.layer import call_meta, receive_buffers, replay_layer
+from scout_core.replay.layer import replay_layer
+from scout_core.replay.shipping import call_meta, receive_buffers
 from scout_core.replay.spec_codec import (
     NotShippable,
     allow_call_closures,
@@ -318,3 +320,33 @@ def test_closures_the_receiver_cannot_rebuild_exactly_are_not_shipped():
         _, spec = flatten_call(fn)
         with pytest.raises(NotShippable):
             spec_to_tensor(spec)
+
+
+def _shipped(ctx: Any) -> list[bool]:
+    import torch.distributed as dist
+
+    from scout_core.replay.shipping import ShippedCall, broadcast_call
+    from scout_core.testing.launcher import init_gloo
+
+    init_gloo(ctx)
+    big = 300_000  # float32: over the 1 MiB that small tensors share a broadcast in
+    shapes = [((3, 4), torch.float32), ((big,), torch.float32), ((5,), torch.int64), ((2, 2), torch.float32),
+              ((7,), torch.float32)]
+    made = [torch.arange(torch.Size(s).numel(), dtype=d).reshape(s) + 1 for s, d in shapes]
+    mine = [t.clone() if ctx.rank == 1 else torch.zeros_like(t) for t in made]
+    call = ShippedCall(mine[:3], None, [False] * 3, {0: mine[3], 1: mine[4]}, {})
+    sent, broadcast = [], dist.broadcast
+    dist.broadcast = lambda t, **kw: sent.append(t.numel()) or broadcast(t, **kw)
+    broadcast_call(call, 1, dist.group.WORLD, dist.group.WORLD)
+    got = [*call.tensors, *call.grad_outputs.values()]
+    return [torch.equal(a, b) for a, b in zip(got, made, strict=True)] + [sorted(sent) == [5, 23, big]]
+
+
+def test_a_call_of_small_and_large_tensors_reaches_every_peer_exactly():
+    """Small tensors of one dtype share a broadcast (each collective's latency is what a check pays on a busy
+    host), a large one travels alone, tensors of another dtype in their own; every peer ends with the source's."""
+    from scout_core.testing.launcher import launch
+
+    result = launch(_shipped, 3, timeout_s=60)
+    assert result.ok, result.failures()
+    assert all(all(v) for v in result.values())

@@ -15,7 +15,8 @@ import torch
 from scout_core.checkpoint.snapshot import SnapshotEngine, restore_state
 from scout_core.extra_state import capture_extra_states, extra_state_tensors, restore_extra_states
 from scout_core.replay.capture import LayerCapture
-from scout_core.replay.layer import call_meta, receive_buffers, replay_layer
+from scout_core.replay.layer import replay_layer
+from scout_core.replay.shipping import call_meta, receive_buffers
 
 
 class FP8StyleLinear(torch.nn.Linear):

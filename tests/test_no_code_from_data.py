@@ -219,6 +219,13 @@ def _exchanges(ctx: RankContext) -> Any:
         out["huge"] = str(e)
     finally:
         wire.MAX_WIRE_BYTES = limit
+    # Payloads that fit the first round, fill it exactly, or need the second (one rank's only): every rank
+    # reads every length from the first round and takes the same path.
+    width = wire._fast_width(3)
+    out["sizes"] = [len(b) for b in wire.all_gather_bytes(b"y" * (width + 1 if ctx.rank == 1 else ctx.rank))]
+    out["full"] = wire.all_gather_bytes(bytes([ctx.rank]) * width)
+    out["wide"] = [wire.broadcast_bytes(bytes([7]) * n if ctx.rank == 2 else b"", 2)
+                   for n in (0, wire._BROADCAST_FAST_WIDTH, wire._BROADCAST_FAST_WIDTH + 1)]
     out["after"] = wire.all_gather_data(ctx.rank)  # the group still works: nobody hung
     dist.destroy_process_group()
     return out
@@ -230,6 +237,9 @@ def test_wire_collectives_agree_and_fail_together_on_three_ranks() -> None:
     for out in result.values():
         assert out["gather"] == [{"rank": r} for r in range(3)] and out["bcast"] == ("from", 1)
         assert "rank(s) [2]" in out["refused"] and "rank(s) [0]" in out["huge"] and out["after"] == [0, 1, 2]
+        width = wire._fast_width(3)
+        assert out["sizes"] == [0, width + 1, 2] and out["full"] == [bytes([r]) * width for r in range(3)]
+        assert out["wide"] == [bytes([7]) * n for n in (0, wire._BROADCAST_FAST_WIDTH, wire._BROADCAST_FAST_WIDTH + 1)]
 
 
 _UNSAFE = ("all_gather_object(", "broadcast_object_list(", "gather_object(", "scatter_object_list(",

@@ -2,9 +2,7 @@
 
 These are the layer-level pieces of :class:`~scout_core.replay.engine.ReplayEngine`:
 
-* :func:`call_meta` / :func:`receive_buffers` / :func:`broadcast_call` move the
-  source's captured call (any structure, see :mod:`~scout_core.replay.calls`)
-  and its output gradients to every peer;
+* the source's captured call reaches every peer through :mod:`~scout_core.replay.shipping`;
 * :func:`materialize` makes an FSDP2 layer whole for the replay without
   running FSDP's hooks (so its reduce-scatter never touches live gradients);
 * :func:`replay_layer` runs forward and ``torch.autograd.grad`` once per input
@@ -27,74 +25,15 @@ from torch.distributed.tensor import DTensor
 from scout_core.consensus import c3_exchange
 from scout_core.extra_state import capture_extra_states, extra_state_tensors, restore_extra_states
 from scout_core.replay.calls import rebuild, tensor_leaves
-from scout_core.replay.capture import Captured
-from scout_core.replay.rng import RngProvider, capture_rng, replay_rng_scope, rng_fingerprint
+from scout_core.replay.rng import RngProvider, replay_rng_scope, rng_fingerprint
 from scout_core.replay.scratch import Scratch, fsdp_module, managed_parameters
+from scout_core.replay.shipping import ShippedCall
 from scout_core.signature import sign_many
 
 _log = logging.getLogger("scout")
 
-__all__ = ["GATHERED_RECEIPT", "GATHERED_SHARD", "ComputeClock", "LayerReplay", "ShippedCall", "broadcast_call",
-           "call_meta", "device_of", "gather_ranks", "gathered_shard_surfaces", "materialize", "receive_buffers",
-           "release_of", "replay_layer"]
-
-
-@dataclass
-class ShippedCall:
-    """The source's call as every peer holds it after the broadcast."""
-
-    tensors: list[torch.Tensor]
-    spec: Any
-    requires_grad: list[bool]
-    grad_outputs: dict[int, torch.Tensor]
-    rng: dict[str, torch.Tensor]
-    on_host: list[bool] | None = None
-    """Per tensor, whether it lives on the host (set for saved calls; a live call's tensors say it themselves)."""
-
-
-def call_meta(captured: Captured, providers: Mapping[str, RngProvider]) -> dict[str, Any]:
-    """What the source announces before the tensors: structure, shapes, dtypes, devices (host or the
-    layer's), RNG (small, picklable)."""
-    return {
-        "spec": captured.spec,
-        "tensors": [(tuple(t.shape), t.dtype, t.device.type) for t in captured.tensors],
-        "mask": list(captured.requires_grad),
-        "grads": {i: (tuple(g.shape), g.dtype, g.device.type) for i, g in sorted(captured.grad_outputs.items())},
-        "rng": dict(capture_rng(providers)),
-    }
-
-
-def receive_buffers(meta: dict[str, Any], captured: Captured | None, device: torch.device,
-                    is_source: bool) -> ShippedCall:
-    """The source's own (contiguous) tensors on the source; empty buffers of the announced shapes elsewhere."""
-    if is_source:
-        assert captured is not None
-        tensors = [t.contiguous() for t in captured.tensors]
-        grads = {i: captured.grad_outputs[i].contiguous() for i in meta["grads"]}
-    else:
-        tensors = [torch.empty(shape, dtype=dtype, device=_receive_device(kind, device))
-                   for shape, dtype, kind in meta["tensors"]]
-        grads = {i: torch.empty(shape, dtype=dtype, device=_receive_device(kind, device))
-                 for i, (shape, dtype, kind) in meta["grads"].items()}
-    return ShippedCall(tensors, meta["spec"], meta["mask"], grads, meta["rng"])
-
-
-def _receive_device(device_type: str, layer_device: torch.device) -> torch.device:
-    """Where a peer receives a tensor the source holds on ``device_type``: the host, or this rank's
-    accelerator of that type. Not simply the layer's parameter device: CPU-offloaded FSDP keeps parameters
-    on the host while the layer computes on the accelerator, and the device decides which group (gloo or
-    the device group) broadcasts the tensor, which must be the same on every peer."""
-    if device_type == "cpu":
-        return torch.device("cpu")
-    if layer_device.type == device_type:
-        return layer_device
-    return torch.device(device_type, getattr(torch, device_type).current_device())
-
-
-def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> None:
-    """Device tensors on the peers' device group, host tensors (a CPU ``max_seqlen``, positions) on gloo."""
-    for t in [*call.tensors, *call.grad_outputs.values()]:
-        dist.broadcast(t, src=src, group=host_group if t.device.type == "cpu" else group)
+__all__ = ["GATHERED_RECEIPT", "GATHERED_SHARD", "ComputeClock", "LayerReplay", "device_of", "gather_ranks",
+           "gathered_shard_surfaces", "materialize", "release_of", "replay_layer"]
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

@@ -1,8 +1,11 @@
 """One check's collective sequence: call metadata, scratch reservation, agreement, broadcast and evidence exchange.
 
 Every rank of the job takes these steps in the same order. Local work between them runs through the check's
-:class:`~scout_core.replay.guard.DiagnosisGuard`, and before each collective all ranks agree: a failure on any
-rank makes every rank skip the rest of the check together, so no peer is left waiting in a collective.
+:class:`~scout_core.replay.guard.DiagnosisGuard`, and before each collective a rank could otherwise miss, all ranks
+agree: a failure on any rank makes every rank skip the rest of the check together, so no peer is left waiting in a
+collective. The call metadata's broadcast needs no agreement before it (every member joins it whatever happened
+before); the one after it covers both. A check's cost on a busy host is mostly its collectives' latency, so each
+one here is one the check needs.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from scout_core.consensus import C3Result, StatisticalRule, c3_exchange
 from scout_core.groups import ScoutGroups
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.health import RecipeHealth
-from scout_core.replay.layer import ShippedCall, broadcast_call, call_meta, device_of, receive_buffers
+from scout_core.replay.layer import device_of
 from scout_core.replay.recipe import RecipeRunner, Replayed
 from scout_core.replay.result import REPLICA_UNTRUSTED, REPLICATED_STATE, BoundaryResult
 from scout_core.replay.scratch import Scratch
+from scout_core.replay.shipping import ShippedCall, broadcast_call, call_meta, receive_buffers
 from scout_core.replay.spec_codec import decode_metadata, encode_metadata
 from scout_core.report import Reporter
 from scout_core.signature import sign_many
@@ -94,11 +98,7 @@ class CheckProtocol:
         guard, step = self.guard, result.step
         if failed_before is not None:
             guard.fail(failed_before, "optimizer slice capture")
-        shared = self._call_metadata(due, src, step)
-        if shared is None:
-            result.skipped = DIAGNOSIS_ERROR
-            return None
-        captured, metas = shared
+        captured, metas = self._call_metadata(due, src)
         not_run = [self.recipes.names[idx] for _, idx in due if metas.get(idx) is None] if guard.ok else []
         calls: dict[int, ShippedCall] = {}
 
@@ -121,10 +121,9 @@ class CheckProtocol:
             return None
         return calls, scratch
 
-    def _call_metadata(self, due: Sequence[tuple[str, int]], src: int, step: int
-                       ) -> tuple[dict[int, Any], dict[int, Any]] | None:
-        """Take this step's captures and broadcast the source's call metadata: (captured, metadata), or None when
-        every rank skips."""
+    def _call_metadata(self, due: Sequence[tuple[str, int]], src: int) -> tuple[dict[int, Any], dict[int, Any]]:
+        """Take this step's captures and broadcast the source's call metadata: (captured, metadata); the
+        metadata is empty where the source or this rank failed (the agreement after it skips the check)."""
         guard = self.guard
         captured = guard.run("capture", lambda: {idx: self.recipes.captures[idx].take() for _, idx in due}) or {}
         payload = None
@@ -132,10 +131,13 @@ class CheckProtocol:
             payload = guard.run("call metadata", lambda: encode_metadata(
                 {idx: None if captured.get(idx) is None else call_meta(captured[idx], self.recipes.rng_providers)
                  for _, idx in due}))
-        if not guard.agree(step):
-            return None
-        raw = broadcast_bytes(payload if self.rank == src else b"", src, self.groups.peer_control,
-                              what="call metadata")
+        # No agreement before this broadcast: every member joins it whatever its own state (a source that failed
+        # sends an empty payload and reports its own failure), and the agreement that follows the buffers and
+        # scratch reservation decides for every rank at once: one collective less per check.
+        raw = guard.attempt("call metadata", lambda: broadcast_bytes(
+            (payload or b"") if self.rank == src else b"", src, self.groups.peer_control, what="call metadata"))
+        if not raw:
+            return captured, {}
         return captured, guard.run("call metadata", lambda: decode_metadata(raw, src)) or {}
 
     def _reserve_scratch(self, due: Sequence[tuple[str, int]], calls: dict[int, ShippedCall]) -> dict[int, Scratch]:
@@ -170,12 +172,16 @@ class CheckProtocol:
             return None
 
         def exchange() -> tuple[list[C3Result], list[C3Result] | None]:
-            # A peer that sent other surfaces makes the exchange raise on every peer alike.
-            ctrl = self.groups.peer_control
-            surfaces = c3_exchange([v for _, v in evidence], group=ctrl, surfaces=[n for n, _ in evidence])
-            times = c3_exchange([replayed.compute_s, replayed.comm_s], group=ctrl,
-                                surfaces=["replay.compute_s", "replay.comm_s"], rule=rule) if timed else None
-            return surfaces, times
+            # A peer that sent other surfaces makes the exchange raise on every peer alike. Signatures (exact)
+            # and, in a timed check, the two times (statistical) travel in one all-gather.
+            values, names = [v for _, v in evidence], [n for n, _ in evidence]
+            rules: list[str | StatisticalRule] = ["exact"] * len(values)
+            if timed:
+                values += [replayed.compute_s, replayed.comm_s]
+                names += ["replay.compute_s", "replay.comm_s"]
+                rules += [rule, rule]
+            results = c3_exchange(values, group=self.groups.peer_control, surfaces=names, rule=rules)
+            return (results[:-2], results[-2:]) if timed else (results, None)
 
         # A pipeline stage without the due module has no evidence, but still agrees with the others.
         exchanged = guard.run("evidence exchange", exchange) if evidence else ([], None)

@@ -18,7 +18,6 @@ from scout_core.replay.capture import LayerCapture
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.layer import (
     LayerReplay,
-    ShippedCall,
     gather_ranks,
     gathered_shard_surfaces,
     materialize,
@@ -29,6 +28,7 @@ from scout_core.replay.optimizer import OptimizerSlice
 from scout_core.replay.optimizer_source import source_slice_surface
 from scout_core.replay.rng import RngProvider
 from scout_core.replay.scratch import Scratch, fsdp_module, reserve, unshard_bytes
+from scout_core.replay.shipping import ShippedCall
 from scout_core.replay.timing import CommTiming, mesh_groups, time_hsdp_collectives
 from scout_core.replay.vetting import SELF_CHECK_SURFACE
 from scout_core.signature import sign_many

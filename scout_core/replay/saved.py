@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from scout_core.replay.layer import ShippedCall
+from scout_core.replay.shipping import ShippedCall
 from scout_core.replay.spec_codec import spec_from_tensor, spec_to_tensor
 
 __all__ = ["call_from_dict", "call_to_dict", "to_device"]

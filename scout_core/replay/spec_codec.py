@@ -291,7 +291,7 @@ def spec_from_tensor(data: Any, *, where: str = "saved call") -> Any:
 # -- a check's call metadata, broadcast by the source before the tensors ------------------------------
 
 def encode_metadata(metas: dict[int, dict[str, Any] | None]) -> bytes:
-    """The source's :func:`~scout_core.replay.layer.call_meta` per sampled layer, as wire bytes."""
+    """The source's :func:`~scout_core.replay.shipping.call_meta` per sampled layer, as wire bytes."""
     return wire.encode({idx: None if m is None else {**m, "spec": encode_spec(m["spec"])}
                         for idx, m in metas.items()})
 

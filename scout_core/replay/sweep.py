@@ -15,11 +15,11 @@ import torch.distributed as dist
 from scout_core.consensus import C3Status, c3_exchange
 from scout_core.groups import ScoutGroups
 from scout_core.replay.guard import DiagnosisGuard
-from scout_core.replay.layer import ShippedCall
 from scout_core.replay.recipe import RecipeRunner
 from scout_core.replay.result import BoundaryResult
 from scout_core.replay.saved import call_from_dict, call_to_dict, to_device
 from scout_core.replay.scratch import module_compute_device
+from scout_core.replay.shipping import ShippedCall
 from scout_core.replay.trust import Trust
 from scout_core.replay.verdicts import VerdictContext, peer_writer, sdc_verdicts
 from scout_core.report import Incident

@@ -75,12 +75,14 @@ class CommTiming:
         ``scratch`` comes from :func:`~scout_core.replay.scratch.reserve`, allocated before the ranks
         agreed to run the check. The fastest of ``repeats`` runs: a slow link or endpoint is slow every
         time, while a scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and
-        drops the second.
+        drops the second. No barrier before them (one collective more per check, and a check on a busy host
+        pays each collective's latency): the first run absorbs the members' arrival skew (their replays take
+        different times), and an all-reduce ends on its members within a message of each other, so the runs
+        after it start together, and the minimum is the collective's time, not the skew.
         """
         params = [p for p in layer.parameters() if p.requires_grad]
         best = float("inf")
         for _ in range(repeats):
-            dist.barrier(group=group)  # start together: the time is the collective's, not arrival skew
             sync(params)
             start = time.perf_counter()
             dist.all_reduce(scratch, group=group)
@@ -222,15 +224,16 @@ def time_hsdp_collectives(layer: torch.nn.Module, scratch: tuple[torch.Tensor, t
     full, shard = scratch
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     # The fastest of three runs each, as for the scratch all-reduce: a slow link is slow every time, a
-    # scheduler hiccup on a loaded host delays one run.
+    # scheduler hiccup on a loaded host delays one run. The three runs of one collective follow each other with
+    # no barrier: the first absorbs the members' arrival skew (after a replay, or after the other dimension's
+    # runs, where a slow shard group finishes late), the next two start together.
     t_rs = t_ar = float("inf")
     for _ in range(3):
-        dist.barrier(group=shard_pg)  # the group starts together: times belong to the collectives
         start = time.perf_counter()
         reduce_scatter(shard, full, group=shard_pg)
         sync([shard])
         t_rs = min(t_rs, time.perf_counter() - start)
-        dist.barrier(group=repl_pg)
+    for _ in range(3):
         start = time.perf_counter()
         dist.all_reduce(shard, group=repl_pg)
         sync([shard])
