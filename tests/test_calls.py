@@ -322,7 +322,7 @@ def test_closures_the_receiver_cannot_rebuild_exactly_are_not_shipped():
             spec_to_tensor(spec)
 
 
-def _shipped(ctx: Any) -> list[bool]:
+def _broadcast_rank(ctx: Any) -> list[bool]:
     import torch.distributed as dist
 
     from scout_core.replay.shipping import ShippedCall, broadcast_call
@@ -347,6 +347,6 @@ def test_a_call_of_small_and_large_tensors_reaches_every_peer_exactly():
     host), a large one travels alone, tensors of another dtype in their own; every peer ends with the source's."""
     from scout_core.testing.launcher import launch
 
-    result = launch(_shipped, 3, timeout_s=60)
+    result = launch(_broadcast_rank, 3, timeout_s=60)
     assert result.ok, result.failures()
     assert all(all(v) for v in result.values())
