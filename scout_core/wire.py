@@ -188,11 +188,8 @@ _BROADCAST_FAST_WIDTH = 8192
 
 def _framed(payload: bytes | None, length: int, width: int, device: torch.device) -> torch.Tensor:
     """``length`` as a signed 8-byte header, then ``payload`` when it fits in ``width`` bytes (zeros otherwise)."""
-    buf = torch.zeros(_HEADER + width, dtype=torch.uint8)
-    buf[:_HEADER] = torch.frombuffer(bytearray(length.to_bytes(_HEADER, "little", signed=True)), dtype=torch.uint8)
-    if payload and 0 <= length <= width:
-        buf[_HEADER:_HEADER + length] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return buf.to(device)
+    body = payload if payload and 0 <= length <= width else b""
+    return _padded(length.to_bytes(_HEADER, "little", signed=True) + body, _HEADER + width, device)
 
 
 def _unframed(rows: bytes, width: int) -> tuple[int, bytes]:

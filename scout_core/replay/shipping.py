@@ -78,17 +78,18 @@ def broadcast_call(call: ShippedCall, src: int, group: Any, host_group: Any) -> 
     peer holds the same tensors in the same order (the broadcast metadata), so every peer forms the same
     buckets."""
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each open bucket
     for t in [*call.tensors, *call.grad_outputs.values()]:
         on = host_group if t.device.type == "cpu" else group
         key = (t.device, t.dtype)
         if t.nbytes > _COALESCED_BYTES:
             dist.broadcast(t, src=src, group=on)
             continue
-        bucket = buckets.setdefault(key, [])
-        if sum(b.nbytes for b in bucket) + t.nbytes > _COALESCED_BYTES:
+        if filled.get(key, 0) + t.nbytes > _COALESCED_BYTES:
             _broadcast_together(buckets.pop(key), src, on)
-            bucket = buckets.setdefault(key, [])
-        bucket.append(t)
+            filled[key] = 0
+        buckets.setdefault(key, []).append(t)
+        filled[key] = filled.get(key, 0) + t.nbytes
     for (device, _), bucket in buckets.items():
         _broadcast_together(bucket, src, host_group if device.type == "cpu" else group)
 
