@@ -69,18 +69,21 @@ class CommTiming:
         self.group_floors = {dim: NoiseFloor(window) for dim in ("shard", "replica")}
 
     def scratch_all_reduce(self, layer: torch.nn.Module, group: Any, scratch: torch.Tensor,
-                           repeats: int = 3) -> float:
+                           repeats: int = 2) -> float:
         """Time a training-shaped all-reduce (the sampled layer's gradient size) on a scratch tensor.
 
         ``scratch`` comes from :func:`~scout_core.replay.scratch.reserve`, allocated before the ranks
-        agreed to run the check. The fastest of ``repeats`` runs: a slow link or endpoint is slow every
-        time, while a scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and
-        drops the second. No barrier before them (one collective more per check, and a check on a busy host
-        pays each collective's latency): the first run absorbs the members' arrival skew (their replays take
-        different times), and an all-reduce ends on its members within a message of each other, so the runs
-        after it start together, and the minimum is the collective's time, not the skew.
+        agreed to run the check. First a one-element all-reduce on the same group (a slice of the scratch):
+        it absorbs the members' arrival skew (their replays take different times) at a small collective's
+        cost, and an all-reduce ends on its members within a message of each other, so the timed runs start
+        together. Then the fastest of ``repeats`` runs: a slow link or endpoint is slow every time, while a
+        scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and drops the second.
+        Two runs, not three: in a clean 16-rank job on this 2-core host the faster of two read above 1.5x its
+        median in 1 of 46 checks, as the fastest of three did, while each run costs as much as a third of
+        the check's replayed passes (``python benchmarks/replay_stages.py --probe-runs``; docs/benchmarks.md).
         """
         params = [p for p in layer.parameters() if p.requires_grad]
+        dist.all_reduce(scratch.view(-1)[:1], group=group)  # not timed: the members arrive here apart
         best = float("inf")
         for _ in range(repeats):
             sync(params)

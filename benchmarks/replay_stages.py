@@ -1,0 +1,219 @@
+"""Where a replay check's fixed cost goes (issue 33, item 2): the replay bench's 16-rank DDP job, with every
+stage of :meth:`~scout_core.replay.engine.ReplayEngine._check` and every one of torch's Python collectives timed
+on every rank, check by check. A measurement tool, not a benchmark with a goal: it wraps the engine's methods from
+outside (nothing in ``scout_core`` knows it runs).
+
+Per stage it reports, over the checks after the first rotation: the median of the slowest rank's time and of
+the ranks' mean, the time spent inside collectives (waiting for the slowest peer included), and beside them the
+A/B cost of a check (a plain copy of the model stepped alternately with the watched one, as in the replay bench).
+
+    python benchmarks/replay_stages.py [--world 16] [--interval 5] [--periods 6] [--out stages.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier")
+
+
+def _stage_targets() -> list[tuple[Any, str, str]]:
+    """(owner, attribute, stage name): the methods a check runs, outermost first."""
+    from scout_core.replay import capture, layer, recipe, timing
+    from scout_core.replay.engine import ReplayEngine
+    from scout_core.replay.guard import DiagnosisGuard
+    from scout_core.replay.protocol import CheckProtocol
+    from scout_core.replay.trust import Trust
+
+    return [
+        (ReplayEngine, "boundary", "boundary"),
+        (CheckProtocol, "agree_inputs", "agree_inputs"),
+        (CheckProtocol, "_call_metadata", "  call_metadata"),
+        (CheckProtocol, "_reserve_scratch", "  reserve_scratch"),
+        (DiagnosisGuard, "agree_status", "  agree_status"),
+        (CheckProtocol, "broadcast", "broadcast"),
+        (recipe.RecipeRunner, "replay_due", "replay_due"),
+        (recipe.RecipeRunner, "replay", "  replay (passes, signing)"),
+        (layer, "_signed", "    signing"),
+        (recipe.RecipeRunner, "_timed", "  timed collective"),
+        (Trust, "vetting_surfaces", "vetting_surfaces"),
+        (CheckProtocol, "exchange", "exchange"),
+        (CheckProtocol, "replica_exchange", "replica_exchange"),
+        (ReplayEngine, "_verdicts", "verdicts"),
+        (capture.LayerCapture, "_pre", "capture (in the step)"),
+        (capture.LayerCapture, "_post", "capture (in the step)"),
+        (timing.CommTiming, "scratch_all_reduce", "    scratch all-reduce"),
+    ]
+
+
+def _instrument(record: dict[str, float]) -> None:
+    """Wrap every stage and collective so that its wall time adds to ``record`` (this rank, this check)."""
+    import torch.distributed as dist
+
+    def timed(fn: Any, name: str) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                record[name] = record.get(name, 0.0) + time.perf_counter() - start
+                if name in _COLLECTIVES:
+                    record["collectives (count)"] = record.get("collectives (count)", 0) + 1
+        return wrapper
+
+    for owner, attr, name in _stage_targets():
+        setattr(owner, attr, timed(getattr(owner, attr), name))
+    for name in _COLLECTIVES:
+        setattr(dist, name, timed(getattr(dist, name), name))
+
+
+def _probe_runs(runs: list[list[float]]) -> None:
+    """Replace the timed scratch all-reduce by a barrier and three recorded runs (``runs``, one row per check),
+    so that the spread of one run, the faster of two and of three can be read from one job."""
+    import torch.distributed as dist
+
+    from scout_core.replay import timing
+
+    def probed(self: Any, layer: torch.nn.Module, group: Any, scratch: torch.Tensor, repeats: int = 3) -> float:
+        dist.barrier(group=group)
+        row = []
+        for _ in range(3):
+            start = time.perf_counter()
+            dist.all_reduce(scratch, group=group)
+            row.append(time.perf_counter() - start)
+        runs.append(row)
+        return min(row)
+
+    timing.CommTiming.scratch_all_reduce = probed
+
+
+def _rank(ctx: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from scout_core.config import ReplayCadence, ReplayConfig
+    from scout_core.replay.engine import ReplayEngine
+    from scout_core.testing.launcher import init_gloo
+
+    init_gloo(ctx, timeout_s=900)
+    torch.set_num_threads(1)
+    a = ctx.args
+    depth, width, interval = a["depth"], a["width"], a["interval"]
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                      for _ in range(depth)))
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+    record: dict[str, float] = {}
+    runs: list[list[float]] = []
+    if a["probe_runs"]:
+        _probe_runs(runs)
+    _instrument(record)  # before the engine exists: its capture hooks are bound at construction
+    data = torch.randn(a["batch"], width, generator=torch.Generator().manual_seed(ctx.rank))
+    plain, plain_opt = make()
+    watched, watched_opt = make()
+    cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=interval, output=0, optimizer=0))
+    engine = ReplayEngine(list(watched.module), watched_opt, config=cfg)
+
+    def period(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(interval):
+            model(data).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    for _ in range(depth):  # the first rotation (vetted checks) before anything is recorded
+        period(watched, watched_opt)
+        period(plain, plain_opt)
+    checks, costs, steps = [], [], []
+    for i in range(a["periods"]):
+        arms = [("a", plain, plain_opt), ("b", watched, watched_opt)]
+        times = {}
+        for name, model, opt in (arms if i % 2 else arms[::-1]):
+            record.clear()
+            times[name] = period(model, opt)
+            if name == "b":
+                for key in ("barrier",):  # the period's own two barriers are not the check's
+                    record.pop(key, None)
+                record["collectives (count)"] = record.get("collectives (count)", 0) - 2
+                checks.append(dict(record))
+        costs.append(times["b"] - times["a"])
+        steps.append(times["a"] / interval)
+    engine.close()
+    return {"checks": checks, "costs": costs, "step_s": statistics.median(steps), "runs": runs}
+
+
+def _spread(per_rank: list[list[list[float]]]) -> dict[str, Any]:
+    """Per estimator (one run, the faster of two, of three): the group median per check over its median over the
+    checks; the share of checks above 1.5x (the communication ratio floor) and its largest."""
+    out = {}
+    for name, pick in (("one run", lambda r: r[0]), ("min of 2", lambda r: min(r[:2])), ("min of 3", min)):
+        medians = [statistics.median(pick(rank[c]) for rank in per_rank) for c in range(len(per_rank[0]))]
+        base = statistics.median(medians)
+        ratios = sorted(m / base for m in medians)
+        out[name] = {"median_ms": round(base * 1e3, 1), "max_ratio": round(ratios[-1], 2),
+                     "p90_ratio": round(ratios[int(0.9 * (len(ratios) - 1))], 2),
+                     "over_1.5x": sum(r > 1.5 for r in ratios), "checks": len(ratios)}
+    return out
+
+
+def main() -> None:
+    from scout_core.testing.launcher import launch
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=16)
+    p.add_argument("--interval", type=int, default=5)
+    p.add_argument("--periods", type=int, default=6)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--probe-runs", action="store_true", help="time the scratch all-reduce after a barrier, 3 runs")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    result = launch(_rank, a.world, timeout_s=1800, args=vars(a))
+    if not result.ok:
+        raise SystemExit(result.failures())
+    ranks = result.values()
+    names = sorted({k for r in ranks for c in r["checks"] for k in c}, key=lambda k: (k not in {
+        n for _, _, n in _stage_targets()}, k))
+    order = [n for _, _, n in _stage_targets()]
+    names.sort(key=lambda k: order.index(k) if k in order else len(order))
+    n_checks = len(ranks[0]["checks"])
+    rows = {}
+    for name in names:
+        per_check = [[r["checks"][c].get(name, 0.0) for r in ranks] for c in range(n_checks)]
+        scale = 1 if name.endswith("(count)") else 1e3  # a count, not seconds
+        rows[name] = {"max_ms": round(statistics.median(max(v) for v in per_check) * scale, 1),
+                      "mean_ms": round(statistics.median(statistics.fmean(v) for v in per_check) * scale, 1)}
+    cost_ms = statistics.median(c for r in ranks for c in r["costs"]) * 1e3
+    out = {"world": a.world, "interval": a.interval, "periods": a.periods,
+           "step_ms": round(ranks[0]["step_s"] * 1e3, 1),
+           "check_cost_ms (B - A per period)": round(cost_ms, 1), "stages": rows}
+    width = max(len(n) for n in names)
+    print(f"{a.world} ranks, I={a.interval}, step {out['step_ms']} ms; a check's A/B cost {cost_ms:.0f} ms")
+    print(f"{'stage'.ljust(width)}  slowest rank  rank mean   (median over {n_checks} checks)")
+    for name, row in rows.items():
+        print(f"{name.ljust(width)}  {row['max_ms']:>10.1f}  {row['mean_ms']:>9.1f}")
+    if a.probe_runs:
+        out["runs"] = _spread([r["runs"] for r in ranks])
+        print(json.dumps(out["runs"], indent=1))
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
