@@ -1,7 +1,8 @@
-"""Where a replay check's fixed cost goes (issue 33, item 2): the replay bench's 16-rank DDP job, with every
-stage of :meth:`~scout_core.replay.engine.ReplayEngine._check` and every one of torch's Python collectives timed
-on every rank, check by check. A measurement tool, not a benchmark with a goal: it wraps the engine's methods from
-outside (nothing in ``scout_core`` knows it runs).
+"""Where a replay check's fixed cost goes: the replay bench's 16-rank DDP job, every stage of a check and every
+Python collective timed on every rank, check by check.
+
+A measurement tool, not a benchmark with a goal: it wraps the engine's methods from outside (nothing in
+``scout_core`` knows it runs).
 
 Per stage it reports, over the checks after the first rotation: the median of the slowest rank's time and of
 the ranks' mean, the time spent inside collectives (waiting for the slowest peer included), and beside them the

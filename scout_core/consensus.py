@@ -37,7 +37,9 @@ __all__ = [
     "C3Result",
     "exact",
     "statistical",
+    "c3_compare",
     "c3_exchange",
+    "c3_exchange_unless_failed",
     "Confirmation",
     "Persistence",
     "group_disagreements",
@@ -64,6 +66,35 @@ def c3_exchange(
     (signatures and times in one exchange: a collective's latency is what a check pays).
     """
     local = list(local_evidence)
+    names, rules = _names_and_rules(local, surfaces, rule)
+    gathered = all_gather_data((names, local), group, what="evidence exchange")
+    return c3_compare(gathered, names, rules, group=group)
+
+
+def c3_exchange_unless_failed(
+    local_evidence: Sequence[Any] | None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    surfaces: Sequence[str] | None = None,
+    rule: str | StatisticalRule | Sequence[str | StatisticalRule] = "exact",
+) -> list[C3Result] | None:
+    """:func:`c3_exchange` that a member which already failed joins with ``None`` instead of its evidence: then
+    no member compares and all return None (the exchange needs no agreement before it, one collective less; the
+    agreement after it tells every member why). ``surfaces`` and ``rule`` are still this member's own."""
+    if local_evidence is None:  # joins the all-gather whatever it was given: its peers wait in it
+        all_gather_data(None, group, what="evidence exchange")
+        return None
+    local = list(local_evidence)
+    names, rules = _names_and_rules(local, surfaces, rule)  # a bad call raises on every member alike
+    gathered = all_gather_data((names, local), group, what="evidence exchange")
+    if any(g is None for g in gathered):
+        return None
+    return c3_compare(gathered, names, rules, group=group)
+
+
+def _names_and_rules(local: Sequence[Any], surfaces: Sequence[str] | None,
+                     rule: str | StatisticalRule | Sequence[str | StatisticalRule]
+                     ) -> tuple[list[str], list[str | StatisticalRule]]:
     k = len(local)
     names = list(surfaces) if surfaces is not None else [f"surface{i}" for i in range(k)]
     if len(names) != k:
@@ -71,11 +102,15 @@ def c3_exchange(
     rules = list(rule) if isinstance(rule, (list, tuple)) else [rule] * k
     if len(rules) != k:
         raise ValueError(f"{len(rules)} rules for {k} pieces of evidence")
-    world = dist.get_world_size(group)
-    # One all-gather carries every surface; shape checks happen after so
-    # a peer with a different K is reported instead of deadlocking the group.
-    gathered = all_gather_data((names, local), group, what="evidence exchange")
-    peer_ranks = _group_ranks(group, world)
+    return names, rules
+
+
+def c3_compare(gathered: Sequence[Any], names: Sequence[str], rules: Sequence[str | StatisticalRule], *,
+               group: dist.ProcessGroup | None = None) -> list[C3Result]:
+    """Every member's ``(surfaces, evidence)``, gathered in group rank order, compared surface by surface. A peer
+    that sent other surfaces raises here (on every member alike) instead of deadlocking the group."""
+    names, k = list(names), len(names)
+    peer_ranks = _group_ranks(group, len(gathered))
     for peer, (peer_names, peer_local) in zip(peer_ranks, gathered):
         if list(peer_names) != names or len(peer_local) != k:
             raise RuntimeError(

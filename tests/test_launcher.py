@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from scout_core.consensus import C3Status, StatisticalRule, c3_exchange
+from scout_core.consensus import C3Status, StatisticalRule, c3_exchange, c3_exchange_unless_failed
 from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
@@ -111,6 +111,12 @@ def _exchange(ctx: RankContext):
         out["mismatch"] = None
     except RuntimeError as exc:
         out["mismatch"] = str(exc)
+    # A member that already failed joins with None (and other surfaces than its peers would send): nobody
+    # compares, nobody raises, and the group goes on to its next collective.
+    failed = c3_exchange_unless_failed(None if ctx.rank == 5 else [1, 2], surfaces=["a"] if ctx.rank == 5 else
+                                       ["a", "b"])
+    healthy = c3_exchange_unless_failed([ctx.rank == 3], surfaces=["flag"])
+    out["unless_failed"] = [failed, [r.status.value for r in healthy]]
     return out
 
 
@@ -127,6 +133,7 @@ def test_c3_exchange_k_surfaces_identical_everywhere():
     assert values[0]["sub"]["peer_ranks"] == [0, 2, 4] and values[0]["sub"]["bitmap"] == [0, 0, 1]
     assert values[1]["sub"]["peer_ranks"] == [1, 3, 5] and values[1]["sub"]["status"] == C3Status.AGREE.value
     assert all("mismatch" in (v["mismatch"] or "") for v in values)
+    assert all(v["unless_failed"] == [None, ["attributed"]] for v in values)
 
 
 def _nap(ctx):

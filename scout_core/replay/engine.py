@@ -206,7 +206,8 @@ class ReplayEngine:
             replayed.evidence += self.opt.replay(protocol.guard, rank=self.rank, src=src,
                                                  host_group=self.groups.peer_control)
         # Exchange signatures and times; compare by strict majority (exact C3) and statistically.
-        exchanged = protocol.exchange(result, replayed, timed=due.timed, rule=self.rule)
+        exchanged = protocol.exchange(result, replayed, timed=due.timed, rule=self.rule,
+                                      expects_evidence=bool(due.layers) or (due.optimizer and self.opt is not None))
         if exchanged is None:
             return
         surfaces, timing = exchanged

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scout_core.consensus import C3Result, StatisticalRule, c3_exchange
+from scout_core.consensus import C3Result, StatisticalRule, c3_exchange, c3_exchange_unless_failed
 from scout_core.groups import ScoutGroups
 from scout_core.replay.guard import DiagnosisGuard
 from scout_core.replay.health import RecipeHealth
@@ -162,29 +162,31 @@ class CheckProtocol:
         for _, idx in due:
             broadcast_call(calls[idx], src, self.groups.peer, self.groups.peer_control)
 
-    def exchange(self, result: BoundaryResult, replayed: Replayed, *, timed: bool, rule: StatisticalRule
-                 ) -> tuple[list[C3Result], list[C3Result] | None] | None:
-        """Agree, then exchange every surface's signature (exact C3) and, in a timed check, the compute and
-        communication times (statistical C3 by ``rule``) in one exchange each; None: every rank skips."""
+    def exchange(self, result: BoundaryResult, replayed: Replayed, *, timed: bool, rule: StatisticalRule,
+                 expects_evidence: bool) -> tuple[list[C3Result], list[C3Result] | None] | None:
+        """Exchange every surface's signature (exact C3) and, in a timed check, the compute and communication
+        times (statistical C3 by ``rule``) in one all-gather, then agree; None: every rank skips.
+
+        ``expects_evidence``: this rank's peer group replays something in this check (from the schedule, the
+        same on every peer; a pipeline stage without the due module has nothing to exchange but still agrees).
+        No agreement before the exchange (one collective less per check): every peer joins it whatever its own
+        state, a rank that failed earlier in the check sends no evidence, then no rank compares, and the
+        agreement after it skips the check on every rank with one record, the failed rank's."""
         guard, step, evidence = self.guard, result.step, replayed.evidence
-        if not guard.agree(step):
-            result.skipped = DIAGNOSIS_ERROR
-            return None
-
-        def exchange() -> tuple[list[C3Result], list[C3Result] | None]:
-            # A peer that sent other surfaces makes the exchange raise on every peer alike. Signatures (exact)
-            # and, in a timed check, the two times (statistical) travel in one all-gather.
-            values, names = [v for _, v in evidence], [n for n, _ in evidence]
-            rules: list[str | StatisticalRule] = ["exact"] * len(values)
-            if timed:
-                values += [replayed.compute_s, replayed.comm_s]
-                names += ["replay.compute_s", "replay.comm_s"]
-                rules += [rule, rule]
-            results = c3_exchange(values, group=self.groups.peer_control, surfaces=names, rule=rules)
-            return (results[:-2], results[-2:]) if timed else (results, None)
-
-        # A pipeline stage without the due module has no evidence, but still agrees with the others.
-        exchanged = guard.run("evidence exchange", exchange) if evidence else ([], None)
+        # Signatures (exact) and, in a timed check, the two times (statistical) travel in one all-gather. A peer
+        # that sent other surfaces makes the comparison raise on every peer alike.
+        values, names = [v for _, v in evidence], [n for n, _ in evidence]
+        rules: list[str | StatisticalRule] = ["exact"] * len(values)
+        if timed:
+            values += [replayed.compute_s, replayed.comm_s]
+            names += ["replay.compute_s", "replay.comm_s"]
+            rules += [rule, rule]
+        exchanged: tuple[list[C3Result], list[C3Result] | None] | None = ([], None)
+        if expects_evidence:
+            ok = guard.ok
+            results = guard.attempt("evidence exchange", lambda: c3_exchange_unless_failed(
+                values if ok else None, group=self.groups.peer_control, surfaces=names, rule=rules))
+            exchanged = None if results is None else (results[:-2], results[-2:]) if timed else (results, None)
         if not guard.agree(step) or exchanged is None:
             result.skipped = DIAGNOSIS_ERROR
             return None
