@@ -8,7 +8,7 @@ Per stage it reports, over the checks after the first rotation: the median of th
 the ranks' mean, the time spent inside collectives (waiting for the slowest peer included), and beside them the
 A/B cost of a check (a plain copy of the model stepped alternately with the watched one, as in the replay bench).
 
-    python benchmarks/replay_stages.py [--world 16] [--interval 5] [--periods 6] [--out stages.json]
+    python benchmarks/replay_stages.py [--world 16] [--interval 2] [--periods 30] [--probe-runs] [--out F]
 """
 
 from __future__ import annotations
@@ -171,45 +171,51 @@ def _spread(per_rank: list[list[list[float]]]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
+def bench_replay_stages(*, world: int = 16, interval: int = 2, periods: int = 30, depth: int = 6, width: int = 256,
+                        batch: int = 256, probe_runs: bool = False) -> dict[str, Any]:
+    """Per stage, the median over the checks of the slowest rank's and the ranks' mean milliseconds, beside a
+    check's A/B cost and the step; with ``probe_runs``, the spread of one, two and three timed runs."""
     from scout_core.testing.launcher import launch
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=16)
-    p.add_argument("--interval", type=int, default=5)
-    p.add_argument("--periods", type=int, default=6)
-    p.add_argument("--depth", type=int, default=6)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--probe-runs", action="store_true", help="time the scratch all-reduce after a barrier, 3 runs")
-    p.add_argument("--out", default=None)
-    a = p.parse_args()
-    result = launch(_rank, a.world, timeout_s=1800, args=vars(a))
+    args = {"world": world, "interval": interval, "periods": periods, "depth": depth, "width": width,
+            "batch": batch, "probe_runs": probe_runs}
+    result = launch(_rank, world, timeout_s=1800, args=args)
     if not result.ok:
-        raise SystemExit(result.failures())
+        raise RuntimeError(result.failures())
     ranks = result.values()
-    names = sorted({k for r in ranks for c in r["checks"] for k in c}, key=lambda k: (k not in {
-        n for _, _, n in _stage_targets()}, k))
     order = [n for _, _, n in _stage_targets()]
-    names.sort(key=lambda k: order.index(k) if k in order else len(order))
+    names = sorted({k for r in ranks for c in r["checks"] for k in c},
+                   key=lambda k: (order.index(k) if k in order else len(order), k))
     n_checks = len(ranks[0]["checks"])
     rows = {}
     for name in names:
         per_check = [[r["checks"][c].get(name, 0.0) for r in ranks] for c in range(n_checks)]
         scale = 1 if name.endswith("(count)") else 1e3  # a count, not seconds
-        rows[name] = {"max_ms": round(statistics.median(max(v) for v in per_check) * scale, 1),
-                      "mean_ms": round(statistics.median(statistics.fmean(v) for v in per_check) * scale, 1)}
-    cost_ms = statistics.median(c for r in ranks for c in r["costs"]) * 1e3
-    out = {"world": a.world, "interval": a.interval, "periods": a.periods,
-           "step_ms": round(ranks[0]["step_s"] * 1e3, 1),
-           "check_cost_ms (B - A per period)": round(cost_ms, 1), "stages": rows}
-    width = max(len(n) for n in names)
-    print(f"{a.world} ranks, I={a.interval}, step {out['step_ms']} ms; a check's A/B cost {cost_ms:.0f} ms")
-    print(f"{'stage'.ljust(width)}  slowest rank  rank mean   (median over {n_checks} checks)")
-    for name, row in rows.items():
-        print(f"{name.ljust(width)}  {row['max_ms']:>10.1f}  {row['mean_ms']:>9.1f}")
-    if a.probe_runs:
+        rows[name.strip()] = {"max_ms": round(statistics.median(max(v) for v in per_check) * scale, 1),
+                              "mean_ms": round(statistics.median(statistics.fmean(v) for v in per_check) * scale, 1),
+                              "depth": (len(name) - len(name.lstrip())) // 2}
+    out = {**args, "checks": n_checks, "step_ms": round(ranks[0]["step_s"] * 1e3, 1),
+           "check_cost_ms": round(statistics.median(c for r in ranks for c in r["costs"]) * 1e3, 1), "stages": rows}
+    if probe_runs:
         out["runs"] = _spread([r["runs"] for r in ranks])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=16)
+    p.add_argument("--interval", type=int, default=2)
+    p.add_argument("--periods", type=int, default=30)
+    p.add_argument("--probe-runs", action="store_true", help="time the scratch all-reduce after a barrier, 3 runs")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    out = bench_replay_stages(world=a.world, interval=a.interval, periods=a.periods, probe_runs=a.probe_runs)
+    width = max(len(n) + 2 * row["depth"] for n, row in out["stages"].items())
+    print(f"{a.world} ranks, I={a.interval}, step {out['step_ms']} ms; a check's A/B cost {out['check_cost_ms']} ms")
+    print(f"{'stage'.ljust(width)}  slowest rank  rank mean   (median over {out['checks']} checks)")
+    for name, row in out["stages"].items():
+        print(f"{('  ' * row['depth'] + name).ljust(width)}  {row['max_ms']:>10.1f}  {row['mean_ms']:>9.1f}")
+    if a.probe_runs:
         print(json.dumps(out["runs"], indent=1))
     if a.out:
         with open(a.out, "w") as fh:

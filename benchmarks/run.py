@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import catalog_bench  # noqa: E402
 import hang as hang_bench  # noqa: E402
 import replay_bench  # noqa: E402
+import replay_stages  # noqa: E402
 import scale_sim  # noqa: E402
 import straggler_bench  # noqa: E402
 from checkpoint_bench import bench_checkpoint, bench_snapshot_ab  # noqa: E402
@@ -52,7 +53,11 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     # The same curve on a longer step (issue 33: where a budget cannot be met on 2 shared cores, the same code
     # on a longer step): a check's collectives cost the same milliseconds, its replayed passes scale with the step.
-    "replay_long": lambda a, d: replay_bench.bench_replay_curve(intervals=(20, 100), pairs=4, width=512, batch=512),
+    "replay_long": lambda a, d: replay_bench.bench_replay_curve(intervals=(20, 100), pairs=3, width=512, batch=512),
+    # Where a check's fixed cost goes: every stage timed on every rank (the isolating measurement issue 33 asks for).
+    # The probe job replaces the timed collective by a barrier and three recorded runs (the spread of 1, 2, 3 runs).
+    "replay_stages": lambda a, d: {**replay_stages.bench_replay_stages(),
+                                   "probe": replay_stages.bench_replay_stages(periods=20, probe_runs=True)["runs"]},
     "replay_memory": lambda a, d: {**replay_bench.bench_replay_memory(), "goal_over_layer": 4.0},
     "straggler": lambda a, d: straggler_bench.bench_straggler_sensitivity(),
     "straggler_8": lambda a, d: straggler_bench.bench_straggler_sensitivity(world=8),
@@ -72,8 +77,8 @@ QUICK: dict[str, Callable[[Any, torch.device], Any]] = {
     "snapshot_ab": lambda a, d: bench_snapshot_ab(1, steps=480),
 }
 FULL_ORDER = ("signature", "topology", "consensus", "hang", "checkpoint", "snapshot_ab", "replay", "replay_long",
-              "replay_memory", "straggler", "straggler_8", "straggler_persist", "clock_noise", "catalog", "hang_real",
-              "stall_to_verdict", "scale")
+              "replay_stages", "replay_memory", "straggler", "straggler_8", "straggler_persist", "clock_noise",
+              "catalog", "hang_real", "stall_to_verdict", "scale")
 
 
 def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
