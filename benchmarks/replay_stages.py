@@ -68,6 +68,7 @@ def _instrument(record: dict[str, float]) -> None:
                 record[name] = record.get(name, 0.0) + time.perf_counter() - start
                 if name in _COLLECTIVES:
                     record["collectives (count)"] = record.get("collectives (count)", 0) + 1
+                    record[f"{name} (count)"] = record.get(f"{name} (count)", 0) + 1
         return wrapper
 
     for owner, attr, name in _stage_targets():
@@ -77,14 +78,15 @@ def _instrument(record: dict[str, float]) -> None:
 
 
 def _probe_runs(runs: list[list[float]]) -> None:
-    """Replace the timed scratch all-reduce by a barrier and three recorded runs (``runs``, one row per check),
-    so that the spread of one run, the faster of two and of three can be read from one job."""
+    """Replace the timed scratch all-reduce by the shipped one's untimed one-element all-reduce and three
+    recorded runs (``runs``, one row per check): the spread of one run, the faster of two (shipped) and of three
+    read from one job."""
     import torch.distributed as dist
 
     from scout_core.replay import timing
 
     def probed(self: Any, layer: torch.nn.Module, group: Any, scratch: torch.Tensor, repeats: int = 3) -> float:
-        dist.barrier(group=group)
+        dist.all_reduce(scratch.view(-1)[:1], group=group)
         row = []
         for _ in range(3):
             start = time.perf_counter()
@@ -139,6 +141,7 @@ def _rank(ctx: Any) -> dict[str, Any]:
     for _ in range(depth):  # the first rotation (vetted checks) before anything is recorded
         period(watched, watched_opt)
         period(plain, plain_opt)
+    runs.clear()  # the first rotation's checks are not among those reported
     checks, costs, steps = [], [], []
     for i in range(a["periods"]):
         arms = [("a", plain, plain_opt), ("b", watched, watched_opt)]
@@ -147,7 +150,7 @@ def _rank(ctx: Any) -> dict[str, Any]:
             record.clear()
             times[name] = period(model, opt)
             if name == "b":
-                for key in ("barrier",):  # the period's own two barriers are not the check's
+                for key in ("barrier", "barrier (count)"):  # the period's own two barriers are not the check's
                     record.pop(key, None)
                 record["collectives (count)"] = record.get("collectives (count)", 0) - 2
                 checks.append(dict(record))
@@ -206,7 +209,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=16)
     p.add_argument("--interval", type=int, default=2)
     p.add_argument("--periods", type=int, default=30)
-    p.add_argument("--probe-runs", action="store_true", help="time the scratch all-reduce after a barrier, 3 runs")
+    p.add_argument("--probe-runs", action="store_true", help="record three aligned runs of the timed all-reduce")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     out = bench_replay_stages(world=a.world, interval=a.interval, periods=a.periods, probe_runs=a.probe_runs)

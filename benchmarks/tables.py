@@ -125,6 +125,18 @@ def _replay_fixed_rows(results: dict) -> list[str]:
                     f"model's replayed passes; its {point['collectives_per_check']:g} collectives at "
                     f"{rp['collective_ms']:.1f} ms each (one small all-reduce over {rp['world_size']} ranks, "
                     f"same job) | {point['fixed_ms_per_check']:.0f} ms; {latency:.0f} ms | - |")
+    stages = results.get("replay_stages") or {}
+    if "stages" in stages:  # where the check's time goes, every stage timed on every rank (benchmarks/replay_stages)
+        st = stages["stages"]
+
+        def ms(name: str) -> str:
+            return f"{st.get(name, {}).get('mean_ms', 0):.0f}"
+
+        rows.append(f"| where a replay check's {stages['check_cost_ms']:.0f} ms go ({stages['world']} ranks, "
+                    f"{stages['step_ms']:.0f} ms step, ranks' mean): replayed passes and signing; timed all-reduces "
+                    f"(the arrival skew's wait included); call broadcast; evidence exchange; metadata and agreement "
+                    f"| {ms('replay (passes, signing)')}; {ms('timed collective')}; {ms('broadcast')}; "
+                    f"{ms('exchange')}; {ms('agree_inputs')} ms | - |")
     return rows
 
 

@@ -30,7 +30,7 @@ from scout_core.consensus_rules import (
     statistical,
 )
 from scout_core.persistence import Persistence
-from scout_core.wire import all_gather_data
+from scout_core.wire import all_gather_data, encode
 
 __all__ = [
     "C3Status",
@@ -80,14 +80,21 @@ def c3_exchange_unless_failed(
 ) -> list[C3Result] | None:
     """:func:`c3_exchange` that a member which already failed joins with ``None`` instead of its evidence: then
     no member compares and all return None (the exchange needs no agreement before it, one collective less; the
-    agreement after it tells every member why). ``surfaces`` and ``rule`` are still this member's own."""
-    if local_evidence is None:  # joins the all-gather whatever it was given: its peers wait in it
-        all_gather_data(None, group, what="evidence exchange")
-        return None
-    local = list(local_evidence)
-    names, rules = _names_and_rules(local, surfaces, rule)  # a bad call raises on every member alike
-    gathered = all_gather_data((names, local), group, what="evidence exchange")
-    if any(g is None for g in gathered):
+    agreement after it tells every member why). Evidence of this member's that cannot travel (not plain data,
+    surfaces that do not match it) is sent as ``None`` too and raises here only, after the all-gather."""
+    error: Exception | None = None
+    if local_evidence is not None:
+        try:  # this member's own evidence that cannot travel (bad arguments, not plain data) fails here alone
+            local = list(local_evidence)
+            names, rules = _names_and_rules(local, surfaces, rule)
+            encode((names, local))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after joining the all-gather
+            error, local_evidence = exc, None
+    # Every member joins the all-gather whatever happened before: its peers wait in it.
+    gathered = all_gather_data(None if local_evidence is None else (names, local), group, what="evidence exchange")
+    if error is not None:
+        raise error
+    if local_evidence is None or any(g is None for g in gathered):
         return None
     return c3_compare(gathered, names, rules, group=group)
 

@@ -116,7 +116,12 @@ def _exchange(ctx: RankContext):
     failed = c3_exchange_unless_failed(None if ctx.rank == 5 else [1, 2], surfaces=["a"] if ctx.rank == 5 else
                                        ["a", "b"])
     healthy = c3_exchange_unless_failed([ctx.rank == 3], surfaces=["flag"])
-    out["unless_failed"] = [failed, [r.status.value for r in healthy]]
+    # Evidence of one member's that cannot travel (not plain data) fails on that member alone, after it joined.
+    try:
+        unsendable = c3_exchange_unless_failed([object() if ctx.rank == 2 else 1], surfaces=["x"])
+    except Exception as exc:  # noqa: BLE001 - which error is the wire's business; that it is raised here is ours
+        unsendable = type(exc).__name__
+    out["unless_failed"] = [failed, [r.status.value for r in healthy], unsendable]
     return out
 
 
@@ -133,7 +138,8 @@ def test_c3_exchange_k_surfaces_identical_everywhere():
     assert values[0]["sub"]["peer_ranks"] == [0, 2, 4] and values[0]["sub"]["bitmap"] == [0, 0, 1]
     assert values[1]["sub"]["peer_ranks"] == [1, 3, 5] and values[1]["sub"]["status"] == C3Status.AGREE.value
     assert all("mismatch" in (v["mismatch"] or "") for v in values)
-    assert all(v["unless_failed"] == [None, ["attributed"]] for v in values)
+    assert all(v["unless_failed"][:2] == [None, ["attributed"]] for v in values)
+    assert [v["unless_failed"][2] is None for v in values] == [True, True, False, True, True, True]
 
 
 def _nap(ctx):

@@ -3,8 +3,9 @@
 Every rank of the job takes these steps in the same order. Local work between them runs through the check's
 :class:`~scout_core.replay.guard.DiagnosisGuard`, and before each collective a rank could otherwise miss, all ranks
 agree: a failure on any rank makes every rank skip the rest of the check together, so no peer is left waiting in a
-collective. The call metadata's broadcast needs no agreement before it (every member joins it whatever happened
-before); the one after it covers both. A check's cost on a busy host is mostly its collectives' latency, so each
+collective. The call metadata's broadcast and the evidence exchange need no agreement before them (every member
+joins them whatever happened before; a member that failed sends nothing to compare); the one after each covers
+it. A check's cost on a busy host is mostly its collectives' latency, so each
 one here is one the check needs.
 """
 

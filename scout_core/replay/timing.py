@@ -78,18 +78,19 @@ class CommTiming:
         cost, and an all-reduce ends on its members within a message of each other, so the timed runs start
         together. Then the fastest of ``repeats`` runs: a slow link or endpoint is slow every time, while a
         scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and drops the second.
-        Two runs, not three: in a clean 16-rank job on this 2-core host the faster of two read above 1.5x its
-        median in 1 of 46 checks, as the fastest of three did, while each run costs as much as a third of
-        the check's replayed passes (``python benchmarks/replay_stages.py --probe-runs``; docs/benchmarks.md).
+        Until the one-element all-reduce, the first of three full runs absorbed the skew (rarely the fastest on
+        a member that waited in it): the two runs timed now are the two that measured then, and the full run
+        that only waited, as costly as the check's replayed passes on a 2-core host, is gone. The spread of one,
+        two and three aligned runs: ``python benchmarks/replay_stages.py --probe-runs`` (the bench's
+        ``replay_stages`` section).
         """
-        params = [p for p in layer.parameters() if p.requires_grad]
         dist.all_reduce(scratch.view(-1)[:1], group=group)  # not timed: the members arrive here apart
         best = float("inf")
         for _ in range(repeats):
-            sync(params)
+            sync([scratch])  # the scratch's device (a layer without trainable parameters has one too)
             start = time.perf_counter()
             dist.all_reduce(scratch, group=group)
-            sync(params)
+            sync([scratch])
             best = min(best, time.perf_counter() - start)
         return best
 
@@ -226,10 +227,10 @@ def time_hsdp_collectives(layer: torch.nn.Module, scratch: tuple[torch.Tensor, t
     shard_pg, repl_pg = groups
     full, shard = scratch
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    # The fastest of three runs each, as for the scratch all-reduce: a slow link is slow every time, a
-    # scheduler hiccup on a loaded host delays one run. The three runs of one collective follow each other with
-    # no barrier: the first absorbs the members' arrival skew (after a replay, or after the other dimension's
-    # runs, where a slow shard group finishes late), the next two start together.
+    # The fastest of three runs each: a slow link is slow every time, a scheduler hiccup on a loaded host delays
+    # one run. The three runs of one collective follow each other with no barrier: the first absorbs the
+    # members' arrival skew (after a replay, or after the other dimension's runs, where a slow shard group
+    # finishes late), the next two start together.
     t_rs = t_ar = float("inf")
     for _ in range(3):
         start = time.perf_counter()
