@@ -39,7 +39,7 @@ def _stage_targets() -> list[tuple[Any, str, str]]:
         (CheckProtocol, "_call_metadata", "  call_metadata"),
         (CheckProtocol, "_reserve_scratch", "  reserve_scratch"),
         (DiagnosisGuard, "agree_status", "  agree_status"),
-        (CheckProtocol, "broadcast", "broadcast"),
+        (CheckProtocol, "broadcast", "call broadcast"),  # not "broadcast": that name counts collectives
         (recipe.RecipeRunner, "replay_due", "replay_due"),
         (recipe.RecipeRunner, "replay", "  replay (passes, signing)"),
         (layer, "_signed", "    signing"),

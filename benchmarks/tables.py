@@ -135,7 +135,7 @@ def _replay_fixed_rows(results: dict) -> list[str]:
         rows.append(f"| where a replay check's {stages['check_cost_ms']:.0f} ms go ({stages['world']} ranks, "
                     f"{stages['step_ms']:.0f} ms step, ranks' mean): replayed passes and signing; timed all-reduces "
                     f"(the arrival skew's wait included); call broadcast; evidence exchange; metadata and agreement "
-                    f"| {ms('replay (passes, signing)')}; {ms('timed collective')}; {ms('broadcast')}; "
+                    f"| {ms('replay (passes, signing)')}; {ms('timed collective')}; {ms('call broadcast')}; "
                     f"{ms('exchange')}; {ms('agree_inputs')} ms | - |")
     return rows
 
