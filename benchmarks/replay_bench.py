@@ -34,20 +34,13 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     depth, width = a["depth"], a["width"]
 
-    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-                                      for _ in range(depth)))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-
     gen = torch.Generator().manual_seed(ctx.rank)
     data = torch.randn(a["batch"], width, generator=gen)
     out: dict[str, Any] = {"collective_ms": _collective_ms()}
     counted = _count_collectives()
     for interval in a["intervals"]:
-        plain, plain_opt = make()
-        watched, watched_opt = make()
+        plain, plain_opt = ddp_model(depth, width)
+        watched, watched_opt = ddp_model(depth, width)
         cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=interval, output=0, optimizer=0))
         engine = ReplayEngine(list(watched.module), watched_opt, config=cfg)
 
@@ -61,7 +54,7 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
             dist.barrier()
             return time.perf_counter() - start
 
-        twin, twin_opt = make()  # a second plain copy: the A/A noise beside each A/B
+        twin, twin_opt = ddp_model(depth, width)  # a second plain copy: the A/A noise beside each A/B
         period(plain, plain_opt)
         period(twin, twin_opt)
         for _ in range(depth):  # the first rotation's checks are vetted (run twice): a start-up cost, not the rate
@@ -85,6 +78,16 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
                               "checks": checks, "step_ms": round(statistics.median(steps) * 1e3, 2),
                               "collectives_per_check": round(calls / max(checks, 1), 2)}
     return out
+
+
+def ddp_model(depth: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The bench job's model: ``depth`` blocks of a ``width`` linear layer and GELU under DDP, with AdamW (the
+    same weights on every call and rank)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+                                  for _ in range(depth)))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
 
 def _collective_ms(rounds: int = 40) -> float:

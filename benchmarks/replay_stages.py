@@ -100,6 +100,7 @@ def _probe_runs(runs: list[list[float]]) -> None:
 
 def _rank(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
+    from replay_bench import ddp_model
 
     from scout_core.config import ReplayCadence, ReplayConfig
     from scout_core.replay.engine import ReplayEngine
@@ -110,21 +111,14 @@ def _rank(ctx: Any) -> dict[str, Any]:
     a = ctx.args
     depth, width, interval = a["depth"], a["width"], a["interval"]
 
-    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
-                                      for _ in range(depth)))
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-
     record: dict[str, float] = {}
     runs: list[list[float]] = []
     if a["probe_runs"]:
         _probe_runs(runs)
     _instrument(record)  # before the engine exists: its capture hooks are bound at construction
     data = torch.randn(a["batch"], width, generator=torch.Generator().manual_seed(ctx.rank))
-    plain, plain_opt = make()
-    watched, watched_opt = make()
+    plain, plain_opt = ddp_model(depth, width)
+    watched, watched_opt = ddp_model(depth, width)
     cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=interval, output=0, optimizer=0))
     engine = ReplayEngine(list(watched.module), watched_opt, config=cfg)
 
