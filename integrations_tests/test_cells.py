@@ -46,8 +46,11 @@ def _shift_blame(real):
     """A broken C3 that blames the next peer instead of the real outlier."""
 
     def wrapper(*args, **kwargs):
+        results = real(*args, **kwargs)
+        if results is None:  # c3_exchange_unless_failed: a member had failed, nothing was compared
+            return None
         out = []
-        for r in real(*args, **kwargs):
+        for r in results:
             if r.status is C3Status.ATTRIBUTED:
                 r = dataclasses.replace(r, bitmap=r.bitmap[-1:] + r.bitmap[:-1])
             out.append(r)
@@ -56,17 +59,25 @@ def _shift_blame(real):
     return wrapper
 
 
+# The exchanges a replay check makes: the evidence exchange (which a member that failed joins with None) and the
+# replica exchange. A guard that breaks C3 breaks both.
+_CHECK_EXCHANGES = ("c3_exchange", "c3_exchange_unless_failed")
+
+
 def test_sdc_cell_fails_when_nothing_is_detected(monkeypatch):
     """The guard of ddp-sdc-two-ranks: a C3 that finds every surface in agreement turns it red."""
     from scout_core.replay import protocol
 
-    real = protocol.c3_exchange
+    def blinded(real):
+        def blind(local, **kwargs):
+            results = real(local, **kwargs)
+            return None if results is None else [
+                dataclasses.replace(r, status=C3Status.AGREE) if r.status is C3Status.ATTRIBUTED else r
+                for r in results]
+        return blind
 
-    def blind(local, **kwargs):
-        return [dataclasses.replace(r, status=C3Status.AGREE) if r.status is C3Status.ATTRIBUTED else r
-                for r in real(local, **kwargs)]
-
-    monkeypatch.setattr(protocol, "c3_exchange", blind)
+    for name in _CHECK_EXCHANGES:
+        monkeypatch.setattr(protocol, name, blinded(getattr(protocol, name)))
     (report,) = run_cells([SPECS["ddp-sdc-two-ranks"]], root=ROOT)
     assert _missed(report), report.details
 
@@ -75,16 +86,17 @@ def test_clean_cell_fails_on_a_false_positive(monkeypatch):
     """The guard of ddp-clean: one rank's first replayed surface signed differently turns it red."""
     from scout_core.replay import protocol
 
-    real = protocol.c3_exchange
+    def noised(real):
+        def noisy(local, **kwargs):
+            import torch.distributed as dist
 
-    def noisy(local, **kwargs):
-        import torch.distributed as dist
+            if dist.get_rank() == 5 and local and isinstance(local[0], tuple):  # a signature, not a time
+                local = [(0, 0)] + list(local[1:])
+            return real(local, **kwargs)
+        return noisy
 
-        if dist.get_rank() == 5 and local and isinstance(local[0], tuple):  # a signature, not a time
-            local = [(0, 0)] + list(local[1:])
-        return real(local, **kwargs)
-
-    monkeypatch.setattr(protocol, "c3_exchange", noisy)
+    for name in _CHECK_EXCHANGES:
+        monkeypatch.setattr(protocol, name, noised(getattr(protocol, name)))
     (report,) = run_cells([SPECS["ddp-clean"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks [5]" in report.details
 
@@ -285,7 +297,9 @@ def test_replay_cell_fails_when_blame_shifts(monkeypatch):
     from scout_core.replay import protocol, sweep
 
     for module in (protocol, sweep):  # the check's exchanges and the emergency sweep's compare alike
-        monkeypatch.setattr(module, "c3_exchange", _shift_blame(module.c3_exchange))
+        for name in _CHECK_EXCHANGES:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, _shift_blame(getattr(module, name)))
     (report,) = run_cells([SPECS["ddp-sdc-output"]], root=ROOT)
     assert report.verdict == "FAIL" and "named ranks" in report.details
 
