@@ -67,6 +67,23 @@ def test_sixteen_ranks_return_values_without_leaks():
     assert _shm() <= before
 
 
+def _late_store(ctx: RankContext) -> float:
+    if ctx.rank == 0:
+        time.sleep(0.5)  # every other rank reaches the store's port before rank 0 serves it
+    start = time.monotonic()
+    init_gloo(ctx)
+    dist.barrier()
+    return time.monotonic() - start
+
+
+def test_ranks_that_reach_the_store_before_rank_0_serves_it_wait_for_it_not_5_s():
+    # The launcher listens on the store's port before it forks: an early connection waits in the backlog. On a port
+    # nobody listens on yet, torch's client is refused and retries 5 s later (a third of launches paid that here).
+    result = launch(_late_store, 8, timeout_s=60)
+    assert result.ok, result.failures()
+    assert max(result.values()) < 3.5, result.values()
+
+
 def test_exception_returns_traceback_and_kills_blocked_peers():
     result = launch(_allreduce, 4, timeout_s=60, args={"mode": "raise"})
     assert not result.ok and not result.timed_out

@@ -103,6 +103,9 @@ class RankContext:
     world_size: int
     master_port: int
     args: dict[str, Any] = field(default_factory=dict)
+    store_fd: int | None = None
+    """Rank 0 only: a socket the launcher already listens on at ``master_port``, for the job's store (see
+    :func:`init_gloo`)."""
 
 
 @dataclass
@@ -140,16 +143,26 @@ class LaunchResult:
 
 
 def init_gloo(ctx: RankContext, timeout_s: float = 60.0) -> None:
-    """Join the job's default gloo process group over loopback."""
+    """Join the job's default gloo process group over loopback.
+
+    Rank 0 serves the job's store on the socket the launcher bound and listened on before it forked any rank
+    (``ctx.store_fd``), as torchrun's agent does: a rank that connects before rank 0 runs waits in the socket's
+    backlog. On a port that nobody listens on yet, torch's client is refused and retries 5 s later, which a third
+    of 16-rank launches paid here.
+    """
     import torch.distributed as dist
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{ctx.master_port}",
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    global _STORE_FD_USED
+    timeout = timedelta(seconds=timeout_s)
+    listen_fd = ctx.store_fd if ctx.rank == 0 and not _STORE_FD_USED else None
+    if listen_fd is not None:
+        _STORE_FD_USED = True  # the store owns (and closes) it; a second init binds the port itself
+    store = dist.TCPStore("127.0.0.1", ctx.master_port, ctx.world_size, ctx.rank == 0, timeout=timeout,
+                          master_listen_fd=listen_fd)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+
+
+_STORE_FD_USED = False
 
 
 def _worker(fn: Callable[[RankContext], Any], ctx: RankContext, conn: Connection) -> None:
@@ -217,7 +230,8 @@ def launch(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     prepare_parent()
-    port = free_port()
+    listener = socket.create_server(("127.0.0.1", 0), backlog=max(world_size, 128))
+    port = listener.getsockname()[1]
     start = time.monotonic()
     deadline = start + timeout_s
     pids: dict[int, int] = {}
@@ -227,8 +241,10 @@ def launch(
     stopped = False
     try:
         for rank in range(world_size):
-            ctx = RankContext(rank=rank, world_size=world_size, master_port=port, args=dict(args or {}))
-            _fork_rank(fn, ctx, pids, readers)
+            ctx = RankContext(rank=rank, world_size=world_size, master_port=port, args=dict(args or {}),
+                              store_fd=listener.fileno() if rank == 0 else None)
+            _fork_rank(fn, ctx, pids, readers, listener)
+        listener.close()  # rank 0 holds its own copy
         next_beat = time.monotonic() + HEARTBEAT_S
         while readers or (keep_groups and stop_when is not None):
             remaining = deadline - time.monotonic()
@@ -259,12 +275,13 @@ def launch(
                     # them a short grace period to report, not the whole timeout.
                     deadline = min(deadline, time.monotonic() + failure_grace_s)
     finally:
+        listener.close()
         _settle(pids, readers, outcomes, timed_out=timed_out, stopped=stopped)
     return LaunchResult(outcomes, timed_out, time.monotonic() - start, stopped)
 
 
 def _fork_rank(fn: Callable[[RankContext], Any], ctx: RankContext, pids: dict[int, int],
-               readers: dict[Connection, int]) -> None:
+               readers: dict[Connection, int], listener: socket.socket) -> None:
     """Fork rank ``ctx.rank`` to run ``fn(ctx)``; record its pid and the read end of its result pipe."""
     reader, writer = Pipe(duplex=False)
     pid = os.fork()
@@ -272,6 +289,8 @@ def _fork_rank(fn: Callable[[RankContext], Any], ctx: RankContext, pids: dict[in
         reader.close()
         for other in readers:
             other.close()
+        if ctx.store_fd is None:  # only rank 0 serves the store: with rank 0 gone, clients are refused, not queued
+            listener.close()
         _worker(fn, ctx, writer)
     writer.close()
     pids[ctx.rank] = pid
