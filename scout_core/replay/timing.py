@@ -78,11 +78,8 @@ class CommTiming:
         cost, and an all-reduce ends on its members within a message of each other, so the timed runs start
         together. Then the fastest of ``repeats`` runs: a slow link or endpoint is slow every time, while a
         scheduler hiccup on a loaded host delays one run, so the minimum keeps the first and drops the second.
-        Until the one-element all-reduce, the first of three full runs absorbed the skew (rarely the fastest on
-        a member that waited in it): the two runs timed now are the two that measured then, and the full run
-        that only waited, as costly as the check's replayed passes on a 2-core host, is gone. The spread of one,
-        two and three aligned runs: ``python benchmarks/replay_stages.py --probe-runs`` (the bench's
-        ``replay_stages`` section).
+        A full run to absorb the skew would cost as much as the check's replayed passes on a 2-core host. The
+        spread of one, two and three aligned runs: ``python benchmarks/replay_stages.py --probe-runs``.
         """
         dist.all_reduce(scratch.view(-1)[:1], group=group)  # not timed: the members arrive here apart
         best = float("inf")
