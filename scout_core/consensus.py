@@ -40,6 +40,7 @@ __all__ = [
     "c3_compare",
     "c3_exchange",
     "c3_exchange_unless_failed",
+    "SurfaceMismatch",
     "Confirmation",
     "Persistence",
     "group_disagreements",
@@ -112,17 +113,28 @@ def _names_and_rules(local: Sequence[Any], surfaces: Sequence[str] | None,
     return names, rules
 
 
+class SurfaceMismatch(RuntimeError):
+    """The members of one exchange sent different surfaces. Every member raises it with the same message, and only
+    ``writer`` (the group's first rank) records it: one exchange, one record."""
+
+    def __init__(self, message: str, writer: int) -> None:
+        super().__init__(message)
+        self.writer = writer
+
+
 def c3_compare(gathered: Sequence[Any], names: Sequence[str], rules: Sequence[str | StatisticalRule], *,
                group: dist.ProcessGroup | None = None) -> list[C3Result]:
-    """Every member's ``(surfaces, evidence)``, gathered in group rank order, compared surface by surface. A peer
-    that sent other surfaces raises here (on every member alike) instead of deadlocking the group."""
+    """Every member's ``(surfaces, evidence)``, gathered in group rank order, compared surface by surface. Members
+    that sent other surfaces make every member raise :class:`SurfaceMismatch` alike (not deadlock the group)."""
     names, k = list(names), len(names)
     peer_ranks = _group_ranks(group, len(gathered))
+    sent: dict[tuple[tuple[str, ...], int], list[int]] = {}
     for peer, (peer_names, peer_local) in zip(peer_ranks, gathered):
-        if list(peer_names) != names or len(peer_local) != k:
-            raise RuntimeError(
-                f"C3 exchange mismatch: rank {peer} sent surfaces {peer_names}, this rank expected {names}"
-            )
+        sent.setdefault((tuple(peer_names), len(peer_local)), []).append(peer)
+    if list(sent) != [(tuple(names), k)]:
+        told = "; ".join(f"ranks {ranks} sent {len(n)} surfaces {list(n)} with {m} values"
+                         for (n, m), ranks in sent.items())
+        raise SurfaceMismatch(f"C3 exchange mismatch: {told}", writer=peer_ranks[0])
     results = []
     for i, (name, how) in enumerate(zip(names, rules, strict=True)):
         column = [peer_local[i] for _, peer_local in gathered]

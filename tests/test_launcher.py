@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from scout_core.consensus import C3Status, StatisticalRule, c3_exchange, c3_exchange_unless_failed
+from scout_core.replay.guard import DiagnosisGuard
 from scout_core.testing.launcher import RankContext, init_gloo, launch
 
 
@@ -139,6 +141,12 @@ def _exchange(ctx: RankContext):
     except Exception as exc:  # noqa: BLE001 - which error is the wire's business; that it is raised here is ours
         unsendable = type(exc).__name__
     out["unless_failed"] = [failed, [r.status.value for r in healthy], unsendable]
+    # Members that sent other surfaces fail every member alike inside a check: one record, by the group's first rank.
+    records: list = []
+    guard = DiagnosisGuard(None, rank=ctx.rank, reporter=SimpleNamespace(emit=records.append))
+    guard.attempt("evidence exchange", lambda: c3_exchange_unless_failed([1] * (2 if ctx.rank == 2 else 1)))
+    out["agreed"] = guard.agree(7)
+    out["records"] = [(i.ranks, i.reason) for i in records]
     return out
 
 
@@ -155,6 +163,10 @@ def test_c3_exchange_k_surfaces_identical_everywhere():
     assert values[0]["sub"]["peer_ranks"] == [0, 2, 4] and values[0]["sub"]["bitmap"] == [0, 0, 1]
     assert values[1]["sub"]["peer_ranks"] == [1, 3, 5] and values[1]["sub"]["status"] == C3Status.AGREE.value
     assert all("mismatch" in (v["mismatch"] or "") for v in values)
+    assert len({v["mismatch"] for v in values}) == 1, "every member says the same of a mismatch"
+    assert [v["agreed"] for v in values] == [False] * 6
+    assert [len(v["records"]) for v in values] == [1, 0, 0, 0, 0, 0]
+    assert "ranks [2] sent 2 surfaces" in values[0]["records"][0][1] and values[0]["records"][0][0] == [0]
     assert all(v["unless_failed"][:2] == [None, ["attributed"]] for v in values)
     assert [v["unless_failed"][2] is None for v in values] == [True, True, False, True, True, True]
 

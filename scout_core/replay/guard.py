@@ -9,8 +9,9 @@ failure and skips every later piece of the same check on this rank, and before
 the next collective all ranks agree on one flag (:meth:`DiagnosisGuard.agree`,
 a MIN all-reduce of one int on SCOUT's own gloo group spanning the job): if any
 rank failed, every rank skips the rest of that check together. The rank that
-failed writes one ``diagnosis_error`` record with its traceback; training
-continues. Out-of-memory errors are failures like any other; only the formatted
+failed writes one ``diagnosis_error`` record with its traceback (a failure every
+rank met alike, as members of one exchange that sent different surfaces: the
+group's first rank alone); training continues. Out-of-memory errors are failures like any other; only the formatted
 traceback is kept, so the failed work's tensors are freed at once.
 """
 
@@ -41,11 +42,15 @@ class Failure:
     kind: str
     message: str
     traceback: str
+    writer: int | None = None
+    """A failure every rank met alike (an exchange whose members sent different surfaces): the one rank that
+    records it. None: the rank that failed records its own."""
 
     @classmethod
     def of(cls, exc: BaseException, where: str) -> Failure:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(where, type(exc).__name__, str(exc), tb)
+        writer = getattr(exc, "writer", None)
+        return cls(where, type(exc).__name__, str(exc), tb, writer if isinstance(writer, int) else None)
 
 
 class DiagnosisGuard:
@@ -113,7 +118,8 @@ class DiagnosisGuard:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         worst = int(flag.item())
         if worst == 0 and self.failure is not None and self.failure.kind != "reported":
-            self.report(step, surface, self.failure)
+            if self.failure.writer in (None, self.rank):
+                self.report(step, surface, self.failure)
             self.failure = Failure(self.failure.where, "reported", "", "")
         return ("error", "skip", "ok")[worst]
 
