@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from types import SimpleNamespace
 
@@ -69,21 +70,28 @@ def test_sixteen_ranks_return_values_without_leaks():
     assert _shm() <= before
 
 
-def _late_store(ctx: RankContext) -> float:
+def _early_to_the_store(ctx: RankContext) -> bool:
     if ctx.rank == 0:
         time.sleep(0.5)  # every other rank reaches the store's port before rank 0 serves it
-    start = time.monotonic()
+        connected = True
+    else:
+        try:  # refused unless the port already listens (the launcher's socket, handed to rank 0)
+            socket.create_connection(("127.0.0.1", ctx.master_port), timeout=5).close()
+            connected = True
+        except ConnectionRefusedError:
+            connected = False
     init_gloo(ctx)
     dist.barrier()
-    return time.monotonic() - start
+    return connected
 
 
-def test_ranks_that_reach_the_store_before_rank_0_serves_it_wait_for_it_not_5_s():
-    # The launcher listens on the store's port before it forks: an early connection waits in the backlog. On a port
-    # nobody listens on yet, torch's client is refused and retries 5 s later (a third of launches paid that here).
-    result = launch(_late_store, 8, timeout_s=60)
+def test_the_stores_port_listens_before_rank_0_serves_it():
+    # The launcher listens on the store's port before it forks, as torchrun's agent does: a rank that comes first
+    # waits in the backlog. When rank 0 bound it, early ranks were refused or reset and retried; a third of 16-rank
+    # launches took 5.3 s instead of 0.3 s.
+    result = launch(_early_to_the_store, 8, timeout_s=60)
     assert result.ok, result.failures()
-    assert max(result.values()) < 3.5, result.values()
+    assert result.values() == [True] * 8
 
 
 def test_exception_returns_traceback_and_kills_blocked_peers():
