@@ -8,7 +8,7 @@ prepare_parent()
 
 
 # The guards CI leaves to ``nox -s guards`` for its time limit: with them CI would pass 50 minutes on the 2-core CI
-# machine (seconds measured 2026-12-06 on c798d88, with every guard here 606 s together; the others run in CI).
+# machine (seconds measured 2026-12-06 on 0aada07, after the launcher fix: these 606 s together; the others run in CI).
 # Shrinking one moves it into CI; every one over 10 s stays listed only while CI has no room for it.
 HEAVY_GUARDS: dict[str, float] = {
     "test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store": 45.0,

@@ -11,8 +11,9 @@ a MIN all-reduce of one int on SCOUT's own gloo group spanning the job): if any
 rank failed, every rank skips the rest of that check together. The rank that
 failed writes one ``diagnosis_error`` record with its traceback (a failure every
 rank met alike, as members of one exchange that sent different surfaces: the
-group's first rank alone); training continues. Out-of-memory errors are failures like any other; only the formatted
-traceback is kept, so the failed work's tensors are freed at once.
+group's first rank alone); training continues. Out-of-memory errors are failures
+like any other; only the formatted traceback is kept, so the failed work's
+tensors are freed at once.
 """
 
 from __future__ import annotations
