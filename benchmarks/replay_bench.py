@@ -41,7 +41,7 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
     for interval in a["intervals"]:
         plain, plain_opt = ddp_model(depth, width)
         watched, watched_opt = ddp_model(depth, width)
-        cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=interval, output=0, optimizer=0))
+        cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=0))
         engine = ReplayEngine(list(watched.module), watched_opt, config=cfg)
 
         def period(model: torch.nn.Module, opt: torch.optim.Optimizer, interval: int = interval) -> float:
@@ -57,8 +57,9 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
         twin, twin_opt = ddp_model(depth, width)  # a second plain copy: the A/A noise beside each A/B
         period(plain, plain_opt)
         period(twin, twin_opt)
-        for _ in range(depth):  # the first rotation's checks are vetted (run twice): a start-up cost, not the rate
-            period(watched, watched_opt)
+        warm_up(engine, watched, watched_opt, data, depth)
+        cfg.cadence.hidden = interval  # a live change of cadence, as `scout ctl` makes it
+        engine.reschedule()
         warm = len(engine.history)
         ratios, noise, steps = [], [], []
         calls = 0
@@ -78,6 +79,21 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
                               "checks": checks, "step_ms": round(statistics.median(steps) * 1e3, 2),
                               "collectives_per_check": round(calls / max(checks, 1), 2)}
     return out
+
+
+def warm_up(engine: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor,
+            depth: int) -> None:
+    """Run the watched copy at one check per step through a check's start-up costs, which are not its rate:
+    the first rotation's checks are vetted (run twice), and the first ``BASELINE_ROUNDS`` time the scratch
+    all-reduce on every check (the group's communication history is learned; after it, every
+    ``replay.comm_timing_every``-th check does). A job checking every 100 steps spends 1,000 steps there."""
+    from scout_core.replay.timing import BASELINE_ROUNDS
+
+    assert engine.cfg.cadence.hidden == 1
+    for _ in range(max(depth, BASELINE_ROUNDS) + 1):
+        model(data).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def ddp_model(depth: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -4,9 +4,10 @@ Python collective timed on every rank, check by check.
 A measurement tool, not a benchmark with a goal: it wraps the engine's methods from outside (nothing in
 ``scout_core`` knows it runs).
 
-Per stage it reports, over the checks after the first rotation: the median of the slowest rank's time and of
-the ranks' mean, the time spent inside collectives (waiting for the slowest peer included), and beside them the
-A/B cost of a check (a plain copy of the model stepped alternately with the watched one, as in the replay bench).
+Per stage it reports, over the checks after the start-up ones that time the scratch all-reduce: the median of
+the slowest rank's time and of the ranks' mean, the time spent inside collectives (waiting for the slowest peer
+included), and beside them the A/B cost of each kind of check (a plain copy of the model stepped alternately with
+the watched one, as in the replay bench).
 
     python benchmarks/replay_stages.py [--world 16] [--interval 2] [--periods 30] [--probe-runs] [--out F]
 """
@@ -100,7 +101,7 @@ def _probe_runs(runs: list[list[float]]) -> None:
 
 def _rank(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
-    from replay_bench import ddp_model
+    from replay_bench import ddp_model, warm_up
 
     from scout_core.config import ReplayCadence, ReplayConfig
     from scout_core.replay.engine import ReplayEngine
@@ -119,7 +120,7 @@ def _rank(ctx: Any) -> dict[str, Any]:
     data = torch.randn(a["batch"], width, generator=torch.Generator().manual_seed(ctx.rank))
     plain, plain_opt = ddp_model(depth, width)
     watched, watched_opt = ddp_model(depth, width)
-    cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=interval, output=0, optimizer=0))
+    cfg = ReplayConfig(cadence=ReplayCadence(embedding=0, hidden=1, output=0, optimizer=0))
     engine = ReplayEngine(list(watched.module), watched_opt, config=cfg)
 
     def period(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
@@ -132,10 +133,11 @@ def _rank(ctx: Any) -> dict[str, Any]:
         dist.barrier()
         return time.perf_counter() - start
 
-    for _ in range(depth):  # the first rotation (vetted checks) before anything is recorded
-        period(watched, watched_opt)
-        period(plain, plain_opt)
-    runs.clear()  # the first rotation's checks are not among those reported
+    warm_up(engine, watched, watched_opt, data, depth)  # start-up checks, one per step, are not reported
+    cfg.cadence.hidden = interval
+    engine.reschedule()
+    period(plain, plain_opt)
+    runs.clear()
     checks, costs, steps = [], [], []
     for i in range(a["periods"]):
         arms = [("a", plain, plain_opt), ("b", watched, watched_opt)]
@@ -183,16 +185,25 @@ def bench_replay_stages(*, world: int = 16, interval: int = 2, periods: int = 30
     order = [n for _, _, n in _stage_targets()]
     names = sorted({k for r in ranks for c in r["checks"] for k in c},
                    key=lambda k: (order.index(k) if k in order else len(order), k))
-    n_checks = len(ranks[0]["checks"])
+    # The stages of a check that times the scratch all-reduce (every ``replay.comm_timing_every``-th): the whole
+    # breakdown of one kind of check, not a median across two kinds. Beside it, each kind's A/B cost.
+    comm = [any(k.strip() == "scratch all-reduce" for r in ranks for k in r["checks"][c])
+            for c in range(len(ranks[0]["checks"]))]
+    timed = [c for c, t in enumerate(comm) if t]
+    n_checks = len(timed)
     rows = {}
     for name in names:
-        per_check = [[r["checks"][c].get(name, 0.0) for r in ranks] for c in range(n_checks)]
+        per_check = [[r["checks"][c].get(name, 0.0) for r in ranks] for c in timed]
         scale = 1 if name.endswith("(count)") else 1e3  # a count, not seconds
         rows[name.strip()] = {"max_ms": round(statistics.median(max(v) for v in per_check) * scale, 1),
                               "mean_ms": round(statistics.median(statistics.fmean(v) for v in per_check) * scale, 1),
                               "depth": (len(name) - len(name.lstrip())) // 2}
     out = {**args, "checks": n_checks, "step_ms": round(ranks[0]["step_s"] * 1e3, 1),
            "check_cost_ms": round(statistics.median(c for r in ranks for c in r["costs"]) * 1e3, 1), "stages": rows}
+    for kind, picked in (("timed", True), ("untimed", False)):
+        costs = [r["costs"][c] for r in ranks for c, t in enumerate(comm) if t is picked]
+        out[f"check_cost_ms_{kind}"] = round(statistics.median(costs) * 1e3, 1) if costs else None
+        out[f"checks_{kind}"] = len(costs) // len(ranks)
     if probe_runs:
         out["runs"] = _spread([r["runs"] for r in ranks])
     return out
@@ -208,8 +219,10 @@ def main() -> None:
     a = p.parse_args()
     out = bench_replay_stages(world=a.world, interval=a.interval, periods=a.periods, probe_runs=a.probe_runs)
     width = max(len(n) + 2 * row["depth"] for n, row in out["stages"].items())
-    print(f"{a.world} ranks, I={a.interval}, step {out['step_ms']} ms; a check's A/B cost {out['check_cost_ms']} ms")
-    print(f"{'stage'.ljust(width)}  slowest rank  rank mean   (median over {out['checks']} checks)")
+    print(f"{a.world} ranks, I={a.interval}, step {out['step_ms']} ms; a check's A/B cost {out['check_cost_ms']} ms: "
+          f"{out['check_cost_ms_timed']} ms in {out['checks_timed']} checks that time the scratch all-reduce, "
+          f"{out['check_cost_ms_untimed']} ms in {out['checks_untimed']} that do not")
+    print(f"{'stage'.ljust(width)}  slowest rank  rank mean   (median over the {out['checks']} checks that time it)")
     for name, row in out["stages"].items():
         print(f"{('  ' * row['depth'] + name).ljust(width)}  {row['max_ms']:>10.1f}  {row['mean_ms']:>9.1f}")
     if a.probe_runs:

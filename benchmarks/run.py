@@ -53,7 +53,7 @@ SECTIONS: dict[str, Callable[[Any, torch.device], Any]] = {
     "replay": lambda a, d: replay_bench.bench_replay_curve(plot_path="benchmarks/replay_overhead.png"),
     # The same curve on a longer step (issue 33: where a budget cannot be met on 2 shared cores, the same code
     # on a longer step): a check's collectives cost the same milliseconds, its replayed passes scale with the step.
-    "replay_long": lambda a, d: replay_bench.bench_replay_curve(intervals=(20, 100), pairs=3, width=512, batch=512),
+    "replay_long": lambda a, d: replay_bench.bench_replay_curve(intervals=(20, 100), pairs=4, width=512, batch=512),
     # Where a check's fixed cost goes: every stage timed on every rank (the isolating measurement issue 33 asks for).
     # The probe job replaces the timed collective by a barrier and three recorded runs (the spread of 1, 2, 3 runs).
     "replay_stages": lambda a, d: {**replay_stages.bench_replay_stages(),

@@ -231,16 +231,19 @@ def _timing_metrics(rounds: list, watched: int) -> dict[str, float]:
 
 
 def _group_slowdown_problems(incidents: list, rounds: list, first_slow: int) -> list[str]:
-    """A group slowed from step ``first_slow`` is confirmed at its third slow round, once: step ``first_slow + 2``,
-    or one earlier only where the round just before the fault could have read slow by itself (its group time
-    beyond ``consensus.comm_min_ratio`` times the median of the rounds before it, the least the temporal check
-    asks), which the streak then counts."""
+    """A group slowed from step ``first_slow`` is confirmed at its third measured slow round, once, or one
+    measured round earlier only where the measured round before the fault could have read slow by itself (its
+    group time beyond ``consensus.comm_min_ratio`` times the median of the rounds before it, the least the
+    temporal check asks), which the streak then counts. A round that timed no collective
+    (``replay.comm_timing_every``) is no measurement: the first slow round is the first measured one from
+    ``first_slow``, and from there every round is measured (the streak makes every check time it)."""
     steps = sorted(i.step for i in incidents if i.scope == "peer_group")
-    allowed = [first_slow + 2]
-    before = [med for step, _, med, _ in rounds if step < first_slow - 1 and med is not None]
-    previous = next((med for step, _, med, _ in rounds if step == first_slow - 1), None)
-    if before and previous is not None and previous > ConsensusConfig().comm_min_ratio * statistics.median(before):
-        allowed.insert(0, first_slow + 1)
+    measured = [(step, med) for step, _, med, _ in rounds if med is not None]
+    slow = [step for step, _ in measured if step >= first_slow]
+    allowed = slow[2:3]  # empty where the cell ended before a third measured round: then nothing is allowed
+    earlier = [med for step, med in measured if step < first_slow]
+    if len(earlier) > 1 and earlier[-1] > ConsensusConfig().comm_min_ratio * statistics.median(earlier[:-1]):
+        allowed = slow[1:2] + allowed
     if len(steps) != 1 or steps[0] not in allowed:
         return [f"group slowdown recorded at steps {steps}, expected once at "
                 f"{' or '.join(map(str, allowed))} (slow from step {first_slow})"]

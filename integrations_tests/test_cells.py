@@ -584,6 +584,20 @@ def test_comm_straggler_cell_fails_when_a_group_is_called_slow_a_round_early(mon
     assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
 
 
+def test_comm_straggler_cell_fails_when_timing_stays_sparse_through_a_slow_streak(monkeypatch):
+    """The guard of ddp-comm-straggler at the shipped ``replay.comm_timing_every``: timing only every second
+    check after the history is learned, also while the group reads slow, confirms the slowdown two checks late
+    (or after the cell's last step), which the cell refuses."""
+    from scout_core.replay.timing import BASELINE_ROUNDS, CommTiming
+
+    def sparse_through_streaks(self, check, every):
+        return every <= 1 or check % every == 0 or len(self.baseline) < BASELINE_ROUNDS
+
+    monkeypatch.setattr(CommTiming, "all_reduce_due", sparse_through_streaks)
+    (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
+
+
 def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch, forked_observers):
     """The guard of hsdp-data-stall: without the deferral while a rank is still inside its data fetch, the
     shard-group mates that wait behind it (they cross their threshold first) are named protocol mismatches."""

@@ -163,6 +163,12 @@ class ReplayConfig:
     whose runs differ is reported ``inconclusive`` (nondeterministic), never SDC, and from then on every
     check is vetted. The expert recipe does the same per recipe cycle (the first cycle, then every this many
     cycles). 0: never (trust ``deterministic``)."""
+    comm_timing_every: int = _range(2, ge=1)
+    """Time the training-shaped scratch all-reduce (where no unshard's all-gather is timed for free: DDP and
+    other replicated layouts) on every this many hidden-layer checks once the group's communication history is
+    learned (its first 10 measured rounds), and on every check while its readings run slow: a group-wide
+    communication slowdown is then confirmed at most one check later than with 1 (every check). Compute is
+    timed on every check; HSDP's cross-group collectives too."""
     call_packages: list[str] = field(default_factory=list)
     """Top-level packages (besides torch and the packages of the checked layers' classes) whose types and
     functions a replayed call may name: where your model's argument dataclasses or mask functions live when that

@@ -132,3 +132,40 @@ def test_a_sustained_slowdown_beyond_the_noise_tail_is_found():
     in most runs, 8x in every run (a tail multiple of 3 found 4x in 58 and 8x in 116 of 200)."""
     assert _detected(4.0) >= 170
     assert _detected(8.0) == 200
+
+
+def _checks_timed(timing: CommTiming, readings: list[float | None], every: int = 2) -> list[bool]:
+    """Judge one round per check as the engine does: a check that times no all-reduce sends no time."""
+    timed = []
+    for check, seconds in enumerate(readings):
+        due = timing.all_reduce_due(check, every)
+        timed.append(due)
+        timing.group_slowdown(statistical([seconds if due else None] * 4))
+    return timed
+
+
+def test_the_scratch_all_reduce_is_timed_on_every_check_until_the_history_is_learned():
+    timing = _timing()
+    timed = _checks_timed(timing, [0.005] * (BASELINE_ROUNDS + 6))
+    assert timed == [True] * BASELINE_ROUNDS + [True, False] * 3  # then on every second check (check % 2 == 0)
+    assert len(timing.baseline) == BASELINE_ROUNDS + 3  # the checks without it leave the history as it is
+    assert all(_checks_timed(_timing(), [0.005] * 16, every=1))
+
+
+def test_a_slow_streak_times_every_check_until_it_is_confirmed_or_broken():
+    rng = random.Random(1)
+    timing = _timing()
+    calm = [_measured_noise(rng) for _ in range(30)]
+    _checks_timed(timing, calm)
+    # Slow from check 31, which times nothing: check 32 reads slow, and every check from there is timed, so the
+    # third slow reading (check 34) confirms it, one check later than timing every check would; it stays slow.
+    slow = []
+    for check in range(31, 36):
+        due = timing.all_reduce_due(check, 2)
+        slow.append((due, timing.group_slowdown(statistical([0.2 if due else None] * 4))))
+    assert slow == [(False, False), (True, False), (True, False), (True, True), (True, True)]
+    # Back to calm: the streak breaks at the first calm reading, and the checks go sparse again.
+    assert timing.all_reduce_due(37, 2) is True
+    timing.group_slowdown(statistical([0.005] * 4))
+    assert timing.slow_group_rounds == 0
+    assert [timing.all_reduce_due(check, 2) for check in (39, 40)] == [False, True]

@@ -190,7 +190,9 @@ class ReplayEngine:
         vet = trust.vet_due(due.check, self.cfg.determinism_every, self.n_hidden)
         # Agree to go on: the source's call metadata, every collective's memory reserved.
         failed_before = self.opt.take_error() if self.opt is not None else None
-        inputs = protocol.agree_inputs(result, due.layers, src, failed_before)
+        inputs = protocol.agree_inputs(result, due.layers, src, failed_before,
+                                       time_all_reduce=self.timing.all_reduce_due(due.check,
+                                                                                  self.cfg.comm_timing_every))
         if inputs is None:
             return
         calls, scratch = inputs

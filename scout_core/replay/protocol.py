@@ -92,10 +92,11 @@ class CheckProtocol:
         return where
 
     def agree_inputs(self, result: BoundaryResult, due: Sequence[tuple[str, int]], src: int,
-                     failed_before: BaseException | None = None
+                     failed_before: BaseException | None = None, *, time_all_reduce: bool = True
                      ) -> tuple[dict[int, ShippedCall], dict[int, Scratch]] | None:
         """Share the source's call metadata, take its buffers' shapes, reserve every collective's memory, and
-        agree to go on: (calls, scratch), or None with ``result.skipped`` saying why every rank stops."""
+        agree to go on: (calls, scratch), or None with ``result.skipped`` saying why every rank stops.
+        ``time_all_reduce``: this check times the scratch all-reduce (no buffer for it otherwise)."""
         guard, step = self.guard, result.step
         if failed_before is not None:
             guard.fail(failed_before, "optimizer slice capture")
@@ -110,7 +111,7 @@ class CheckProtocol:
                                                  device_of(self.recipes.layers[idx]), self.rank == src)
 
         guard.run("receive buffers", buffers)
-        scratch = self._reserve_scratch(due, calls)
+        scratch = self._reserve_scratch(due, calls, time_all_reduce)
         status = guard.agree_status(step, skip=bool(not_run))
         if status != "ok":
             # A sampled layer that did not run on a source (conditional layers, MoE) skips the check
@@ -141,7 +142,8 @@ class CheckProtocol:
             return captured, {}
         return captured, guard.run("call metadata", lambda: decode_metadata(raw, src)) or {}
 
-    def _reserve_scratch(self, due: Sequence[tuple[str, int]], calls: dict[int, ShippedCall]) -> dict[int, Scratch]:
+    def _reserve_scratch(self, due: Sequence[tuple[str, int]], calls: dict[int, ShippedCall],
+                         time_all_reduce: bool) -> dict[int, Scratch]:
         """Everything the collectives below allocate, allocated now: an out-of-memory error inside a
         collective would hang the peers; here it is a failure every rank agrees on next."""
         scratch: dict[int, Scratch] = {}
@@ -155,7 +157,8 @@ class CheckProtocol:
                 headroom = max(needs.values()) if idx == probe_at else 0
                 self.guard.run(f"scratch memory of {self.recipes.names[idx]}",
                                lambda recipe=recipe, idx=idx, h=headroom: scratch.__setitem__(
-                                   idx, self.recipes.reserve(idx, timed=recipe == "hidden", headroom=h)))
+                                   idx, self.recipes.reserve(idx, timed=recipe == "hidden", headroom=h,
+                                                             time_all_reduce=time_all_reduce)))
         return scratch
 
     def broadcast(self, calls: dict[int, ShippedCall], due: Sequence[tuple[str, int]], src: int) -> None:

@@ -91,6 +91,18 @@ class CommTiming:
             best = min(best, time.perf_counter() - start)
         return best
 
+    def all_reduce_due(self, check: int, every: int) -> bool:
+        """Whether check ``check`` times the scratch all-reduce (``replay.comm_timing_every``): every check
+        while the group's history is learned (``BASELINE_ROUNDS``) or its readings run slow, else every
+        ``every``-th. The same on every peer: the history and the streak come from the exchanged readings.
+
+        A check without it sends no communication time (no measurement: the history and the streak stay
+        as they are), so a slowdown that starts between two timed checks reads slow at the next one, and from
+        there every check is timed: its verdict comes at most one check later than with ``every`` = 1.
+        """
+        return (every <= 1 or check % every == 0 or len(self.baseline) < BASELINE_ROUNDS
+                or self.slow_group_rounds > 0)
+
     def cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any, *,
                     work: tuple[Any, float | None] = (None, None)) -> tuple[Any, C3Result]:
         """Intersect slow shard groups and slow replica groups to name a machine (paper section 6.1.2),
