@@ -35,7 +35,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def guards(session: nox.Session) -> None:
     """The guards: each re-runs a cell with one mechanism removed and must see it turn red (73, about 17 minutes
-    here; CI runs all but the 20 heavy ones: see docs/install.md)."""
+    here; CI runs all but the 22 heavy ones: see docs/install.md)."""
     _install(session, frameworks=True)
     session.run("python", "-m", "pytest", "-m", "guards", "-q", "--durations=40", "integrations_tests/test_cells.py",
                 *session.posargs, env={"OMP_NUM_THREADS": "1"})

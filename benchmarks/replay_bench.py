@@ -57,16 +57,14 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
         twin, twin_opt = ddp_model(depth, width)  # a second plain copy: the A/A noise beside each A/B
         period(plain, plain_opt)
         period(twin, twin_opt)
-        warm_up(engine, watched, watched_opt, data, depth)
-        cfg.cadence.hidden = interval  # a live change of cadence, as `scout ctl` makes it
-        engine.reschedule()
+        warm_up(engine, watched, watched_opt, data, depth, interval)
         warm = len(engine.history)
         ratios, noise, steps = [], [], []
         calls = 0
         for i in range(a["pairs"]):
             arms = [("a", plain, plain_opt), ("b", watched, watched_opt), ("a2", twin, twin_opt)]
             times = {}
-            for name, model, opt in (arms if i % 2 else arms[::-1]):
+            for name, model, opt in arms_in_order(arms, i):
                 before = counted[0]
                 times[name] = period(model, opt)
                 calls += counted[0] - before - 2 if name == "b" else 0  # less the period's own two barriers
@@ -82,11 +80,12 @@ def _curve_rank(ctx: Any) -> dict[str, Any]:
 
 
 def warm_up(engine: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor,
-            depth: int) -> None:
-    """Run the watched copy at one check per step through a check's start-up costs, which are not its rate:
-    the first rotation's checks are vetted (run twice), and the first ``BASELINE_ROUNDS`` time the scratch
-    all-reduce on every check (the group's communication history is learned; after it, every
-    ``replay.comm_timing_every``-th check does). A job checking every 100 steps spends 1,000 steps there."""
+            depth: int, interval: int) -> None:
+    """Run the watched copy at one check per step through a check's start-up costs, which are not its rate,
+    then set the cadence to ``interval`` (a live change, as ``scout ctl`` makes it): the first rotation's
+    checks are vetted (run twice), and the first ``BASELINE_ROUNDS`` time the scratch all-reduce on every
+    check (the group's communication history is learned; after it, every ``replay.comm_timing_every``-th
+    check does). A job checking every 100 steps spends 1,000 steps there."""
     from scout_core.replay.timing import BASELINE_ROUNDS
 
     assert engine.cfg.cadence.hidden == 1
@@ -94,6 +93,15 @@ def warm_up(engine: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, dat
         model(data).square().mean().backward()
         opt.step()
         opt.zero_grad()
+    assert len(engine.timing.baseline) >= BASELINE_ROUNDS and engine.timing.slow_group_rounds == 0
+    engine.cfg.cadence.hidden = interval
+    engine.reschedule()
+
+
+def arms_in_order(arms: list, i: int) -> list:
+    """Pair ``i``'s arms, reversed every two pairs: checks alternate between timing the scratch all-reduce and
+    not (``replay.comm_timing_every`` = 2), so each kind of check is measured in both orders."""
+    return arms if (i // 2) % 2 else arms[::-1]
 
 
 def ddp_model(depth: int, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -9,7 +9,7 @@ the slowest rank's time and of the ranks' mean, the time spent inside collective
 included), and beside them the A/B cost of each kind of check (a plain copy of the model stepped alternately with
 the watched one, as in the replay bench).
 
-    python benchmarks/replay_stages.py [--world 16] [--interval 2] [--periods 30] [--probe-runs] [--out F]
+    python benchmarks/replay_stages.py [--world 16] [--interval 2] [--periods 32] [--probe-runs] [--out F]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _stage_targets() -> list[tuple[Any, str, str]]:
         (CheckProtocol, "agree_inputs", "agree_inputs"),
         (CheckProtocol, "_call_metadata", "  call_metadata"),
         (CheckProtocol, "_reserve_scratch", "  reserve_scratch"),
-        (DiagnosisGuard, "agree_status", "  agree_status"),
+        (DiagnosisGuard, "agree_and_ask", "  agree_and_ask"),
         (CheckProtocol, "broadcast", "call broadcast"),  # not "broadcast": that name counts collectives
         (recipe.RecipeRunner, "replay_due", "replay_due"),
         (recipe.RecipeRunner, "replay", "  replay (passes, signing)"),
@@ -101,7 +101,7 @@ def _probe_runs(runs: list[list[float]]) -> None:
 
 def _rank(ctx: Any) -> dict[str, Any]:
     import torch.distributed as dist
-    from replay_bench import ddp_model, warm_up
+    from replay_bench import arms_in_order, ddp_model, warm_up
 
     from scout_core.config import ReplayCadence, ReplayConfig
     from scout_core.replay.engine import ReplayEngine
@@ -133,16 +133,14 @@ def _rank(ctx: Any) -> dict[str, Any]:
         dist.barrier()
         return time.perf_counter() - start
 
-    warm_up(engine, watched, watched_opt, data, depth)  # start-up checks, one per step, are not reported
-    cfg.cadence.hidden = interval
-    engine.reschedule()
+    warm_up(engine, watched, watched_opt, data, depth, interval)  # start-up checks are not reported
     period(plain, plain_opt)
     runs.clear()
     checks, costs, steps = [], [], []
     for i in range(a["periods"]):
         arms = [("a", plain, plain_opt), ("b", watched, watched_opt)]
         times = {}
-        for name, model, opt in (arms if i % 2 else arms[::-1]):
+        for name, model, opt in arms_in_order(arms, i):
             record.clear()
             times[name] = period(model, opt)
             if name == "b":
@@ -170,7 +168,7 @@ def _spread(per_rank: list[list[list[float]]]) -> dict[str, Any]:
     return out
 
 
-def bench_replay_stages(*, world: int = 16, interval: int = 2, periods: int = 30, depth: int = 6, width: int = 256,
+def bench_replay_stages(*, world: int = 16, interval: int = 2, periods: int = 32, depth: int = 6, width: int = 256,
                         batch: int = 256, probe_runs: bool = False) -> dict[str, Any]:
     """Per stage, the median over the checks of the slowest rank's and the ranks' mean milliseconds, beside a
     check's A/B cost and the step; with ``probe_runs``, the spread of one, two and three timed runs."""
@@ -190,6 +188,8 @@ def bench_replay_stages(*, world: int = 16, interval: int = 2, periods: int = 30
     comm = [any(k.strip() == "scratch all-reduce" for r in ranks for k in r["checks"][c])
             for c in range(len(ranks[0]["checks"]))]
     timed = [c for c, t in enumerate(comm) if t]
+    if not timed:
+        raise RuntimeError(f"none of the {len(comm)} checks timed the scratch all-reduce: measure more periods")
     n_checks = len(timed)
     rows = {}
     for name in names:
@@ -213,7 +213,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=16)
     p.add_argument("--interval", type=int, default=2)
-    p.add_argument("--periods", type=int, default=30)
+    p.add_argument("--periods", type=int, default=32)
     p.add_argument("--probe-runs", action="store_true", help="record three aligned runs of the timed all-reduce")
     p.add_argument("--out", default=None)
     a = p.parse_args()

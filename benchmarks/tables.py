@@ -132,7 +132,12 @@ def _replay_fixed_rows(results: dict) -> list[str]:
         def ms(name: str) -> str:
             return f"{st.get(name, {}).get('mean_ms', 0):.0f}"
 
-        rows.append(f"| where a replay check's {stages['check_cost_ms']:.0f} ms go ({stages['world']} ranks, "
+        if stages.get("check_cost_ms_untimed") is not None:  # every comm_timing_every-th check times it
+            rows.append(f"| replay check that times the scratch all-reduce; one that does not ({stages['world']} "
+                        f"ranks, A/B) | {stages['check_cost_ms_timed']:.0f} ms; {stages['check_cost_ms_untimed']:.0f}"
+                        f" ms | - |")
+        cost = stages.get("check_cost_ms_timed") or stages["check_cost_ms"]
+        rows.append(f"| where a replay check's {cost:.0f} ms go ({stages['world']} ranks, "
                     f"{stages['step_ms']:.0f} ms step, ranks' mean): replayed passes and signing; timed all-reduces "
                     f"(the arrival skew's wait included); call broadcast; evidence exchange; metadata and agreement "
                     f"| {ms('replay (passes, signing)')}; {ms('timed collective')}; {ms('call broadcast')}; "

@@ -24,7 +24,8 @@ import scout_core
 from integrations_tests.expect import record_problems
 from integrations_tests.models import batches, install_block_faults, install_optimizer_kernel_fault, start_rank
 from scout_core.config import ConsensusConfig, load
-from scout_core.config_schema import ReplayCadence
+from scout_core.config_schema import ReplayCadence, ReplayConfig
+from scout_core.replay.timing import BASELINE_ROUNDS
 from scout_core.report import read_incidents
 from scout_core.runtime import HOSTNAME_ENV
 from scout_core.signature import sign_many
@@ -207,7 +208,8 @@ def replay_cell(spec: CellSpec, world_size: int, workdir: str) -> CellReport:
         if problems:
             problems.append(_timing_summary(rounds, watched, watched[0]))
     if result.ok and "group_slow_from" in expect:
-        problems += _group_slowdown_problems(incidents, result.values()[0]["comm_s"], expect["group_slow_from"])
+        problems += _group_slowdown_problems(incidents, result.values()[0]["comm_s"], expect["group_slow_from"],
+                                             sparse=expect.get("comm_timing_sparse", False))
     if result.ok and problems and (expect.get("scope") == "peer_group" or
                                    any(i.scope == "peer_group" for i in incidents)):
         problems.append(_comm_summary(result.values()[0]["comm_s"]))
@@ -230,13 +232,14 @@ def _timing_metrics(rounds: list, watched: int) -> dict[str, float]:
     return out
 
 
-def _group_slowdown_problems(incidents: list, rounds: list, first_slow: int) -> list[str]:
+def _group_slowdown_problems(incidents: list, rounds: list, first_slow: int, *, sparse: bool) -> list[str]:
     """A group slowed from step ``first_slow`` is confirmed at its third measured slow round, once, or one
     measured round earlier only where the measured round before the fault could have read slow by itself (its
     group time beyond ``consensus.comm_min_ratio`` times the median of the rounds before it, the least the
     temporal check asks), which the streak then counts. A round that timed no collective
     (``replay.comm_timing_every``) is no measurement: the first slow round is the first measured one from
-    ``first_slow``, and from there every round is measured (the streak makes every check time it)."""
+    ``first_slow``, and from there every round is measured (the streak makes every check time it). ``sparse``:
+    the timed collective is the scratch all-reduce (an unshard's all-gather is timed in every round)."""
     steps = sorted(i.step for i in incidents if i.scope == "peer_group")
     measured = [(step, med) for step, _, med, _ in rounds if med is not None]
     slow = [step for step, _ in measured if step >= first_slow]
@@ -244,10 +247,21 @@ def _group_slowdown_problems(incidents: list, rounds: list, first_slow: int) -> 
     earlier = [med for step, med in measured if step < first_slow]
     if len(earlier) > 1 and earlier[-1] > ConsensusConfig().comm_min_ratio * statistics.median(earlier[:-1]):
         allowed = slow[1:2] + allowed
+    problems = []
     if len(steps) != 1 or steps[0] not in allowed:
-        return [f"group slowdown recorded at steps {steps}, expected once at "
-                f"{' or '.join(map(str, allowed))} (slow from step {first_slow})"]
-    return []
+        problems.append(f"group slowdown recorded at steps {steps}, expected once at "
+                        f"{' or '.join(map(str, allowed)) or 'a third measured slow round'} (slow from step "
+                        f"{first_slow})")
+    # At the shipped replay.comm_timing_every some round after the history's 10 times nothing, and none does
+    # from the first slow reading on (every check times it while the streak runs).
+    gaps = [step for step, _, med, _ in rounds if med is None]
+    if sparse and not [step for step in gaps if step > BASELINE_ROUNDS]:
+        problems.append(f"every round timed the scratch all-reduce (replay.comm_timing_every "
+                        f"{ReplayConfig().comm_timing_every} asks for every second once the history is learned)")
+    if slow and [step for step in gaps if slow[0] < step <= (steps or [slow[-1]])[0]]:
+        problems.append(f"rounds {gaps} timed nothing after the first slow reading at step {slow[0]}: a slow "
+                        "streak times every check")
+    return problems
 
 
 def _comm_summary(rounds: list) -> str:

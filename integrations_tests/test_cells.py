@@ -588,14 +588,30 @@ def test_comm_straggler_cell_fails_when_timing_stays_sparse_through_a_slow_strea
     """The guard of ddp-comm-straggler at the shipped ``replay.comm_timing_every``: timing only every second
     check after the history is learned, also while the group reads slow, confirms the slowdown two checks late
     (or after the cell's last step), which the cell refuses."""
-    from scout_core.replay.timing import BASELINE_ROUNDS, CommTiming
+    from scout_core.replay.timing import CommTiming
 
-    def sparse_through_streaks(self, check, every):
-        return every <= 1 or check % every == 0 or len(self.baseline) < BASELINE_ROUNDS
+    real = CommTiming.all_reduce_due
+
+    def sparse_through_streaks(self, *args):
+        saved, self.slow_group_rounds = self.slow_group_rounds, 0  # as if no streak ran
+        try:
+            return real(self, *args)
+        finally:
+            self.slow_group_rounds = saved
 
     monkeypatch.setattr(CommTiming, "all_reduce_due", sparse_through_streaks)
     (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
     assert report.verdict == "FAIL" and "group slowdown recorded at steps" in report.details
+
+
+def test_comm_straggler_cell_fails_when_every_check_times_the_all_reduce(monkeypatch):
+    """The guard of ddp-comm-straggler's sparse timing: a job whose every check asks to time the scratch
+    all-reduce (or one that never lets the buffer go) times it in every round, which the cell refuses."""
+    from scout_core.replay.timing import CommTiming
+
+    monkeypatch.setattr(CommTiming, "all_reduce_due", lambda self, *args: True)
+    (report,) = run_cells([SPECS["ddp-comm-straggler"]], root=ROOT)
+    assert report.verdict == "FAIL" and "every round timed the scratch all-reduce" in report.details
 
 
 def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch, forked_observers):

@@ -164,9 +164,10 @@ class ReplayConfig:
     check is vetted. The expert recipe does the same per recipe cycle (the first cycle, then every this many
     cycles). 0: never (trust ``deterministic``)."""
     comm_timing_every: int = _range(2, ge=1)
-    """Time the training-shaped scratch all-reduce (where no unshard's all-gather is timed for free: DDP and
-    other replicated layouts) on every this many hidden-layer checks once the group's communication history is
-    learned (its first 10 measured rounds), and on every check while its readings run slow: a group-wide
+    """Time the training-shaped scratch all-reduce (where no unshard's all-gather is timed for free: DDP,
+    DeepSpeed ZeRO, tensor-parallel layers) on every this many hidden-layer checks once the communication
+    history is learned (its first 10 measured rounds), and on every check while its readings run slow (where any
+    peer group still learns or reads slow, every group times it: the ranks agree before each check). A group-wide
     communication slowdown is then confirmed at most one check later than with 1 (every check). Compute is
     timed on every check; HSDP's cross-group collectives too."""
     call_packages: list[str] = field(default_factory=list)

@@ -155,8 +155,8 @@ def test_the_scratch_all_reduce_is_timed_on_every_check_until_the_history_is_lea
 def test_a_slow_streak_times_every_check_until_it_is_confirmed_or_broken():
     rng = random.Random(1)
     timing = _timing()
-    calm = [_measured_noise(rng) for _ in range(30)]
-    _checks_timed(timing, calm)
+    calm = [_measured_noise(rng) for _ in range(31)]
+    _checks_timed(timing, calm)  # checks 0..30 (30 is timed)
     # Slow from check 31, which times nothing: check 32 reads slow, and every check from there is timed, so the
     # third slow reading (check 34) confirms it, one check later than timing every check would; it stays slow.
     slow = []
@@ -169,3 +169,13 @@ def test_a_slow_streak_times_every_check_until_it_is_confirmed_or_broken():
     timing.group_slowdown(statistical([0.005] * 4))
     assert timing.slow_group_rounds == 0
     assert [timing.all_reduce_due(check, 2) for check in (39, 40)] == [False, True]
+
+
+def test_every_layer_of_the_rotation_has_its_all_reduce_timed_in_turn():
+    timing = _timing()
+    _checks_timed(timing, [0.005] * BASELINE_ROUNDS)
+    for layers in (2, 3, 4, 6, 7):
+        checks = range(BASELINE_ROUNDS, BASELINE_ROUNDS + 4 * layers)
+        timed = [c for c in checks if timing.all_reduce_due(c, 2, layers)]
+        assert {c % layers for c in timed} == set(range(layers)), layers  # check c samples layer c % layers
+        assert len(timed) == len(checks) // 2  # still every second check

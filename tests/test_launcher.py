@@ -155,6 +155,11 @@ def _exchange(ctx: RankContext):
     guard.attempt("evidence exchange", lambda: c3_exchange_unless_failed([1] * (2 if ctx.rank == 2 else 1)))
     out["agreed"] = guard.agree(7)
     out["records"] = [(i.ranks, i.reason) for i in records]
+    # An optional part with a collective (replay's timed all-reduce) is run by every rank or by none.
+    fresh = DiagnosisGuard(None, rank=ctx.rank, reporter=None)
+    out["asked"] = [fresh.agree_and_ask(8, skip=False, ask=ctx.rank == 3),
+                    fresh.agree_and_ask(9, skip=False, ask=False),
+                    fresh.agree_and_ask(10, skip=ctx.rank == 1, ask=ctx.rank != 1)]
     return out
 
 
@@ -176,6 +181,7 @@ def test_c3_exchange_k_surfaces_identical_everywhere():
     assert [len(v["records"]) for v in values] == [1, 0, 0, 0, 0, 0]
     assert "ranks [2] sent 2 surfaces" in values[0]["records"][0][1] and values[0]["records"][0][0] == [0]
     assert all(v["unless_failed"][:2] == [None, ["attributed"]] for v in values)
+    assert all(v["asked"] == [("ok", True), ("ok", False), ("skip", False)] for v in values)
     assert [v["unless_failed"][2] is None for v in values] == [True, True, False, True, True, True]
 
 

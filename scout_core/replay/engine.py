@@ -188,11 +188,11 @@ class ReplayEngine:
         # What is due: this check's source and whether it vets determinism (replays twice).
         result.source = src = self.peers[self.schedule.source(due.check)]
         vet = trust.vet_due(due.check, self.cfg.determinism_every, self.n_hidden)
-        # Agree to go on: the source's call metadata, every collective's memory reserved.
+        # Agree to go on: the source's call metadata, every collective's memory reserved, and whether this check
+        # times the scratch all-reduce (replay.comm_timing_every).
         failed_before = self.opt.take_error() if self.opt is not None else None
-        inputs = protocol.agree_inputs(result, due.layers, src, failed_before,
-                                       time_all_reduce=self.timing.all_reduce_due(due.check,
-                                                                                  self.cfg.comm_timing_every))
+        ask = self.timing.all_reduce_due(due.check, self.cfg.comm_timing_every, self.n_hidden)
+        inputs = protocol.agree_inputs(result, due.layers, src, failed_before, time_all_reduce=ask)
         if inputs is None:
             return
         calls, scratch = inputs

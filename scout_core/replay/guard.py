@@ -106,15 +106,19 @@ class DiagnosisGuard:
 
     def agree(self, step: int | None, surface: str = "replay") -> bool:
         """True when every rank's local work succeeded so far. Every rank calls it, in the same order."""
-        return self.agree_status(step, skip=False, surface=surface) == "ok"
+        return self.agree_and_ask(step, skip=False, surface=surface)[0] == "ok"
 
-    def agree_status(self, step: int | None, *, skip: bool, surface: str = "replay") -> str:
-        """Like :meth:`agree`, also combining a local reason to skip: ``"ok"``, ``"skip"`` or ``"error"``.
+    def agree_and_ask(self, step: int | None, *, skip: bool, ask: bool = False,
+                      surface: str = "replay") -> tuple[str, bool]:
+        """Like :meth:`agree`, also combining a local reason to skip (``"ok"``, ``"skip"`` or ``"error"``), and
+        whether to run an optional part that every rank runs or none does (replay's timed scratch all-reduce):
+        granted where every rank is ok and some rank ``ask``-ed. Every rank reads the same answer, whatever each
+        one's own reasons to ask, so a part with a collective never leaves a rank waiting in it alone.
 
-        One MIN all-reduce of one int on SCOUT's gloo group spanning the job (0 error, 1 skip, 2 ok). The
-        rank that failed writes the record, once per check.
+        One MIN all-reduce of one int on SCOUT's gloo group spanning the job (0 error, 1 skip, 2 ok and asked,
+        3 ok). The rank that failed writes the record, once per check.
         """
-        code = 0 if self.failure is not None else (1 if skip else 2)
+        code = 0 if self.failure is not None else (1 if skip else (2 if ask else 3))
         flag = torch.tensor([code], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         worst = int(flag.item())
@@ -122,7 +126,7 @@ class DiagnosisGuard:
             if self.failure.writer in (None, self.rank):
                 self.report(step, surface, self.failure)
             self.failure = Failure(self.failure.where, "reported", "", "")
-        return ("error", "skip", "ok")[worst]
+        return ("error", "skip", "ok", "ok")[worst], worst == 2
 
     def report(self, step: int | None, surface: str, failure: Failure | BaseException, where: str = "") -> None:
         """One ``diagnosis_error`` record from the rank that failed (its traceback is only here)."""

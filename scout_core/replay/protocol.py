@@ -96,7 +96,8 @@ class CheckProtocol:
                      ) -> tuple[dict[int, ShippedCall], dict[int, Scratch]] | None:
         """Share the source's call metadata, take its buffers' shapes, reserve every collective's memory, and
         agree to go on: (calls, scratch), or None with ``result.skipped`` saying why every rank stops.
-        ``time_all_reduce``: this check times the scratch all-reduce (no buffer for it otherwise)."""
+        ``time_all_reduce``: this rank asks to time the scratch all-reduce; the agreement decides for every rank
+        (timed where any asked), and where it is not timed its buffer is let go (``_timed`` then times none)."""
         guard, step = self.guard, result.step
         if failed_before is not None:
             guard.fail(failed_before, "optimizer slice capture")
@@ -111,8 +112,8 @@ class CheckProtocol:
                                                  device_of(self.recipes.layers[idx]), self.rank == src)
 
         guard.run("receive buffers", buffers)
-        scratch = self._reserve_scratch(due, calls, time_all_reduce)
-        status = guard.agree_status(step, skip=bool(not_run))
+        scratch = self._reserve_scratch(due, calls)
+        status, timed = guard.agree_and_ask(step, skip=bool(not_run), ask=time_all_reduce)
         if status != "ok":
             # A sampled layer that did not run on a source (conditional layers, MoE) skips the check
             # everywhere: other peer groups' replays would otherwise meet this group in cross-group timing.
@@ -121,6 +122,9 @@ class CheckProtocol:
             if status == "skip":
                 self.health.skipped(step, result.skipped)
             return None
+        if not timed:
+            for reserved in scratch.values():
+                reserved.all_reduce = None
         return calls, scratch
 
     def _call_metadata(self, due: Sequence[tuple[str, int]], src: int) -> tuple[dict[int, Any], dict[int, Any]]:
@@ -142,8 +146,7 @@ class CheckProtocol:
             return captured, {}
         return captured, guard.run("call metadata", lambda: decode_metadata(raw, src)) or {}
 
-    def _reserve_scratch(self, due: Sequence[tuple[str, int]], calls: dict[int, ShippedCall],
-                         time_all_reduce: bool) -> dict[int, Scratch]:
+    def _reserve_scratch(self, due: Sequence[tuple[str, int]], calls: dict[int, ShippedCall]) -> dict[int, Scratch]:
         """Everything the collectives below allocate, allocated now: an out-of-memory error inside a
         collective would hang the peers; here it is a failure every rank agrees on next."""
         scratch: dict[int, Scratch] = {}
@@ -157,8 +160,7 @@ class CheckProtocol:
                 headroom = max(needs.values()) if idx == probe_at else 0
                 self.guard.run(f"scratch memory of {self.recipes.names[idx]}",
                                lambda recipe=recipe, idx=idx, h=headroom: scratch.__setitem__(
-                                   idx, self.recipes.reserve(idx, timed=recipe == "hidden", headroom=h,
-                                                             time_all_reduce=time_all_reduce)))
+                                   idx, self.recipes.reserve(idx, timed=recipe == "hidden", headroom=h)))
         return scratch
 
     def broadcast(self, calls: dict[int, ShippedCall], due: Sequence[tuple[str, int]], src: int) -> None:

@@ -122,13 +122,11 @@ class RecipeRunner:
             return guard.run(f"gather size of {self.names[idx]}", lambda: gather_bytes(layer)) or 0
         return unshard_bytes(layer, owner)
 
-    def reserve(self, idx: int, *, timed: bool, headroom: int, time_all_reduce: bool = True) -> Scratch:
-        """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's; without
-        ``time_all_reduce`` no scratch all-reduce, and then none is timed: ``_timed``)."""
+    def reserve(self, idx: int, *, timed: bool, headroom: int) -> Scratch:
+        """The memory replaying layer ``idx`` needs in its collectives (timed: the hidden recipe's)."""
         layer = self.layers[idx]
         owner = self.owner(idx)  # an unshard, of the layer or its owner, is the timed collective then
-        all_reduce = timed and time_all_reduce and not fsdp_module(layer) and not fsdp_module(owner)
-        return reserve(layer, owner, time_all_reduce=all_reduce,
+        return reserve(layer, owner, time_all_reduce=timed and not fsdp_module(layer) and not fsdp_module(owner),
                        hsdp_groups=mesh_groups(layer) if timed else None, headroom_bytes=headroom)
 
     def replay(self, idx: int, call: ShippedCall, scratch: Scratch, guard: DiagnosisGuard, *, timed: bool,

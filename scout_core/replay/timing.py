@@ -14,6 +14,7 @@ Figure 2c). :class:`CommTiming` keeps what the judgement needs across rounds:
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -91,16 +92,23 @@ class CommTiming:
             best = min(best, time.perf_counter() - start)
         return best
 
-    def all_reduce_due(self, check: int, every: int) -> bool:
-        """Whether check ``check`` times the scratch all-reduce (``replay.comm_timing_every``): every check
-        while the group's history is learned (``BASELINE_ROUNDS``) or its readings run slow, else every
-        ``every``-th. The same on every peer: the history and the streak come from the exchanged readings.
+    def all_reduce_due(self, check: int, every: int, layers: int = 1) -> bool:
+        """Whether this rank asks check ``check`` to time the scratch all-reduce (``replay.comm_timing_every``):
+        every check while the group's history is learned (``BASELINE_ROUNDS``) or its readings run slow, else
+        every ``every``-th. The history and the streak come from the exchanged readings, so every peer asks
+        alike; the agreement before the check's collectives still decides for all (timed where any asked:
+        :meth:`~scout_core.replay.guard.DiagnosisGuard.agree_and_ask`), so no rank can wait in it alone.
+
+        ``layers``: the rotation's length (check ``c`` samples layer ``c % layers``). Where it shares a factor
+        with ``every`` the timed checks shift by one each rotation, so every layer's all-reduce size is timed in
+        turn (else with 6 layers and ``every`` = 2 only the even layers' would be, ever).
 
         A check without it sends no communication time (no measurement: the history and the streak stay
         as they are), so a slowdown that starts between two timed checks reads slow at the next one, and from
         there every check is timed: its verdict comes at most one check later than with ``every`` = 1.
         """
-        return (every <= 1 or check % every == 0 or len(self.baseline) < BASELINE_ROUNDS
+        slot = check + (check // layers if math.gcd(layers, every) > 1 else 0)
+        return (every <= 1 or slot % every == 0 or len(self.baseline) < BASELINE_ROUNDS
                 or self.slow_group_rounds > 0)
 
     def cross_group(self, t_rs: float, t_ar: float, shard_pg: Any, repl_pg: Any, *,
