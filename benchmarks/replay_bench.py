@@ -89,7 +89,9 @@ def warm_up(engine: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, dat
     from scout_core.replay.timing import BASELINE_ROUNDS
 
     assert engine.cfg.cadence.hidden == 1
-    for _ in range(max(depth, BASELINE_ROUNDS) + 1):
+    # Whole rotations: the timed checks shift by one each rotation (an even layer count), so a window that
+    # starts a rotation times every second check; one that crosses a rotation's end times two in a row.
+    for _ in range(-(-max(depth, BASELINE_ROUNDS + 1) // depth) * depth):
         model(data).square().mean().backward()
         opt.step()
         opt.zero_grad()
