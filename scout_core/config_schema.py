@@ -168,8 +168,9 @@ class ReplayConfig:
     DeepSpeed ZeRO, tensor-parallel layers) on every this many hidden-layer checks once the communication
     history is learned (its first 10 measured rounds), and on every check while its readings run slow (where any
     peer group still learns or reads slow, every group times it: the ranks agree before each check). A group-wide
-    communication slowdown is then confirmed at most one check later than with 1 (every check). Compute is
-    timed on every check; HSDP's cross-group collectives too."""
+    communication slowdown is then confirmed at most one check later than with 1 (every check), two where a
+    rotation over an even number of layers ends. Compute is timed on every check; HSDP's cross-group collectives
+    too."""
     call_packages: list[str] = field(default_factory=list)
     """Top-level packages (besides torch and the packages of the checked layers' classes) whose types and
     functions a replayed call may name: where your model's argument dataclasses or mask functions live when that

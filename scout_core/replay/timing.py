@@ -101,11 +101,13 @@ class CommTiming:
 
         ``layers``: the rotation's length (check ``c`` samples layer ``c % layers``). Where it shares a factor
         with ``every`` the timed checks shift by one each rotation, so every layer's all-reduce size is timed in
-        turn (else with 6 layers and ``every`` = 2 only the even layers' would be, ever).
+        turn (else with 6 layers and ``every`` = 2 only the even layers' would be, ever); where a rotation ends,
+        two checks in a row then time none.
 
         A check without it sends no communication time (no measurement: the history and the streak stay
         as they are), so a slowdown that starts between two timed checks reads slow at the next one, and from
-        there every check is timed: its verdict comes at most one check later than with ``every`` = 1.
+        there every check is timed: its verdict comes at most one check later than with ``every`` = 1 (two
+        where a rotation ends).
         """
         slot = check + (check // layers if math.gcd(layers, every) > 1 else 0)
         return (every <= 1 or slot % every == 0 or len(self.baseline) < BASELINE_ROUNDS
