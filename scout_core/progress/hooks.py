@@ -199,7 +199,10 @@ class ProgressTracker:
             handle = torch.cuda.Event()
             handle.record()
         else:
-            self.complete(key)  # a blocking call on the host returned: done
+            # A blocking call on the host returned: done, published now (FSDP2's gloo collectives are all
+            # blocking). Left for the next publish, a rank frozen in between would read as still inside a
+            # collective its peers have left: a protocol mismatch to the observer, not a lagging rank.
+            self.complete(key)
             return
         with self._lock:
             if key not in self._inflight:

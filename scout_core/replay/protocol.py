@@ -92,7 +92,7 @@ class CheckProtocol:
         return where
 
     def agree_inputs(self, result: BoundaryResult, due: Sequence[tuple[str, int]], src: int,
-                     failed_before: BaseException | None = None, *, time_all_reduce: bool = True
+                     failed_before: BaseException | None = None, *, time_all_reduce: bool
                      ) -> tuple[dict[int, ShippedCall], dict[int, Scratch]] | None:
         """Share the source's call metadata, take its buffers' shapes, reserve every collective's memory, and
         agree to go on: (calls, scratch), or None with ``result.skipped`` saying why every rank stops.
