@@ -2,25 +2,57 @@
 # The test suite CI runs, in the active Python environment (installed by docker/install.sh): what `nox -s tests`
 # runs in its virtual environment and what docker/Dockerfile.cpu runs in the image. One definition for both.
 #
-#   docker/test.sh            unit and property tests, the torchrun tests, the cells without a matrix place; then
-#                             the whole fault matrix (runs/matrix.{json,md,png}); then the guards but the heavy
-#                             ones; then the plugins' tests
-#   docker/test.sh ARGS...    the first pytest run only, with ARGS
+#   docker/test.sh            two lanes side by side: the unit and property tests (tests/) then two plugins' tests,
+#                             beside the other three plugins' tests; then, alone: the torchrun tests and the cells
+#                             without a matrix place (integrations_tests/); the whole fault matrix
+#                             (runs/matrix.{json,md,png}); the guards but the heavy ones
+#   docker/test.sh ARGS...    pytest over tests/ and integrations_tests/ only, with ARGS
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export OMP_NUM_THREADS=1
 export SCOUT_SIGNATURE_CASES=2000  # the signature's property tests: 2,000 corruptions of each kind (10,000 alone)
+STAGE1=(-m "not cells and not matrix and not guards" -q --durations=10)
 
-python -m pytest -m "not cells and not matrix and not guards" -q --durations=10 "$@"
-[ $# -eq 0 ] || exit 0
+if [ $# -gt 0 ]; then
+  exec python -m pytest "${STAGE1[@]}" "$@"
+fi
+
+# Side by side: the unit tests use about a third of the 2 CI cores (most of their time is waiting on daemons,
+# sockets and subprocesses) and each plugin's tests about half (one process importing its framework); together
+# they take about 5 minutes instead of 8. Nothing here measures time against a threshold a neighbour could break:
+# the multi-rank cells, whose hang thresholds and straggler timings do, run alone below.
+LOGS=$(mktemp -d)
+suite() {  # one pytest run, its output in $LOGS/<name>.log and its exit status in $LOGS/<name>.rc
+  local name=$1
+  shift
+  local rc=0
+  # Each its own temporary folder and no shared cache: two pytest processes at once write neither's files.
+  python -m pytest -p no:cacheprovider --basetemp "$LOGS/tmp-$name" "$@" > "$LOGS/$name.log" 2>&1 || rc=$?
+  echo "$rc" > "$LOGS/$name.rc"
+}
+plugins() {
+  for plugin in "$@"; do suite "$plugin" -q --durations=10 "plugins/$plugin/tests"; done
+}
+# The plugins' tests run in processes of their own: their tests import the frameworks at module level.
+(suite unit "${STAGE1[@]}" tests; plugins scout-hf scout-megatron) &
+lane_a=$!
+(plugins scout-torchtitan scout-deepspeed scout-lightning) &
+lane_b=$!
+wait "$lane_a" "$lane_b" || true
+failed=0
+for name in unit scout-hf scout-megatron scout-torchtitan scout-deepspeed scout-lightning; do
+  echo "== $name"
+  cat "$LOGS/$name.log" 2>/dev/null || true
+  [ "$(cat "$LOGS/$name.rc" 2>/dev/null || echo missing)" = 0 ] || { echo "== $name FAILED"; failed=1; }
+done
+rm -rf "$LOGS"
+[ "$failed" = 0 ] || exit 1
+
+# Alone from here on. The torchrun tests and the cells without a matrix place; this run imports the frameworks
+# into its parent once its plugin cells have run: the core cells before them fork from a parent without them.
+python -m pytest "${STAGE1[@]}" integrations_tests
 scout cells matrix --out runs --workdir runs/cells
 # The guards (each cell re-run with one mechanism removed must turn red), but the heavy ones (13 to 45 s each, for
 # which CI has no room: integrations_tests/conftest.py HEAVY_GUARDS, run by `nox -s guards`). Core guards come first in the file, so
 # their ranks fork from a parent without the frameworks.
 python -m pytest -m "guards and not heavy" -q --durations=10 integrations_tests/test_cells.py
-# The plugins' tests in processes of their own (their tests import the frameworks at module level). The first
-# pytest run above imports them into its parent too, once its plugin cells have run: the core cells before them
-# fork from a parent without them; the matrix runs the core cells first for the same reason.
-for plugin in scout-torchtitan scout-megatron scout-deepspeed scout-hf scout-lightning; do
-  python -m pytest -q --durations=10 "plugins/$plugin/tests"
-done
