@@ -24,10 +24,10 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """docker/test.sh (what CI and docker/Dockerfile.cpu run): unit and property tests, the torchrun tests and the
-    cells of fewer than 16 ranks; then the whole fault matrix (every cell with a matrix place: runs/matrix.*);
-    then the guards but the heavy ones (``nox -s guards`` runs all); then the plugins' tests.
-    ``nox -s tests -- ARGS`` passes ARGS to the first pytest run only and skips the rest."""
+    """docker/test.sh (what CI and docker/Dockerfile.cpu run): the unit and property tests beside the plugins'
+    tests (two lanes); then, alone, the torchrun tests and the cells of fewer than 16 ranks; the whole fault matrix
+    (every cell with a matrix place: runs/matrix.*); the guards but the heavy ones (``nox -s guards`` runs all).
+    ``nox -s tests -- ARGS`` runs pytest over tests/ and integrations_tests/ with ARGS, and nothing else."""
     _install(session, "dev,bench", frameworks=True)
     session.run("bash", str(ROOT / "docker" / "test.sh"), *session.posargs, external=True)
 
