@@ -1,8 +1,9 @@
 """Test machinery, never imported by SCOUT's production modules.
 
 * :mod:`scout_core.testing.launcher`: forks N gloo ranks from a parent that already imported torch;
-* :mod:`scout_core.testing.cells`: the named fault-injection cells of ``configs/cells.yaml`` and their runner
-  (``scout cells run``);
+* :mod:`scout_core.testing.cells`: the named fault-injection cells of ``configs/cells.yaml`` and their runner;
+  :mod:`~scout_core.testing.cells_cli` the ``scout cells`` commands; :mod:`~scout_core.testing.lanes` the cells
+  that mostly wait, run side by side;
 * :mod:`scout_core.testing.inject`: the fault injector the cells drive (bit flips, delays, freezes, kills).
 * :mod:`scout_core.testing.plugins`: a framework plugin's version gate and entry point, as its tests check them.
 

@@ -158,54 +158,68 @@ def run_cells(
     workdir: str | os.PathLike[str] | None = None,
     on_start: Callable[[CellSpec], None] | None = None,
     capture_output: bool = False,
+    lanes: int = 1,
 ) -> list[CellReport]:
-    """Run cells one after another; a crashing cell is a FAIL, not an abort.
+    """Run cells one after another; a crashing cell is a FAIL, not an abort. The reports come in the specs' order.
 
     With ``workdir`` each cell's files (its incident JSON lines) are kept in
     ``workdir/<cell name>``; otherwise they live in a temporary directory.
     With ``capture_output`` everything the cell's processes print (the frameworks' banners and warnings, SCOUT's
     log lines) goes to ``output.log`` in that directory instead of the terminal, and a failed cell's details end
     with the last lines of it: a run of many cells then prints one line per cell.
+    With ``lanes`` above 1 the cells tagged ``waits`` (:data:`~scout_core.testing.lanes.WAITS_TAG`) run first,
+    that many at a time in processes forked from this one, and the others after them, one at a time.
     """
+    from scout_core.testing.lanes import WAITS_TAG, run_in_lanes
     from scout_core.testing.launcher import prepare_parent
 
     prepare_parent()
-    reports = []
-    for spec in specs:
-        n = world_size or spec.world_size
+
+    def run_one(spec: CellSpec) -> CellReport:
         if on_start:
             on_start(spec)
-        start = time.monotonic()
-        with _cell_dir(spec.name, workdir) as cell_dir:
-            log = Path(cell_dir) / OUTPUT_LOG
-            out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
-            try:
-                if out_of_world:
-                    report = CellReport(
-                        name=spec.name, verdict="FAIL", world_size=n, injected=fault_dicts(spec.faults), reported=[],
-                        details=f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks",
-                    )
-                else:
-                    with _output_to(log) if capture_output else contextlib.nullcontext():
-                        report = _resolve(spec.target, Path(root))(spec, n, cell_dir)
-            except Exception:
+        return _run_cell(spec, world_size or spec.world_size, Path(root), workdir, capture_output)
+
+    waiting = [i for i, spec in enumerate(specs) if lanes > 1 and WAITS_TAG in spec.tags]
+    reports = dict(zip(waiting, run_in_lanes([specs[i] for i in waiting], lanes, run_one, on_result)))
+    for i, spec in enumerate(specs):
+        if i not in reports:
+            reports[i] = run_one(spec)
+            if on_result:
+                on_result(reports[i])
+    return [reports[i] for i in range(len(specs))]
+
+
+def _run_cell(spec: CellSpec, n: int, root: Path, workdir: str | os.PathLike[str] | None,
+              capture_output: bool) -> CellReport:
+    start = time.monotonic()
+    with _cell_dir(spec.name, workdir) as cell_dir:
+        log = Path(cell_dir) / OUTPUT_LOG
+        out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
+        try:
+            if out_of_world:
                 report = CellReport(
-                    name=spec.name, verdict="FAIL", world_size=n,
-                    injected=[_fault_dict(f) for f in spec.faults], reported=[],
-                    details=traceback.format_exc(),
+                    name=spec.name, verdict="FAIL", world_size=n, injected=fault_dicts(spec.faults), reported=[],
+                    details=f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks",
                 )
-            report.wall_s = round(time.monotonic() - start, 3)
-            problem = reporting_problem(spec, report)
-            if report.verdict == "PASS" and problem:
-                report.verdict, report.details = "FAIL", problem
-            if capture_output and report.verdict != "PASS" and log.exists():
-                kept = f" ({log})" if workdir is not None else ""
-                report.details = (f"{report.details}\n--- last lines the cell printed{kept} ---\n"
-                                  f"{_tail(log, OUTPUT_TAIL_LINES)}")
-        reports.append(report)
-        if on_result:
-            on_result(report)
-    return reports
+            else:
+                with _output_to(log) if capture_output else contextlib.nullcontext():
+                    report = _resolve(spec.target, root)(spec, n, cell_dir)
+        except Exception:
+            report = CellReport(
+                name=spec.name, verdict="FAIL", world_size=n,
+                injected=[_fault_dict(f) for f in spec.faults], reported=[],
+                details=traceback.format_exc(),
+            )
+        report.wall_s = round(time.monotonic() - start, 3)
+        problem = reporting_problem(spec, report)
+        if report.verdict == "PASS" and problem:
+            report.verdict, report.details = "FAIL", problem
+        if capture_output and report.verdict != "PASS" and log.exists():
+            kept = f" ({log})" if workdir is not None else ""
+            report.details = (f"{report.details}\n--- last lines the cell printed{kept} ---\n"
+                              f"{_tail(log, OUTPUT_TAIL_LINES)}")
+    return report
 
 
 def reporting_problem(spec: CellSpec, report: CellReport) -> str | None:
