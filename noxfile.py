@@ -26,7 +26,7 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 def tests(session: nox.Session) -> None:
     """docker/test.sh (what CI and docker/Dockerfile.cpu run): the unit and property tests beside the plugins'
     tests (two lanes); then, alone, the torchrun tests and the cells of fewer than 16 ranks; the whole fault matrix
-    (every cell with a matrix place: runs/matrix.*); the guards but the heavy ones (``nox -s guards`` runs all).
+    (every cell with a matrix place: runs/matrix.*; hangs and stalls three at a time); every guard.
     ``nox -s tests -- ARGS`` runs pytest over tests/ and integrations_tests/ with ARGS, and nothing else."""
     _install(session, "dev,bench", frameworks=True)
     session.run("bash", str(ROOT / "docker" / "test.sh"), *session.posargs, external=True)
@@ -34,11 +34,14 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def guards(session: nox.Session) -> None:
-    """The guards: each re-runs a cell with one mechanism removed and must see it turn red (73, about 17 minutes
-    here; CI runs all but the 22 heavy ones: see docs/install.md)."""
-    _install(session, frameworks=True)
-    session.run("python", "-m", "pytest", "-m", "guards", "-q", "--durations=40", "integrations_tests/test_cells.py",
-                *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    """The guards, as CI runs them: each re-runs a cell with one mechanism removed and must see it turn red; those
+    of waiting cells (marked ``waits``) three at a time, then the others one at a time (75, about 13 minutes here)."""
+    _install(session, "dev", frameworks=True)
+    env = {"OMP_NUM_THREADS": "1"}
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-n", "3", "-m", "guards and waits", "-q",
+                "--durations=10", "integrations_tests/test_cells.py", *session.posargs, env=env)
+    session.run("python", "-m", "pytest", "-m", "guards and not waits", "-q", "--durations=40",
+                "integrations_tests/test_cells.py", *session.posargs, env=env)
 
 
 @nox.session
@@ -57,8 +60,8 @@ def matrix(session: nox.Session) -> None:
     runs/matrix.md (Table 3) and runs/matrix.png, and keeps each cell's incident records and output.log in
     runs/cells/<cell>."""
     _install(session, "dev,bench", frameworks=True)
-    session.run("scout", "cells", "matrix", *session.posargs, "--out", "runs", "--workdir", "runs/cells",
-                env={"OMP_NUM_THREADS": "1"})
+    session.run("scout", "cells", "matrix", *session.posargs, "--lanes", "3", "--out", "runs",
+                "--workdir", "runs/cells", env={"OMP_NUM_THREADS": "1"})
 
 
 @nox.session

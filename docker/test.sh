@@ -5,7 +5,7 @@
 #   docker/test.sh            two lanes side by side: the unit and property tests (tests/) then two plugins' tests,
 #                             beside the other three plugins' tests; then, alone: the torchrun tests and the cells
 #                             without a matrix place (integrations_tests/); the whole fault matrix
-#                             (runs/matrix.{json,md,png}); the guards but the heavy ones
+#                             (runs/matrix.{json,md,png}); every guard
 #   docker/test.sh ARGS...    pytest over tests/ and integrations_tests/ only, with ARGS
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,7 +19,7 @@ fi
 
 # Side by side: the unit tests use about a third of the 2 CI cores (most of their time is waiting on daemons,
 # sockets and subprocesses) and each plugin's tests about half (one process importing its framework); together
-# they take about 5 minutes instead of 8. Nothing here measures time against a threshold a neighbour could break:
+# they take about 5.5 minutes instead of 8. Nothing here measures time against a threshold a neighbour could break:
 # the multi-rank cells, whose hang thresholds and straggler timings do, run alone below.
 LOGS=$(mktemp -d)
 suite() {  # one pytest run, its output in $LOGS/<name>.log and its exit status in $LOGS/<name>.rc
@@ -48,11 +48,15 @@ done
 rm -rf "$LOGS"
 [ "$failed" = 0 ] || exit 1
 
-# Alone from here on. The torchrun tests and the cells without a matrix place; this run imports the frameworks
-# into its parent once its plugin cells have run: the core cells before them fork from a parent without them.
+# From here on nothing runs beside a cell that computes: a busy neighbour is what moves a straggler's timing or a
+# replay's pace. The torchrun tests and the cells without a matrix place; this run imports the frameworks into its
+# parent once its plugin cells have run: the core cells before them fork from a parent without them.
 python -m pytest "${STAGE1[@]}" integrations_tests
-scout cells matrix --out runs --workdir runs/cells
-# The guards (each cell re-run with one mechanism removed must turn red), but the heavy ones (13 to 45 s each, for
-# which CI has no room: integrations_tests/conftest.py HEAVY_GUARDS, run by `nox -s guards`). Core guards come first in the file, so
-# their ranks fork from a parent without the frameworks.
-python -m pytest -m "guards and not heavy" -q --durations=10 integrations_tests/test_cells.py
+# The matrix: the cells tagged `waits` (hangs and stalls, which mostly sleep: 8-17 % of the machine each) three at
+# a time side by side, then every other cell alone.
+scout cells matrix --lanes 3 --out runs --workdir runs/cells
+# Every guard (a cell re-run with one mechanism removed must turn red): those of waiting cells three at a time
+# (pytest-xdist), then the others one at a time. Core guards come first in the file, so their ranks fork from a
+# parent without the frameworks.
+python -m pytest -p no:cacheprovider -n 3 -m "guards and waits" -q --durations=10 integrations_tests/test_cells.py
+python -m pytest -m "guards and not waits" -q --durations=10 integrations_tests/test_cells.py

@@ -2,8 +2,8 @@
 
 Cells without a matrix place run here in `nox -s tests`; the matrix cells (marked `matrix`) run in the same session
 through `scout cells matrix`. Every other test here is a guard (marked `guards` by conftest.py): it re-runs a cell
-with one mechanism removed and must see it turn red; CI runs those under 10 s each (conftest.py's HEAVY_GUARDS are
-the others), `nox -s guards` runs them all.
+with one mechanism removed and must see it turn red. CI runs every guard (docker/test.sh): those marked `waits`
+(their cell mostly sleeps) three at a time, the others one at a time; `nox -s guards` runs them all the same way.
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ def test_sdc_defaults_cell_fails_without_the_rotation(monkeypatch, layout):
     assert _missed(report), report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_observers):
     from scout_core.progress import episode
     from scout_core.progress.classify import HangClass, HangVerdict
@@ -187,6 +188,7 @@ def test_hang_cell_fails_when_the_wrong_rank_is_blamed(monkeypatch, forked_obser
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_hang_clean_cell_fails_on_a_spurious_verdict(monkeypatch, forked_observers):
     from scout_core.progress.record import ProgressRecord
 
@@ -320,6 +322,7 @@ def test_scratch_oom_cell_fails_when_the_allocation_is_not_guarded(monkeypatch):
 # -- the hang cells of real-job conditions turn red for the behaviour each guards ----------------------
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatch):
     """The first design: the store lived in a rank-0 process and died with it."""
     import socket
@@ -339,11 +342,13 @@ def test_rank0_killed_cell_fails_when_rank_0_serves_the_control_store(monkeypatc
         return server.listener.getsockname()[1]  # served by a thread of rank 0's trainer: dies with it
 
     monkeypatch.setattr(control, "start_store_daemon", in_rank0)
-    # Without a store nobody can report: the cell times out (shortened; the real cell passes in ~20 s).
-    (report,) = run_cells([dataclasses.replace(SPECS["hang-rank0-killed"], timeout_s=45)], root=ROOT)
+    # Without a store nobody can report: the cell times out (shortened: the real cell passes in 14-16 s, also beside
+    # two other waiting cells).
+    (report,) = run_cells([dataclasses.replace(SPECS["hang-rank0-killed"], timeout_s=30)], root=ROOT)
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_machine_lost_cell_fails_when_lost_ranks_are_not_grouped_by_machine(monkeypatch, forked_observers):
     from scout_core.progress import classify
 
@@ -353,6 +358,7 @@ def test_machine_lost_cell_fails_when_lost_ranks_are_not_grouped_by_machine(monk
     assert report.verdict == "FAIL" and "'scope': 'rank'" in report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_onset_spread_cell_fails_when_only_silent_observers_answer(monkeypatch, forked_observers):
     """The first design: working peers did not post, and the frozen rank's observer named them lost."""
     from scout_core.progress.episode import EpisodeProtocol
@@ -362,6 +368,7 @@ def test_onset_spread_cell_fails_when_only_silent_observers_answer(monkeypatch, 
     assert report.verdict == "FAIL" and any(i["evidence"].get("class") == "lost" for i in report.reported)
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_equal_stall_asymmetric_cell_fails_when_marks_move_the_coordinate(monkeypatch):
     """The first design: every publish advanced one running count, so rank 0's extra work shifted it."""
     from scout_core.progress.hooks import ProgressTracker
@@ -378,6 +385,7 @@ def test_equal_stall_asymmetric_cell_fails_when_marks_move_the_coordinate(monkey
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_frozen_after_launch_cell_fails_without_completion_tracking(monkeypatch):
     """The first design: only the launch was published, so the stopped rank looked pending in its bucket."""
     from scout_core.progress.hooks import ProgressTracker
@@ -389,6 +397,7 @@ def test_frozen_after_launch_cell_fails_without_completion_tracking(monkeypatch)
         i["ranks"] == [9] and i["evidence"].get("class") == "lagging" for i in report.reported)
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_frozen_rank_cell_fails_without_the_ddp_backward_marks(monkeypatch):
     """As shipped, DDP's buckets are not published: each backward is one collective. Without it, peers waiting in
     DDP's bucket all-reduce look like a rank frozen in forward, and rank 9 is no longer named."""
@@ -400,6 +409,7 @@ def test_frozen_rank_cell_fails_without_the_ddp_backward_marks(monkeypatch):
         i["ranks"] == [9] and i["evidence"].get("class") == "lagging" for i in report.reported), report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_mismatch_async_cell_fails_when_only_the_last_launch_is_compared(monkeypatch):
     from scout_core.progress.hooks import ProgressTracker
 
@@ -415,6 +425,7 @@ def test_mismatch_async_cell_fails_when_only_the_last_launch_is_compared(monkeyp
     assert report.verdict == "FAIL" and "expected" in report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_slow_not_stalled_cell_fails_without_the_adaptive_threshold(monkeypatch, forked_observers):
     from scout_core.progress import observer as observer_mod
 
@@ -614,6 +625,7 @@ def test_comm_straggler_cell_fails_when_every_check_times_the_all_reduce(monkeyp
     assert report.verdict == "FAIL" and "every round timed the scratch all-reduce" in report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(monkeypatch, forked_observers):
     """The guard of hsdp-data-stall: without the deferral while a rank is still inside its data fetch, the
     shard-group mates that wait behind it (they cross their threshold first) are named protocol mismatches."""
@@ -629,6 +641,7 @@ def test_hsdp_data_stall_cell_fails_when_ranks_waiting_behind_a_fetch_are_named(
     assert report.verdict == "FAIL", report.details
 
 
+@pytest.mark.waits  # its cell mostly sleeps: CI runs these side by side (docker/test.sh)
 def test_data_stall_cell_fails_without_the_named_ranks_stacks(monkeypatch):
     """The guard of data-stall's stack check: a trainer that armed no dump leaves the record naming no stack file."""
     import scout_core.assembly as assembly
