@@ -19,7 +19,9 @@ equal the clean run's at that step, bitwise; a restore of a state that carries t
 generation the product named. The job stops after two whole coverages, so restoring nothing is a FAIL too (a
 certification that never completes would otherwise pass).
 The guard runs the cell with ``checkpoint.certify: last_check_only`` (the paper's K = 1 rule): a capture after the
-defect's onset is verified by a clean check of another block and restored, and the cell turns red.
+defect's onset is verified by a clean check of another block and restored, and the cell turns red. The guard
+flushes after every step (``flush_each_step``): behind a loaded machine's training the captures of steps 140-180
+may not be durable yet at the stop, and K = 1 then restores step 120, clean by luck (seen in one guard run).
 """
 
 from __future__ import annotations
@@ -74,13 +76,13 @@ def _clean_reference(args: dict[str, Any], world_size: int, timeout_s: float,
 
 def stop_and_restart(faults: list[Any], *, layout: str, steps: int, world_size: int, workdir: str, run_id: str,
                      seed: int = 0, certify: str = "coverage", timeout_s: float = 300.0,
-                     replicas: int = 4, norm_weight: bool = True) -> dict[str, Any]:
+                     replicas: int = 4, norm_weight: bool = True, flush: bool = False) -> dict[str, Any]:
     """Phase A (the faults, shipped defaults, stop on a verdict), then phase B (``resume()`` in fresh processes):
     the exit codes, what each rank restored, the incident and decision records."""
     args = {
         "faults": faults, "seed": seed, "layout": layout, "steps": steps, "replicas": replicas,
         "incidents": os.path.join(workdir, "incidents.jsonl"), "store": os.path.join(workdir, "store"),
-        "workdir": workdir, "run_id": run_id, "failure": None, "kill_step": None, "flush": False,
+        "workdir": workdir, "run_id": run_id, "failure": None, "kill_step": None, "flush": flush,
         "defaults": True, "bias": False, "norm_weight": norm_weight, "depth": 2, "ref_every": 0, "replicate": True,
         "overrides": [f"checkpoint.certify={certify}"],
         "defect_persists": True,  # the restart runs on the same machines: a defective unit is still there
@@ -111,7 +113,8 @@ def recovery_defaults_cell(spec: CellSpec, world_size: int, workdir: str) -> Cel
     start = time.monotonic()
     run = stop_and_restart(list(spec.faults), layout=p["layout"], steps=int(p["steps"]), world_size=world_size,
                            workdir=workdir, run_id=spec.name, seed=spec.seed, certify=p.get("certify", "coverage"),
-                           timeout_s=spec.timeout_s, norm_weight=bool(p.get("norm_weight", True)))
+                           timeout_s=spec.timeout_s, norm_weight=bool(p.get("norm_weight", True)),
+                           flush=bool(p.get("flush_each_step", False)))
     problems, incidents, decisions = run["problems"], run["incidents"], run["decisions"]
     got_inc = sorted({(i.kind.value, i.scope.value, tuple(sorted(i.ranks))) for i in incidents})
     want_inc = sorted({(i["kind"], i["scope"], tuple(i["ranks"])) for i in expect["incidents"]})
