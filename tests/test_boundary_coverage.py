@@ -49,6 +49,18 @@ def test_a_busy_boundarys_clean_units_count_and_the_next_boundary_closes():
     assert coord.certifier.candidate == 3 and boundary.parts.coverage.seen == {}
 
 
+def test_a_busy_boundary_that_closes_the_coverage_promotes_and_the_next_free_one_captures_the_candidate():
+    boundary, coord = _boundary()
+    assert _check(boundary, 1, 0) is Action.CAPTURE
+    assert _check(boundary, 2, 1) is Action.CAPTURE_AND_PERSIST  # candidate 2
+    coord.busy_at = {4, 5}
+    assert _check(boundary, 3, 0) is Action.CAPTURE
+    assert _check(boundary, 4, 1) is Action.PROMOTE  # busy, and coverage {0, 1} after candidate 2 is complete
+    assert _check(boundary, 5, 0) is Action.SKIP  # still busy: nothing left to promote, nothing captured
+    assert _check(boundary, 6, 1) is Action.CAPTURE_AND_PERSIST  # the coverage stood: the new candidate at once
+    assert (coord.certifier.verified, coord.certifier.candidate) == (2, 6)
+
+
 def test_recovery_starts_coverage_over():
     boundary, coord = _boundary()
     coord.sdc_at = {2}

@@ -52,7 +52,26 @@ def test_missing_evidence_skips_and_straggler_counts_as_accepted():
     assert c.on_boundary(2, BoundaryEvidence(straggler=True)) is Action.CAPTURE
     assert c.latest == 2 and c.candidate is None
     assert c.on_boundary(3, BoundaryEvidence(straggler=True, covered=True)) is Action.CAPTURE_AND_PERSIST
-    assert c.on_boundary(4, BoundaryEvidence(busy=True, covered=True)) is Action.SKIP and c.verified is None
+    assert c.on_boundary(4, BoundaryEvidence(busy=True)) is Action.SKIP and c.verified is None
+
+
+def test_a_busy_boundary_that_completes_the_coverage_promotes_and_the_next_free_one_captures():
+    """A write still in flight delays the capture of the next candidate, not the promotion the finished checks
+    earned: an SDC verdict before the next free boundary no longer rejects a candidate they vouched for."""
+    c = Certifier()
+    assert c.on_boundary(1, BoundaryEvidence(covered=True)) is Action.CAPTURE_AND_PERSIST
+    assert c.on_boundary(2, BoundaryEvidence(busy=True)) is Action.SKIP
+    assert c.on_boundary(3, BoundaryEvidence(busy=True, covered=True)) is Action.PROMOTE
+    assert (c.verified, c.verified_after, c.candidate, c.latest) == (1, 2, None, 1)
+    assert c.on_boundary(4, BoundaryEvidence(busy=True, covered=True)) is Action.SKIP  # nothing left to promote
+    assert c.on_boundary(5, SDC) is Action.RECOVER and c.verified == 1
+    c = Certifier()
+    c.on_boundary(1, BoundaryEvidence(covered=True))
+    c.on_boundary(2, BoundaryEvidence(busy=True, covered=True))
+    assert c.on_boundary(3, BoundaryEvidence(covered=True)) is Action.CAPTURE_AND_PERSIST  # the new candidate
+    assert (c.verified, c.candidate) == (1, 3)
+    static = Certifier(static=True)  # K = 1 vouches only for a capture it makes: busy, it makes none
+    assert static.on_boundary(1, BoundaryEvidence(busy=True, covered=True)) is Action.SKIP
 
 
 def test_inconclusive_rejects_like_sdc():

@@ -92,6 +92,47 @@ def test_coordinator_end_to_end(tmp_path):
     assert len(records) == 1 and records[0]["source"] == "verified" and "SDC" in records[0]["reason"]
 
 
+def _slow_write_job(ctx: RankContext):
+    """The candidate's write outlasts two check intervals: the boundary that completes its coverage is busy."""
+    import time
+
+    a, net, opt, store, memory = _rank(ctx)
+    coord = CheckpointCoordinator(SnapshotEngine([net], [opt]), store, Certifier(), memory=memory)
+    write = store.write_file
+
+    def slow(generation, path, *, role):
+        time.sleep(2.0 if generation == 2 else 0.0)
+        return write(generation, path, role=role)
+
+    store.write_file = slow
+    actions = []
+    for step, covered in ((1, False), (2, True), (3, False), (4, True), (5, True)):
+        net(torch.randn(3, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        actions.append(coord.on_boundary(step, BoundaryEvidence(covered=covered))[0].value)
+        if step in (1, 4):
+            coord.flush()
+    coord.flush()
+    cert = coord.certifier
+    return {"actions": actions, "verified": cert.verified, "durable": cert.durable, "candidate": cert.candidate,
+            "roles": store.local_generations()}
+
+
+def test_a_busy_boundary_that_completes_the_coverage_promotes_the_candidate_after_its_write(tmp_path):
+    """Where writes outlast a check interval (a loaded host, slow storage) the candidate is promoted at the busy
+    boundary that completes its coverage: its label follows the write in flight, and it is durable once no rank
+    is still writing. Before, promotion waited for a free boundary, and on a loaded machine an SDC verdict there
+    rejected the candidate: the recovery-at-defaults cell then restored nothing."""
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm")}
+    result = launch(_slow_write_job, 2, timeout_s=120, args=args)
+    assert result.ok, result.failures()
+    for v in result.values():
+        assert v["actions"] == ["capture", "capture_and_persist", "skip", "promote", "capture_and_persist"]
+        assert (v["verified"], v["durable"], v["candidate"]) == (2, 2, 5)
+        assert v["roles"] == {2: "verified", 5: "candidate"}
+
+
 def test_resume_housekeeping_of_memory_slots(tmp_path):
     hosts = {0: "a", 1: "a"}
     slots = MemorySlots(str(tmp_path / "shm"), rank=0, hosts=hosts, fallback=str(tmp_path / "disk"))

@@ -13,7 +13,11 @@ see :mod:`scout_core.checkpoint.coordinator`) drives :meth:`Certifier.on_boundar
 * SDC or inconclusive evidence anywhere, or a state that is not finite: the candidate is rejected and recovery
   must run (:func:`decide_retrieval`); nothing is captured.
 * Missing evidence: the capture is skipped, and the check's units do not count toward coverage.
-* A boundary busy persisting the previous snapshot: the capture is skipped (its clean units still count).
+* A boundary busy persisting the previous snapshot: the capture is skipped (its clean units still count). Where
+  its checks complete the coverage the candidate waits for, the candidate is promoted all the same (the evidence
+  is whole; only the capture of a new candidate waits for the next boundary that is not busy): where writes
+  outlast a check interval (a loaded host, slow storage) promotion would otherwise wait for a boundary that
+  happens to be free, and an SDC verdict at that boundary rejects a candidate the finished checks had vouched for.
 * Healthy, or a straggler only (slowness is not numerical divergence): the current state is captured as
   ``latest``. When the job-wide evidence says replay's COVERAGE is complete (every unit replay samples was
   replayed clean on every rank since the candidate was captured, see :mod:`~.coverage`), the candidate is
@@ -66,6 +70,7 @@ class BoundaryEvidence:
 class Action(enum.StrEnum):
     CAPTURE = "capture"  # take an in-memory snapshot as latest
     CAPTURE_AND_PERSIST = "capture_and_persist"  # ... and persist it as the new candidate
+    PROMOTE = "promote"  # busy: capture nothing, but label the candidate verified (the coverage is complete)
     SKIP = "skip"  # evidence missing: keep everything as it is
     RECOVER = "recover"  # SDC or inconclusive evidence: run retrieval
 
@@ -120,6 +125,11 @@ class Certifier:
             self.history.append((step, "skip: evidence missing (this check's units do not count)"))
             return Action.SKIP
         if evidence.busy:
+            if evidence.covered and self.candidate is not None and not self.static:
+                self._promote(step)
+                self.candidate = None  # the next boundary that is not busy captures the new one (coverage stands)
+                self.history.append((step, "no capture: the previous snapshot is still being persisted"))
+                return Action.PROMOTE
             self.history.append((step, "skip: the previous snapshot is still being persisted"))
             return Action.SKIP
         if self.static:
@@ -134,12 +144,16 @@ class Certifier:
             self.history.append((step, "captured (coverage not complete yet)"))
             return Action.CAPTURE
         if self.candidate is not None:
-            self.verified, self.verified_after = self.candidate, step - self.candidate
-            self.history.append((step, f"candidate {self.candidate} promoted to verified: {step - self.candidate} "
-                                       f"steps from capture to verified"))
+            self._promote(step)
         self.candidate = step
         self.history.append((step, f"captured and persisted as candidate {step}"))
         return Action.CAPTURE_AND_PERSIST
+
+
+    def _promote(self, step: int) -> None:
+        self.verified, self.verified_after = self.candidate, step - self.candidate
+        self.history.append((step, f"candidate {self.candidate} promoted to verified: {step - self.candidate} "
+                                   f"steps from capture to verified"))
 
 
 class FailureKind(enum.StrEnum):

@@ -142,7 +142,23 @@ class CheckpointCoordinator:
             self._bg = threading.Thread(target=self._background, daemon=True, name="scout-snapshot",
                                         args=(step, captured, persist_role, promoted, protect | self._promoting))
             self._bg.start()
+        elif action is Action.PROMOTE and self.certifier.verified not in self.certifier.unstored:
+            # A write is in flight: the label follows it, on a thread of its own that stays "busy" until done, so
+            # the durability agreement waits for the label as for any write.
+            promoted = self.certifier.verified
+            self._promoting.add(promoted)
+            self._bg = threading.Thread(target=self._label_after, daemon=True, name="scout-snapshot",
+                                        args=(self._bg, promoted))
+            self._bg.start()
         return action
+
+    def _label_after(self, previous: threading.Thread | None, promoted: int) -> None:
+        if previous is not None:
+            previous.join()
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        with unobserved():
+            self._durably(promoted, "label it verified", lambda: self.store.set_role(promoted, "verified"))
 
     def _capture(self, step: int) -> bool:
         if not self._space_checked:
