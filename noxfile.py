@@ -35,13 +35,14 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def guards(session: nox.Session) -> None:
     """The guards, as CI runs them: each re-runs a cell with one mechanism removed and must see it turn red; those
-    of waiting cells (marked ``waits``) three at a time, then the others one at a time (75, about 13 minutes here)."""
+    of waiting cells (marked ``waits``) three at a time, then the others one at a time (75, about 12.5 minutes here)."""
     _install(session, "dev", frameworks=True)
     env = {"OMP_NUM_THREADS": "1"}
+    # ARGS that select guards of one group only (-k, a node id) leave the other run empty: pytest's exit 5.
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "-n", "3", "-m", "guards and waits", "-q",
-                "--durations=10", "integrations_tests/test_cells.py", *session.posargs, env=env)
+                "--durations=10", "integrations_tests/test_cells.py", *session.posargs, env=env, success_codes=[0, 5])
     session.run("python", "-m", "pytest", "-m", "guards and not waits", "-q", "--durations=40",
-                "integrations_tests/test_cells.py", *session.posargs, env=env)
+                "integrations_tests/test_cells.py", *session.posargs, env=env, success_codes=[0, 5])
 
 
 @nox.session
@@ -60,7 +61,7 @@ def matrix(session: nox.Session) -> None:
     runs/matrix.md (Table 3) and runs/matrix.png, and keeps each cell's incident records and output.log in
     runs/cells/<cell>."""
     _install(session, "dev,bench", frameworks=True)
-    session.run("scout", "cells", "matrix", *session.posargs, "--lanes", "3", "--out", "runs",
+    session.run("scout", "cells", "matrix", "--lanes", "3", *session.posargs, "--out", "runs",
                 "--workdir", "runs/cells", env={"OMP_NUM_THREADS": "1"})
 
 

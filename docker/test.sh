@@ -3,9 +3,9 @@
 # runs in its virtual environment and what docker/Dockerfile.cpu runs in the image. One definition for both.
 #
 #   docker/test.sh            two lanes side by side: the unit and property tests (tests/) then two plugins' tests,
-#                             beside the other three plugins' tests; then, alone: the torchrun tests and the cells
-#                             without a matrix place (integrations_tests/); the whole fault matrix
-#                             (runs/matrix.{json,md,png}); every guard
+#                             beside the other three plugins' tests; then the torchrun tests and the cells without a
+#                             matrix place (integrations_tests/); the whole fault matrix (runs/matrix.{json,md,png});
+#                             every guard. From the torchrun tests on, only cells that mostly wait share the machine
 #   docker/test.sh ARGS...    pytest over tests/ and integrations_tests/ only, with ARGS
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,7 +20,8 @@ fi
 # Side by side: the unit tests use about a third of the 2 CI cores (most of their time is waiting on daemons,
 # sockets and subprocesses) and each plugin's tests about half (one process importing its framework); together
 # they take about 5.5 minutes instead of 8. Nothing here measures time against a threshold a neighbour could break:
-# the multi-rank cells, whose hang thresholds and straggler timings do, run alone below.
+# the multi-rank cells, whose hang thresholds and straggler timings do, run below, beside nothing but each other's
+# kind of waiting cell.
 LOGS=$(mktemp -d)
 suite() {  # one pytest run, its output in $LOGS/<name>.log and its exit status in $LOGS/<name>.rc
   local name=$1
@@ -49,8 +50,10 @@ rm -rf "$LOGS"
 [ "$failed" = 0 ] || exit 1
 
 # From here on nothing runs beside a cell that computes: a busy neighbour is what moves a straggler's timing or a
-# replay's pace. The torchrun tests and the cells without a matrix place; this run imports the frameworks into its
-# parent once its plugin cells have run: the core cells before them fork from a parent without them.
+# replay's pace. Only cells that mostly wait (hangs and stalls, 8-17 % of the machine each) run three at a time,
+# beside each other. First, one at a time: the torchrun tests and the cells without a matrix place; this run imports
+# the frameworks into its parent once its plugin cells have run: the core cells before them fork from a parent
+# without them.
 python -m pytest "${STAGE1[@]}" integrations_tests
 # The matrix: the cells tagged `waits` (hangs and stalls, which mostly sleep: 8-17 % of the machine each) three at
 # a time side by side, then every other cell alone.

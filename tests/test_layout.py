@@ -1,6 +1,7 @@
 """The package's layout rules: the core never imports a plugin or a framework, and production modules (the core's
-and the plugins') never reach the test machinery (``scout_core.testing``); only the ``scout cells`` command does,
-inside its functions, when it runs."""
+and the plugins') never reach the test machinery (``scout_core.testing``); only the ``scout`` command does, inside
+its functions: its parser takes the ``scout cells`` commands from ``scout_core.testing.cells_cli`` (argparse only:
+the runner, the launcher and torch are imported when a cells command runs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Test machinery, never imported by SCOUT's production modules.
+"""Test machinery, never imported by SCOUT's production modules (the ``scout`` command's parser takes its
+``scout cells`` commands from :mod:`~scout_core.testing.cells_cli`, which imports nothing else of it at load).
 
 * :mod:`scout_core.testing.launcher`: forks N gloo ranks from a parent that already imported torch;
 * :mod:`scout_core.testing.cells`: the named fault-injection cells of ``configs/cells.yaml`` and their runner;

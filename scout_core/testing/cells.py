@@ -180,8 +180,14 @@ def run_cells(
             on_start(spec)
         return _run_cell(spec, world_size or spec.world_size, Path(root), workdir, capture_output)
 
+    def failed(spec: CellSpec, details: str) -> CellReport:
+        return CellReport(name=spec.name, verdict="FAIL", world_size=world_size or spec.world_size,
+                          injected=fault_dicts(spec.faults), reported=[], details=details)
+
     waiting = [i for i, spec in enumerate(specs) if lanes > 1 and WAITS_TAG in spec.tags]
-    reports = dict(zip(waiting, run_in_lanes([specs[i] for i in waiting], lanes, run_one, on_result)))
+    in_lanes = run_in_lanes([specs[i] for i in waiting], lanes, run_one, to_dict=CellReport.to_dict,
+                            from_dict=lambda d: CellReport(**d), failed=failed, on_result=on_result)
+    reports = dict(zip(waiting, in_lanes))
     for i, spec in enumerate(specs):
         if i not in reports:
             reports[i] = run_one(spec)

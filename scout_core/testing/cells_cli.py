@@ -37,7 +37,7 @@ def _cmd_cells_run(args: argparse.Namespace) -> int:
     elif args.tag:
         names = [n for n, s in specs.items() if set(args.tag) & set(s.tags)]
     else:
-        names = args.names
+        names = list(dict.fromkeys(args.names))  # a cell named twice runs once (its folder is its name)
     if not names:
         print("scout cells run: name at least one cell, or use --all / --tag", file=sys.stderr)
         return 2
@@ -113,7 +113,7 @@ def _cmd_cells_matrix(args: argparse.Namespace) -> int:
 
     path, specs = _load_specs(args)
     placed = [n for n, s in specs.items() if s.matrix is not None]
-    names = args.names or placed
+    names = list(dict.fromkeys(args.names)) or placed
     unknown = [n for n in names if n not in specs]
     outside = [n for n in names if n in specs and specs[n].matrix is None]
     if unknown or outside:
