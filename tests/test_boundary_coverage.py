@@ -58,7 +58,8 @@ def test_a_busy_boundary_that_closes_the_coverage_promotes_and_the_next_free_one
     assert _check(boundary, 4, 1) is Action.PROMOTE  # busy, and coverage {0, 1} after candidate 2 is complete
     assert _check(boundary, 5, 0) is Action.SKIP  # still busy: nothing left to promote, nothing captured
     assert _check(boundary, 6, 1) is Action.CAPTURE_AND_PERSIST  # the coverage stood: the new candidate at once
-    assert (coord.certifier.verified, coord.certifier.candidate) == (2, 6)
+    assert (coord.certifier.verified, coord.certifier.candidate) == (2, 6) and boundary.parts.coverage.seen == {}
+    assert _check(boundary, 7, 0) is Action.CAPTURE  # candidate 6 needs a whole coverage of its own
 
 
 def test_recovery_starts_coverage_over():

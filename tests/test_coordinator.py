@@ -93,30 +93,38 @@ def test_coordinator_end_to_end(tmp_path):
 
 
 def _slow_write_job(ctx: RankContext):
-    """The candidate's write outlasts two check intervals: the boundary that completes its coverage is busy."""
-    import time
+    """The write of generation ``slow`` outlasts the check intervals up to step 4: the boundaries after it are busy.
+
+    ``slow`` 2: candidate 2's coverage completes at busy step 4. ``slow`` 3: step 3 promotes 2 and captures
+    candidate 3; step 4 completes a coverage while 2 is not yet agreed durable (nobody has been free since)."""
+    import threading
 
     a, net, opt, store, memory = _rank(ctx)
     coord = CheckpointCoordinator(SnapshotEngine([net], [opt]), store, Certifier(), memory=memory)
-    write = store.write_file
+    write, step_4_done = store.write_file, threading.Event()
 
     def slow(generation, path, *, role):
-        time.sleep(2.0 if generation == 2 else 0.0)
+        if generation == a["slow"]:  # finishes only once step 4's boundary has been taken, on any machine
+            step_4_done.wait(60)
         return write(generation, path, role=role)
 
     store.write_file = slow
     actions = []
-    for step, covered in ((1, False), (2, True), (3, False), (4, True), (5, True)):
+    for step, covered in ((1, False), (2, True), (3, a["slow"] == 3), (4, True), (5, True)):
         net(torch.randn(3, 6)).sum().backward()
         opt.step()
         opt.zero_grad()
         actions.append(coord.on_boundary(step, BoundaryEvidence(covered=covered))[0].value)
-        if step in (1, 4):
+        if step == 4:
+            step_4_done.set()
+            coord.flush()  # waits for the label too: it is the thread that keeps the coordinator busy
+            labelled_at_flush = store.local_generations().get(2)
+        if step == 1 or (step == 2 and a["slow"] == 3):
             coord.flush()
     coord.flush()
     cert = coord.certifier
     return {"actions": actions, "verified": cert.verified, "durable": cert.durable, "candidate": cert.candidate,
-            "roles": store.local_generations()}
+            "roles": store.local_generations(), "labelled_at_flush": labelled_at_flush}
 
 
 def test_a_busy_boundary_that_completes_the_coverage_promotes_the_candidate_after_its_write(tmp_path):
@@ -124,13 +132,25 @@ def test_a_busy_boundary_that_completes_the_coverage_promotes_the_candidate_afte
     boundary that completes its coverage: its label follows the write in flight, and it is durable once no rank
     is still writing. Before, promotion waited for a free boundary, and on a loaded machine an SDC verdict there
     rejected the candidate: the recovery-at-defaults cell then restored nothing."""
-    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm")}
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"), "slow": 2}
     result = launch(_slow_write_job, 2, timeout_s=120, args=args)
     assert result.ok, result.failures()
     for v in result.values():
         assert v["actions"] == ["capture", "capture_and_persist", "skip", "promote", "capture_and_persist"]
         assert (v["verified"], v["durable"], v["candidate"]) == (2, 2, 5)
-        assert v["roles"] == {2: "verified", 5: "candidate"}
+        assert v["roles"] == {2: "verified", 5: "candidate"} and v["labelled_at_flush"] == "verified"
+
+
+def test_no_busy_promotion_while_the_last_one_is_not_agreed_durable(tmp_path):
+    """Promoted at step 3, generation 2 is confirmed durable only at a boundary where nobody writes: promoting 3 at
+    busy step 4 would leave 2 unconfirmed, and a failed write of 3 would then fall back past it."""
+    args = {"root": str(tmp_path / "store"), "memory": str(tmp_path / "shm"), "slow": 3}
+    result = launch(_slow_write_job, 2, timeout_s=120, args=args)
+    assert result.ok, result.failures()
+    for v in result.values():
+        assert v["actions"] == ["capture", "capture_and_persist", "capture_and_persist", "skip",
+                                "capture_and_persist"]
+        assert (v["verified"], v["durable"], v["candidate"]) == (3, 2, 5)
 
 
 def test_resume_housekeeping_of_memory_slots(tmp_path):

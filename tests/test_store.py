@@ -141,6 +141,23 @@ def test_a_failed_write_leaves_no_temporary(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_rewrite_of_a_generation_leaves_no_older_commit_of_it_selectable(tmp_path):
+    """A run that restarted from scratch reaches a step an earlier run left verified (kept for forensics): if this
+    rank's write of it fails, its old shard must not be chosen beside the other ranks' new ones."""
+    st = DurableStore(tmp_path, rank=0, world_size=2)
+    st.write(5, _state(5), role="verified")
+
+    def emit(out):
+        out.write(b"half a shard")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        st._commit(5, "candidate", emit)
+    assert st.local_generations() == {}
+    st.write(5, _state(6))
+    assert st.local_generations() == {5: "candidate"} and st.load(5)["step"] == 6
+
+
 def test_temporaries_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     import subprocess
 

@@ -124,6 +124,10 @@ class CheckpointCoordinator:
         the replica exchange, so partners never wait for a snapshot that will not come.
         """
         promoted_before = self.certifier.verified
+        if evidence.busy and self.certifier.verified in self._promoting:
+            # The last promotion is not agreed durable yet (that needs a boundary where nobody writes): promoting
+            # again now would leave it unconfirmed, and a failure of the new one would fall back past it.
+            evidence = dataclasses.replace(evidence, covered=False)
         action = self.certifier.on_boundary(step, evidence)
         if action in (Action.CAPTURE, Action.CAPTURE_AND_PERSIST):
             self._join_background()
@@ -155,6 +159,9 @@ class CheckpointCoordinator:
     def _label_after(self, previous: threading.Thread | None, promoted: int) -> None:
         if previous is not None:
             previous.join()
+        with self._lock:
+            if promoted in self._failed:  # its write failed here (reported): the agreement marks it unstored
+                return
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         with unobserved():

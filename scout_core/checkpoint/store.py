@@ -103,6 +103,11 @@ class DurableStore:
         os.makedirs(directory, exist_ok=True)
         fsync_dir(self.root)
         shard, sidecar = self._paths(generation)
+        if os.path.exists(sidecar):
+            # An older commit of this generation (an earlier run's, kept for forensics): if this write fails, that
+            # shard must not stay selectable beside the other ranks' new ones.
+            os.unlink(sidecar)
+            fsync_dir(directory)
         sha, size = atomic_stream(shard, emit, digest=True)
         meta = {"generation": generation, "rank": self.rank, "world_size": self.world_size, "role": role,
                 "sha256": sha, "bytes": size, "time_unix": time.time()}
