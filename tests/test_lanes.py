@@ -94,3 +94,44 @@ def test_run_cells_puts_only_the_waiting_cells_in_lanes(tmp_path, monkeypatch: p
     assert os.getpid() not in (pid["wait-1"], pid["wait-2"])
     alone = run_cells(specs, root=tmp_path)  # lanes=1: everything here, in the specs' order
     assert {r.metrics["pid"] for r in alone} == {float(os.getpid())}
+
+
+def test_every_guard_that_runs_beside_others_re_runs_only_cells_that_wait():
+    """A guard marked ``waits`` runs three at a time in CI: the cells it re-runs must be tagged ``waits`` too (a
+    cell that computes beside others is what moves a straggler's timing or a replay's pace), and every guard of a
+    waiting cell is marked (else it runs alone, which costs only time)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from scout_core.testing.cells import load_cells
+
+    root = Path(__file__).resolve().parents[1]
+    specs = load_cells(root / "configs" / "cells.yaml")
+    source = (root / "integrations_tests" / "test_cells.py").read_text()
+    marked, unmarked = {}, {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and node.name != "test_cell_passes":
+            cells = set(re.findall(r'SPECS\["([^"]+)"\]', ast.get_source_segment(source, node)))
+            waits = any("waits" in ast.get_source_segment(source, d) for d in node.decorator_list)
+            (marked if waits else unmarked)[node.name] = cells
+    assert marked and all(cells and all(WAITS_TAG in specs[c].tags for c in cells) for cells in marked.values())
+    assert not [name for name, cells in unmarked.items() if cells and all(WAITS_TAG in specs[c].tags for c in cells)]
+
+
+def test_scout_cells_run_with_lanes_prints_one_line_per_cell(tmp_path, capfd, monkeypatch: pytest.MonkeyPatch):
+    from scout_core.cli import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "fake_lane_cells.py").write_text(_FAKE_TARGET)
+    cells = tmp_path / "configs" / "cells.yaml"
+    cells.parent.mkdir()
+    cells.write_text("cells:\n" + "".join(
+        f"  {name}:\n    target: fake_lane_cells:cell\n    tags: [{tag}]\n"
+        for name, tag in (("w1", "waits"), ("c1", "fast"), ("w2", "waits"))))
+    assert main(["cells", "run", "w1", "c1", "w2", "w1", "--cells", str(cells), "--lanes", "2"]) == 0
+    out = capfd.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(lines) == 3 and lines[2].startswith("[3/3] PASS c1"), out  # waiting cells first; w1 once
+    table = out.split("\n\n", 1)[1]
+    assert table.index("w1 ") < table.index("c1 ") < table.index("w2 ")  # the table keeps the order asked
