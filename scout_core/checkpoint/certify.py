@@ -149,7 +149,6 @@ class Certifier:
         self.history.append((step, f"captured and persisted as candidate {step}"))
         return Action.CAPTURE_AND_PERSIST
 
-
     def _promote(self, step: int) -> None:
         self.verified, self.verified_after = self.candidate, step - self.candidate
         self.history.append((step, f"candidate {self.candidate} promoted to verified: {step - self.candidate} "

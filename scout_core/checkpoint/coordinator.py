@@ -59,6 +59,16 @@ def combine_evidence(local: BoundaryEvidence, group: Any) -> BoundaryEvidence:
     return BoundaryEvidence(*eight, covered=not uncovered)
 
 
+def _in_background(work: Callable[[], None]) -> None:
+    """``work`` on a background thread of SCOUT's: at the lowest CPU priority for this thread only (serialization,
+    hashing and replication use host cores the training threads would otherwise get; Linux schedules threads by
+    their own nice value), and unobserved (SCOUT's own traffic is not the trainer's progress)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    with unobserved():
+        work()
+
+
 class CheckpointCoordinator:
     def __init__(
         self,
@@ -162,10 +172,8 @@ class CheckpointCoordinator:
         with self._lock:
             if promoted in self._failed:  # its write failed here (reported): the agreement marks it unstored
                 return
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        with unobserved():
-            self._durably(promoted, "label it verified", lambda: self.store.set_role(promoted, "verified"))
+        _in_background(lambda: self._durably(promoted, "label it verified",
+                                             lambda: self.store.set_role(promoted, "verified")))
 
     def _capture(self, step: int) -> bool:
         if not self._space_checked:
@@ -189,12 +197,7 @@ class CheckpointCoordinator:
 
     def _background(self, step: int, captured: bool, persist_role: str | None, promoted: int | None,
                     protect: set[int]) -> None:
-        # Lowest CPU priority for this thread only: serialization, hashing and replication use host cores
-        # the training threads would otherwise get (Linux schedules threads by their own nice value).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        with unobserved():  # SCOUT's own traffic: not the trainer's progress
-            self._persist(step, captured, persist_role, promoted, protect)
+        _in_background(lambda: self._persist(step, captured, persist_role, promoted, protect))
 
     def _keep_error(self, exc: BaseException) -> None:
         with self._lock:  # surfaced on the training thread at the next boundary

@@ -181,8 +181,7 @@ def run_cells(
         return _run_cell(spec, world_size or spec.world_size, Path(root), workdir, capture_output)
 
     def failed(spec: CellSpec, details: str) -> CellReport:
-        return CellReport(name=spec.name, verdict="FAIL", world_size=world_size or spec.world_size,
-                          injected=fault_dicts(spec.faults), reported=[], details=details)
+        return _failed(spec, world_size or spec.world_size, details)
 
     waiting = [i for i, spec in enumerate(specs) if lanes > 1 and WAITS_TAG in spec.tags]
     in_lanes = run_in_lanes([specs[i] for i in waiting], lanes, run_one, to_dict=CellReport.to_dict,
@@ -204,19 +203,12 @@ def _run_cell(spec: CellSpec, n: int, root: Path, workdir: str | os.PathLike[str
         out_of_world = sorted({f.rank for f in spec.faults if f.rank >= n})
         try:
             if out_of_world:
-                report = CellReport(
-                    name=spec.name, verdict="FAIL", world_size=n, injected=fault_dicts(spec.faults), reported=[],
-                    details=f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks",
-                )
+                report = _failed(spec, n, f"cell {spec.name!r} injects on ranks {out_of_world} but runs {n} ranks")
             else:
                 with _output_to(log) if capture_output else contextlib.nullcontext():
                     report = _resolve(spec.target, root)(spec, n, cell_dir)
         except Exception:
-            report = CellReport(
-                name=spec.name, verdict="FAIL", world_size=n,
-                injected=[_fault_dict(f) for f in spec.faults], reported=[],
-                details=traceback.format_exc(),
-            )
+            report = _failed(spec, n, traceback.format_exc())
         report.wall_s = round(time.monotonic() - start, 3)
         problem = reporting_problem(spec, report)
         if report.verdict == "PASS" and problem:
@@ -226,6 +218,12 @@ def _run_cell(spec: CellSpec, n: int, root: Path, workdir: str | os.PathLike[str
             report.details = (f"{report.details}\n--- last lines the cell printed{kept} ---\n"
                               f"{_tail(log, OUTPUT_TAIL_LINES)}")
     return report
+
+
+def _failed(spec: CellSpec, world_size: int, details: str) -> CellReport:
+    """The report of a cell that did not run to its own verdict (it raised, or its lane died)."""
+    return CellReport(name=spec.name, verdict="FAIL", world_size=world_size, injected=fault_dicts(spec.faults),
+                      reported=[], details=details)
 
 
 def reporting_problem(spec: CellSpec, report: CellReport) -> str | None:
