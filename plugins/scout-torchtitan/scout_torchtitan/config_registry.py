@@ -46,8 +46,11 @@ def with_scout(fn: Callable[[], Trainer.Config]) -> Callable[[], ScoutTrainer.Co
     return scout_enabled
 
 
-def _registries() -> Iterator[ModuleType]:
-    for name in sorted(_supported_models):
+def _registries(config: str = "") -> Iterator[ModuleType]:
+    """TorchTitan's model registries, the one of the model that ``config`` is named after first (``llama3`` for
+    ``llama3_8b``): importing a registry imports its model, and some cost seconds on every rank (flux's imports
+    transformers), so a lookup of a config named after its model imports no other model."""
+    for name in sorted(_supported_models, key=lambda model: (not config.startswith(f"{model}_"), model)):
         try:
             yield importlib.import_module(f"torchtitan.models.{name}.config_registry")
         except ImportError:  # a model whose optional dependencies are missing offers no configs
@@ -63,7 +66,7 @@ def _registered(module: ModuleType) -> dict[str, Callable[[], Trainer.Config]]:
 
 def __getattr__(name: str) -> Callable[[], ScoutTrainer.Config]:
     if not name.startswith("_"):
-        for module in _registries():
+        for module in _registries(name):
             fn = _registered(module).get(name)
             if fn is not None:
                 return with_scout(fn)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,15 @@ def test_a_checkpoint_manager_scout_cannot_carry_fails_at_start_up():
 
     with pytest.raises(TypeError, match="OtherConfig"):
         with_scout_checkpointer(OtherConfig(), ScoutSection(enable=True))
+
+
+def test_a_config_named_after_its_model_imports_no_other_model():
+    """``--config llama3_8b`` looks in llama3's registry first: the lookup used to import every model before it,
+    flux's with transformers, a second of CPU on every rank at startup."""
+    code = ("import sys; from scout_torchtitan.cpu import stub_triton_kernels; stub_triton_kernels(); "
+            "from torchtitan.config import ConfigManager; "
+            "cfg = ConfigManager().parse_args(['--module', 'scout_torchtitan', '--config', 'llama3_debugmodel']); "
+            "print(type(cfg).__name__, sorted(m for m in ('torchtitan.models.flux', 'transformers') "
+            "if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split()[-2:] == ["Config", "[]"], run.stdout + run.stderr
