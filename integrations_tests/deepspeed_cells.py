@@ -55,6 +55,9 @@ def _prepare() -> None:
     import deepspeed  # noqa: F401
 
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # deepspeed.initialize's optimizer check imports the Muon optimizer, whose module calls torch.compile and so
+    # imports inductor: seconds on every rank.
+    importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
 
     import scout_deepspeed.entry  # noqa: F401
 

@@ -39,7 +39,11 @@ def _prepare() -> None:
     """Import transformers, accelerate and the plugin in the parent, once: forked ranks start with them loaded."""
     prepare_parent()
     import accelerate  # noqa: F401
-    import transformers  # noqa: F401
+    import transformers.trainer  # noqa: F401  (transformers imports lazily: each rank would import the trainer)
+    from accelerate.utils import is_deepspeed_available
+
+    if is_deepspeed_available():  # Accelerate imports DeepSpeed where it is installed, in every rank's unwrap_model
+        import deepspeed  # noqa: F401
 
     import scout_hf.callback  # noqa: F401
 

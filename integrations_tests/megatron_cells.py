@@ -46,6 +46,7 @@ def _prepare() -> None:
     megatron_cpu.allow_python_311()
     megatron_cpu.stub_triton_ops()
     megatron_cpu.quiet_host_notices()
+    import megatron.core.tokenizers.text  # noqa: F401  (each rank builds its tokenizer: this imports transformers)
     import megatron.training.training  # noqa: F401
 
     import scout_megatron.entry  # noqa: F401
