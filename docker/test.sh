@@ -3,9 +3,10 @@
 # runs in its virtual environment and what docker/Dockerfile.cpu runs in the image. One definition for both.
 #
 #   docker/test.sh            two lanes side by side: the unit and property tests (tests/) then two plugins' tests,
-#                             beside the other three plugins' tests; then the torchrun tests and the cells without a
-#                             matrix place (integrations_tests/); the whole fault matrix (runs/matrix.{json,md,png});
-#                             every guard. From the torchrun tests on, only cells that mostly wait share the machine
+#                             beside the other three plugins' tests; then every test that mostly waits (three at a
+#                             time); the other torchrun tests and the cells without a matrix place
+#                             (integrations_tests/); the whole fault matrix (runs/matrix.{json,md,png}); the other
+#                             guards. From the waiting tests on, only tests that mostly wait share the machine
 #   docker/test.sh ARGS...    pytest over tests/ and integrations_tests/ only, with ARGS
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -49,17 +50,16 @@ done
 rm -rf "$LOGS"
 [ "$failed" = 0 ] || exit 1
 
-# From here on nothing runs beside a cell that computes: a busy neighbour is what moves a straggler's timing or a
-# replay's pace. Only cells that mostly wait (hangs and stalls, 8-17 % of the machine each) run three at a time,
-# beside each other. First, one at a time: the torchrun tests and the cells without a matrix place; this run imports
-# the frameworks into its parent once its plugin cells have run: the core cells before them fork from a parent
-# without them.
-python -m pytest "${STAGE1[@]}" integrations_tests
-# The matrix: the cells tagged `waits` (hangs and stalls, which mostly sleep: 8-17 % of the machine each) three at
-# a time side by side, then every other cell alone.
+# From here on nothing runs beside a test that computes: a busy neighbour is what moves a straggler's timing or a
+# replay's pace. Only tests that mostly wait (marked `waits`: hangs and stalls, 5-33 % of the machine each) run
+# three at a time (pytest-xdist), beside each other: the torchrun and observer tests that wait, the plugins' hang
+# cells, and every guard of a waiting cell. integrations_tests/conftest.py hands out the frameworks' cells last, so
+# the core cells' ranks fork from workers without the frameworks.
+python -m pytest -p no:cacheprovider -n 3 -m "waits and not cells and not matrix" -q --durations=10 integrations_tests
+# Then one at a time: the other torchrun tests, and the cells without a matrix place (frameworks' cells last).
+python -m pytest -m "not cells and not matrix and not guards and not waits" -q --durations=10 integrations_tests
+# The matrix: the cells tagged `waits` three at a time side by side, then every other cell alone.
 scout cells matrix --lanes 3 --out runs --workdir runs/cells
-# Every guard (a cell re-run with one mechanism removed must turn red): those of waiting cells three at a time
-# (pytest-xdist), then the others one at a time. Core guards come first in the file, so their ranks fork from a
+# The guards of cells that compute, one at a time. Core guards come first in the file, so their ranks fork from a
 # parent without the frameworks.
-python -m pytest -p no:cacheprovider -n 3 -m "guards and waits" -q --durations=10 integrations_tests/test_cells.py
 python -m pytest -m "guards and not waits" -q --durations=10 integrations_tests/test_cells.py

@@ -104,6 +104,7 @@ def test_killed_observer_is_reported_by_its_trainer():
     assert incidents[0].evidence["exit"] == -signal.SIGKILL
 
 
+@pytest.mark.waits  # it mostly sleeps: CI runs it side by side with other waiting tests (docker/test.sh)
 def test_peer_whose_processes_died_is_named_lost_not_the_reporter():
     result, incidents = _run("lost", victim=3, stop_records=1, timeout_s=60)
     assert result.stopped, result.failures()
@@ -127,6 +128,7 @@ def _orphan_and_die(ctx: RankContext):
     os._exit(0)
 
 
+@pytest.mark.waits  # it mostly sleeps: CI runs it side by side with other waiting tests (docker/test.sh)
 def test_observer_exits_and_cleans_up_when_its_trainer_dies(tmp_path):
     out = tmp_path / "pid"
     pid = os.fork()
@@ -161,6 +163,7 @@ def _enable_in_a_thread_then_die(ctx: RankContext):
     os._exit(0)  # then the trainer dies without clean-up
 
 
+@pytest.mark.waits  # it mostly sleeps: CI runs it side by side with other waiting tests (docker/test.sh)
 def test_observer_started_from_a_thread_lives_with_the_trainer_not_the_thread(tmp_path):
     out = tmp_path / "pid"
     pid = os.fork()

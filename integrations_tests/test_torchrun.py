@@ -103,6 +103,7 @@ def test_torchrun_bit_flip_names_that_rank_and_stops(tmp_path, model, layout):
     assert (decision["source"], decision["generation"]) == ("verified", 1)
 
 
+@pytest.mark.waits  # it mostly sleeps: CI runs it side by side with other waiting tests (docker/test.sh)
 def test_torchrun_hang_is_diagnosed_through_the_jobs_own_store_daemon(tmp_path):
     """Under torchrun the observers talk through the store daemon rank 0 starts (torchrun's rendezvous store
     answers anyone, the daemon only the job); a rank whose training thread stops is named with the shipped
@@ -132,6 +133,7 @@ def test_torchrun_hang_is_diagnosed_through_the_jobs_own_store_daemon(tmp_path):
     assert incidents[0].evidence["control_plane"] == "daemon"
 
 
+@pytest.mark.waits  # it mostly sleeps: CI runs it side by side with other waiting tests (docker/test.sh)
 def test_torchrun_hang_stop_ends_trainers_whose_sigterm_handler_only_sets_a_flag(tmp_path):
     """``actions.on_verdict=stop`` on a hang: every observer terminates its trainer. A trainer whose SIGTERM
     handler only sets a flag read between steps (Megatron's ``--exit-signal-handler``) never reads it while it
