@@ -10,8 +10,10 @@ from scout_core.testing.launcher import prepare_parent
 prepare_parent()
 
 # The cells whose target imports a framework into this process (TorchTitan, Megatron-Core, DeepSpeed, transformers,
-# Lightning): they run after every other test, so the core cells' and guards' ranks fork from a parent without
-# the frameworks, also where pytest-xdist hands tests out in this order (each worker runs its share in order).
+# Lightning) run after every other test, so the core cells' and guards' ranks fork from a parent without the
+# frameworks, also where pytest-xdist hands tests out in this order (each worker runs its share in order). The
+# plugins' guards come last in test_cells.py for the same reason; the torchrun and observer tests, in the files
+# after it, may run in a process that imported a framework (they did before).
 _FRAMEWORK_TARGETS = {"titan_cells", "megatron_cells", "deepspeed_cells", "hf_cells", "lightning_cells"}
 _SPECS = load_cells(Path(__file__).resolve().parents[1] / "configs" / "cells.yaml")
 

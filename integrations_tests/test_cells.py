@@ -891,7 +891,10 @@ def test_megatron_bucket_hang_cell_fails_when_coalesced_buckets_are_not_observed
     from scout_megatron import attach
 
     monkeypatch.setattr(attach, "_BUCKET_FUNCS", ("dist_all_gather_func", "dist_reduce_scatter_func"))
-    (report,) = run_cells([SPECS["megatron-tp2-dp2-bucket-hang"]], root=ROOT)
+    # A name of its own: under xdist its cell may run at once, and the run id (the cell's name) names the job's
+    # control folder.
+    spec = dataclasses.replace(SPECS["megatron-tp2-dp2-bucket-hang"], name="megatron-tp2-dp2-bucket-hang-unobserved")
+    (report,) = run_cells([spec], root=ROOT)
     assert report.verdict == "FAIL" and "expected [2]" in report.details, report.details
 
 
@@ -923,7 +926,8 @@ def test_megatron_data_stall_cell_fails_without_the_data_marks(monkeypatch):
     from scout_megatron import attach
 
     monkeypatch.setattr(attach, "mark_data", lambda handle, iterators: iterators)
-    (report,) = run_cells([SPECS["megatron-dp4-data-stall"]], root=ROOT)
+    spec = dataclasses.replace(SPECS["megatron-dp4-data-stall"], name="megatron-dp4-data-stall-unmarked")  # as above
+    (report,) = run_cells([spec], root=ROOT)
     assert report.verdict == "FAIL" and "expected ['data_stall']" in report.details, report.details
 
 
