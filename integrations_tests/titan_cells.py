@@ -47,9 +47,24 @@ def _prepare() -> None:
     from scout_torchtitan import cpu
 
     cpu.stub_triton_kernels()
-    import torchtitan.trainer  # noqa: F401
+    import torchtitan.trainer
 
     import scout_torchtitan.config_registry  # noqa: F401
+
+    # TorchTitan's train() ends with rank 0 asleep for 2 s "for other ranks to complete"; the cell's ranks meet at a
+    # barrier right after it (_titan_rank), so the pause only costs every launch 2 s. torchrun tests keep it.
+    torchtitan.trainer.time = _WithoutSleep()
+
+
+class _WithoutSleep:
+    """The ``time`` module as torchtitan.trainer sees it, but for ``sleep``."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        return None
 
 
 def _config(a: dict[str, Any], rank: int) -> Any:
