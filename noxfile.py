@@ -25,8 +25,9 @@ def _install(session: nox.Session, extras: str = "dev", *, frameworks: bool = Fa
 @nox.session
 def tests(session: nox.Session) -> None:
     """docker/test.sh (what CI and docker/Dockerfile.cpu run): the unit and property tests beside the plugins'
-    tests (two lanes); then, alone, the torchrun tests and the cells of fewer than 16 ranks; the whole fault matrix
-    (every cell with a matrix place: runs/matrix.*; hangs and stalls three at a time); every guard.
+    tests (two lanes); every test that mostly waits, three at a time (hangs, stalls, their guards); then, alone,
+    the other torchrun tests and the cells of fewer than 16 ranks; the whole fault matrix (every cell with a matrix
+    place: runs/matrix.*; hangs and stalls three at a time); the other guards.
     ``nox -s tests -- ARGS`` runs pytest over tests/ and integrations_tests/ with ARGS, and nothing else."""
     _install(session, "dev,bench", frameworks=True)
     session.run("bash", str(ROOT / "docker" / "test.sh"), *session.posargs, external=True)
@@ -35,8 +36,8 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def guards(session: nox.Session) -> None:
     """The guards, as CI runs them: each re-runs a cell with one mechanism removed and must see it turn red; those
-    of waiting cells (marked ``waits``) three at a time, then the others one at a time (75 guards: 80 s and 733 s
-    in CI here)."""
+    of waiting cells (marked ``waits``) three at a time (CI runs them beside its other waiting tests), then the others
+    one at a time (75 guards: 13 and 62; the 62 took 632 s in CI here)."""
     _install(session, "dev", frameworks=True)
     env = {"OMP_NUM_THREADS": "1"}
     # ARGS that select guards of one group only (-k, a node id) leave the other run empty: pytest's exit 5.

@@ -48,18 +48,21 @@ for name in unit scout-hf scout-megatron scout-torchtitan scout-deepspeed scout-
   [ "$(cat "$LOGS/$name.rc" 2>/dev/null || echo missing)" = 0 ] || { echo "== $name FAILED"; failed=1; }
 done
 rm -rf "$LOGS"
-[ "$failed" = 0 ] || exit 1
+# Every stage runs whatever an earlier one found: a red stage does not hide another stage's results.
+status=$failed
+stage() { "$@" || status=1; }
 
 # From here on nothing runs beside a test that computes: a busy neighbour is what moves a straggler's timing or a
 # replay's pace. Only tests that mostly wait (marked `waits`: hangs and stalls, 5-33 % of the machine each) run
 # three at a time (pytest-xdist), beside each other: the torchrun and observer tests that wait, the plugins' hang
 # cells, and every guard of a waiting cell. integrations_tests/conftest.py hands out the frameworks' cells last, so
 # the core cells' ranks fork from workers without the frameworks.
-python -m pytest -p no:cacheprovider -n 3 -m "waits and not cells and not matrix" -q --durations=10 integrations_tests
+stage python -m pytest -p no:cacheprovider -n 3 -m "waits and not cells and not matrix" -q --durations=10 integrations_tests
 # Then one at a time: the other torchrun tests, and the cells without a matrix place (frameworks' cells last).
-python -m pytest -m "not cells and not matrix and not guards and not waits" -q --durations=10 integrations_tests
+stage python -m pytest -m "not cells and not matrix and not guards and not waits" -q --durations=10 integrations_tests
 # The matrix: the cells tagged `waits` three at a time side by side, then every other cell alone.
-scout cells matrix --lanes 3 --out runs --workdir runs/cells
+stage scout cells matrix --lanes 3 --out runs --workdir runs/cells
 # The guards of cells that compute, one at a time. Core guards come first in the file, so their ranks fork from a
 # parent without the frameworks.
-python -m pytest -m "guards and not waits" -q --durations=10 integrations_tests/test_cells.py
+stage python -m pytest -m "guards and not waits" -q --durations=10 integrations_tests/test_cells.py
+exit "$status"

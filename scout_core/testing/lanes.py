@@ -1,7 +1,7 @@
 """Cells that mostly wait, run side by side: forked lanes that each take the next such cell when done.
 
 A hang or stall cell spends most of its wall time asleep (its ranks blocked, its observers polling): on 2 cores
-one of them uses 8-17 % of the machine. Run one at a time, a suite of them costs its sleep in full; three lanes at
+one of them uses 8-33 % of the machine. Run one at a time, a suite of them costs its sleep in full; three lanes at
 once cost about the longest lane. Only cells tagged :data:`WAITS_TAG` go into lanes, and never beside a cell that
 computes: a busy neighbour is what moves a straggler's timing or a replay's pace.
 """
